@@ -1,0 +1,333 @@
+"""Readable pure-PyTorch reference of the DPPO loss (docs/contract.md).
+
+This module is the test oracle for ``torch.ops.dppo.*`` and the baseline the benchmarks time.
+It is deliberately naive: it materialises the full-vocabulary ``log_softmax`` in the
+accumulation dtype (float32, or float64 for float64 logits), gathers from it, computes the
+entropy over the whole vocabulary and lets plain autograd produce the gradient. It never imports
+the compiled extension, so it vouches for the kernels independently.
+
+Every function is free of data-dependent Python branching, so it runs under
+``torch.compile(fullgraph=True)`` (that compiled version is the second benchmark baseline).
+
+Per row i (contract): ``s = z / T``, ``lse = logsumexp(s)``, ``logp = s[a] - lse``,
+``pi = exp(logp)``, ``mu_a = exp(anchor or rollout log-prob)``; a divergence ``D`` by mode; the
+trust-region mask ``M``; the importance weight ``w = min(exp(min(logp - m, 20)), C)``; the loss
+``l = -A * w * M * logp``. Rows whose token is ``-100`` are padding: every output is 0 and so is
+their gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IGNORE_INDEX = -100
+MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
+TOPK_MODES = ("topk_tv", "topk_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
+LOG_MASS_FLOOR = math.log(MASS_FLOOR)
+LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)
+OUTPUT_KEYS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
+METRIC_KEYS = (
+    "masked_frac",
+    "masked_frac_pos",
+    "masked_frac_neg",
+    "mismatch_mean",
+    "mismatch_max",
+    "divergence_mean",
+    "entropy_mean",
+    "ratio_max",
+    "num_tokens",
+)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of every per-row input and output for logits of ``dtype`` (float64 stays)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x <= 0``, accurate at both ends (Maechler's two-branch form).
+
+    ``x = 0`` gives ``-inf``; ``x = -inf`` gives 0.
+    """
+    near_zero = x > -math.log(2.0)
+    # Each branch is evaluated on an input clamped into its own accurate range, so the branch
+    # that torch.where discards never produces a spurious NaN.
+    a = torch.log(-torch.expm1(torch.clamp(x, min=-math.log(2.0))))
+    b = torch.log1p(-torch.exp(torch.clamp(x, max=-math.log(2.0))))
+    return torch.where(near_zero, a, b)
+
+
+def _binary_kl(logp: torch.Tensor, log1m_pi: torch.Tensor, log_mu: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(mu) || Bernoulli(pi)) from log-probabilities; 0*log0 = 0; clamped at >= 0.
+
+    ``log1m_pi`` is ``log(1 - pi)`` computed from the other tokens' mass; it is floored at
+    ``log(1e-12)`` so ``pi == 1`` in floating point gives a large finite value.
+    """
+    mu = torch.exp(log_mu)
+    zero = torch.zeros_like(mu)
+    head = torch.where(mu > 0, mu * (log_mu - logp), zero)
+    tail = torch.where(mu < 1, (1 - mu) * (log1mexp(log_mu) - torch.clamp(log1m_pi, min=LOG_MASS_FLOOR)), zero)
+    return torch.clamp(head + tail, min=0)
+
+
+def _topk_divergences(
+    log_q_full: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K TV and KL between the rollout's top-K (p) and the trainer's softmax (q).
+
+    log_q_full: [N, V] trainer log-softmax; topk_ids: [N, K]; topk_logprobs: [N, K].
+    Returns (tv [N], kl [N]) with the "rest" buckets floored at 1e-12.
+    """
+    log_q = torch.gather(log_q_full, 1, topk_ids)
+    q = torch.exp(log_q)
+    p = torch.exp(topk_logprobs)
+    p_rest = torch.clamp(1 - p.sum(dim=1), min=MASS_FLOOR)
+    q_rest = torch.clamp(1 - q.sum(dim=1), min=MASS_FLOOR)
+    tv = 0.5 * ((p - q).abs().sum(dim=1) + (p_rest - q_rest).abs())
+    kl_terms = torch.where(p > 0, p * (topk_logprobs - log_q), torch.zeros_like(p))
+    kl = kl_terms.sum(dim=1) + p_rest * (torch.log(p_rest) - torch.log(q_rest))
+    return tv, kl
+
+
+def dppo_loss_reference(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    anchor_logprobs: torch.Tensor | None = None,
+    mode: str = "binary_tv",
+    temperature: float = 1.0,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    ratio_cap: float = 10.0,
+    compute_entropy: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Per-row DPPO loss, the naive way (full-vocabulary log-softmax, autograd backward).
+
+    Args:
+        logits: [N, V] any float dtype; upcast to float32 (float64 stays float64).
+        tokens: [N] int sampled token ids; -100 marks a padding row.
+        rollout_logprobs: [N] rollout log-prob of each sampled token (may be -inf).
+        advantages: [N] per-token advantages.
+        topk_ids: [N, K] rollout top-K token ids (top-K modes).
+        topk_logprobs: [N, K] rollout log-probs of those ids (top-K modes).
+        anchor_logprobs: [N] optional log-probs that replace the rollout's in the mask test only.
+        mode: one of ``MODES``.
+        temperature, delta_low, delta_high, ratio_cap: the contract's scalars.
+        compute_entropy: if False the entropy output is all zeros.
+
+    Returns:
+        dict with ``OUTPUT_KEYS``, each [N] in the accumulation dtype. ``loss``, ``logp`` and
+        ``entropy`` carry gradients w.r.t. ``logits``; the others are detached constants.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode in TOPK_MODES and (topk_ids is None or topk_logprobs is None):
+        raise ValueError(f"mode {mode!r} needs topk_ids and topk_logprobs")
+    acc = accumulation_dtype(logits.dtype)
+    valid = tokens != IGNORE_INDEX
+    zero = torch.zeros((), dtype=acc, device=logits.device)
+    safe_tokens = torch.where(valid, tokens, torch.zeros_like(tokens)).long()
+
+    scaled = logits.to(acc) / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1)  # [N, V], the naive full-vocabulary buffer
+    lse = torch.logsumexp(scaled, dim=-1).detach()
+    logp = torch.where(valid, torch.gather(log_probs, 1, safe_tokens[:, None]).squeeze(1), zero)
+
+    m = rollout_logprobs.to(acc)
+    la = anchor_logprobs.to(acc) if anchor_logprobs is not None else m
+    adv = advantages.to(acc)
+    lp = logp.detach()
+    pi = torch.exp(lp)
+    mu_a = torch.exp(la)
+
+    if mode == "binary_kl":
+        # log(1 - pi) from the mass of the other tokens (no cancellation as pi -> 1).
+        others = log_probs.detach().scatter(1, safe_tokens[:, None], -math.inf)
+        divergence = _binary_kl(lp, torch.logsumexp(others, dim=-1), la)
+    elif mode in TOPK_MODES:
+        ids = torch.where(valid[:, None], topk_ids, torch.zeros_like(topk_ids)).long()
+        tv, kl = _topk_divergences(log_probs.detach(), ids, topk_logprobs.to(acc))
+        divergence = tv if mode == "topk_tv" else kl
+    elif mode == "ratio":
+        divergence = torch.exp(torch.clamp(lp - la, max=LOG_RATIO_CLAMP))
+    else:  # binary_tv, none
+        divergence = (pi - mu_a).abs()
+
+    positive = adv > 0
+    if mode == "none":
+        invalid = torch.zeros_like(positive)
+    elif mode == "ratio":
+        invalid = torch.where(positive, divergence > 1 + delta_high, divergence < 1 - delta_low)
+    else:
+        invalid = torch.where(
+            positive, (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low)
+        )
+    mask = (~invalid).to(acc)
+
+    log_ratio = lp - m
+    weight = torch.clamp(torch.exp(torch.clamp(log_ratio, max=LOG_RATIO_CLAMP)), max=ratio_cap)
+    weight = torch.where(torch.isnan(log_ratio), zero, weight)
+
+    coef = -adv * weight * mask
+    loss = torch.where(coef == 0, zero, coef * logp)
+
+    if compute_entropy:
+        probs = torch.exp(log_probs)
+        safe_log_probs = torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))
+        entropy = -(probs * safe_log_probs).sum(dim=-1)
+    else:
+        entropy = torch.zeros_like(lse)
+
+    outputs = {
+        "loss": loss,
+        "logp": logp,
+        "divergence": divergence,
+        "mask": mask,
+        "weight": weight,
+        "entropy": entropy,
+        "lse": lse,
+    }
+    return {key: torch.where(valid, value, zero) for key, value in outputs.items()}
+
+
+def aggregate_loss_reference(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Aggregate a per-token loss into a scalar with verl's ``agg_loss`` meanings.
+
+    Args:
+        loss_mat: [B, T] (or [N], treated as one sequence) per-token losses.
+        mask: same shape, bool or 0/1; only its nonzero entries count.
+        mode: ``token-mean`` (sum / number of valid tokens), ``seq-mean-token-sum`` (mean over
+            sequences of per-sequence sums), ``seq-mean-token-mean`` (mean over sequences of
+            per-sequence means), ``seq-mean-token-sum-norm`` (total sum / T, T = mask.shape[-1]).
+
+    Sequences with no valid token are left out of the sequence means; an empty selection gives
+    0, not NaN.
+
+    Returns:
+        0-d tensor in ``loss_mat``'s dtype.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if loss_mat.dim() == 1:
+        loss_mat = loss_mat[None]
+        mask = mask[None]
+    weights = mask.to(loss_mat.dtype)
+    masked = torch.where(weights != 0, loss_mat * weights, torch.zeros_like(loss_mat))
+    seq_sums = masked.sum(dim=-1)
+    seq_counts = weights.sum(dim=-1)
+    if mode == "token-mean":
+        return masked.sum() / torch.clamp(weights.sum(), min=1)
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / max(mask.shape[-1], 1)
+    seq_valid = seq_counts > 0
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sums
+    else:
+        per_seq = seq_sums / torch.clamp(seq_counts, min=1)
+    per_seq = torch.where(seq_valid, per_seq, torch.zeros_like(per_seq))
+    return per_seq.sum() / torch.clamp(seq_valid.sum(), min=1).to(loss_mat.dtype)
+
+
+def _masked_mean(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``select``; 0 for an empty selection."""
+    picked = torch.where(select, values, torch.zeros_like(values))
+    return picked.sum() / torch.clamp(select.sum(), min=1).to(values.dtype)
+
+
+def _masked_max(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """Max of non-negative ``values`` where ``select``; 0 for an empty selection."""
+    picked = torch.where(select, values, torch.zeros_like(values))
+    return torch.cat([picked.reshape(-1), values.new_zeros(1)]).amax()
+
+
+def dppo_loss_full_reference(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    response_mask: torch.Tensor | None = None,
+    mode: str = "binary_tv",
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    anchor_logprobs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+    ratio_cap: float = 10.0,
+    loss_agg_mode: str = "token-mean",
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """End-to-end naive equivalent of ``dppo_ext.dppo_loss``: scalar loss plus metrics.
+
+    Args:
+        logits: [..., V] (e.g. [B, T, V]).
+        tokens, rollout_logprobs: [...] matching ``logits.shape[:-1]``.
+        advantages: [...] per token, or [B] per sequence when ``logits`` is [B, T, V].
+        response_mask: [...] bool or 0/1; None means every token counts. Tokens with mask 0
+            (or token id -100) are padding.
+        topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...].
+        loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl's meanings, see aggregate_loss_reference).
+        Other arguments: as in ``dppo_loss_reference`` (explicit thresholds, no per-mode
+        defaults: pass the values the API resolves).
+
+    Returns:
+        (loss 0-d, metrics) where metrics maps ``METRIC_KEYS`` to detached 0-d float tensors,
+        all over the valid tokens: masked_frac = fraction with mask 0; masked_frac_pos /
+        masked_frac_neg = the same fraction among tokens with A > 0 / A < 0; mismatch_mean /
+        mismatch_max = mean / max of |pi - mu| (mu = the rollout's probability); divergence_mean;
+        entropy_mean; ratio_max = max of the capped weight w; num_tokens = number of valid tokens.
+        Empty selections give 0.
+    """
+    lead = logits.shape[:-1]
+    vocab = logits.shape[-1]
+    if len(lead) == 2 and advantages.shape == lead[:1]:
+        advantages = advantages[:, None].expand(lead)
+    if response_mask is None:
+        valid = tokens != IGNORE_INDEX
+    else:
+        valid = (response_mask != 0) & (tokens != IGNORE_INDEX)
+    flat_tokens = torch.where(valid, tokens, torch.full_like(tokens, IGNORE_INDEX)).reshape(-1)
+    out = dppo_loss_reference(
+        logits.reshape(-1, vocab),
+        flat_tokens,
+        rollout_logprobs.reshape(-1),
+        advantages.reshape(-1),
+        topk_ids=None if topk_ids is None else topk_ids.reshape(-1, topk_ids.shape[-1]),
+        topk_logprobs=None if topk_logprobs is None else topk_logprobs.reshape(-1, topk_logprobs.shape[-1]),
+        anchor_logprobs=None if anchor_logprobs is None else anchor_logprobs.reshape(-1),
+        mode=mode,
+        temperature=temperature,
+        delta_low=delta_low,
+        delta_high=delta_high,
+        ratio_cap=ratio_cap,
+        compute_entropy=compute_entropy,
+    )
+    loss_mat = out["loss"].reshape(lead)
+    loss = aggregate_loss_reference(loss_mat, valid, loss_agg_mode)
+
+    flat_valid = valid.reshape(-1)
+    acc = out["loss"].dtype
+    adv = advantages.reshape(-1).to(acc)
+    masked_out = (1 - out["mask"]).detach()
+    mismatch = (out["logp"].detach().exp() - rollout_logprobs.reshape(-1).to(acc).exp()).abs()
+    metrics = {
+        "masked_frac": _masked_mean(masked_out, flat_valid),
+        "masked_frac_pos": _masked_mean(masked_out, flat_valid & (adv > 0)),
+        "masked_frac_neg": _masked_mean(masked_out, flat_valid & (adv < 0)),
+        "mismatch_mean": _masked_mean(mismatch, flat_valid),
+        "mismatch_max": _masked_max(mismatch, flat_valid),
+        "divergence_mean": _masked_mean(out["divergence"], flat_valid),
+        "entropy_mean": _masked_mean(out["entropy"].detach(), flat_valid),
+        "ratio_max": _masked_max(out["weight"], flat_valid),
+        "num_tokens": flat_valid.sum().to(acc),
+    }
+    return loss, metrics
