@@ -1,0 +1,272 @@
+"""vLLM rollout engine: an in-process ``vllm.LLM`` whose weights follow the trainer.
+
+Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"`` (an ``LLM``
+keyword, stored in vLLM's ``ModelConfig``), so every reported log-prob is of
+``log_softmax(logits / temperature)`` -- the distribution the trainer scores -- rather than of
+the raw logits. ``SamplingParams(logprobs=K)`` makes vLLM return, per generated token, the K
+highest-ranked tokens plus the sampled one; :func:`extract_token_logprobs` turns that into the
+sampled token's log-prob and a fixed-size [K] top-K row with the sampled token forced in.
+
+Weight sync: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
+"is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs through the model's
+own ``load_weights`` (vLLM's in-place reload path), then the prefix cache is reset so no KV
+block computed with the old weights is reused.
+
+In-process use: the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the weight iterator is
+passed by reference, not pickled) and, when unset, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache
+on the CPU backend). Scripts that create it should still keep their entry point under
+``if __name__ == "__main__":`` because vLLM may start helper processes.
+
+Side effects of vLLM's CPU worker on the calling process, undone here: it lowers torch's
+intra-op threads to 1 and replaces ``torch.set_num_threads`` with a no-op; the engine restores
+both after start-up so the trainer in the same process keeps its threads. vLLM also reseeds
+torch's global RNG with the engine seed while starting: seed the trainer after creating the
+engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dppo_ext.rollout.base import (
+    RolloutEngine,
+    RolloutSample,
+    check_generate_args,
+    force_sampled_into_topk,
+)
+
+logger = logging.getLogger(__name__)
+
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def extract_token_logprobs(
+    token_ids: Sequence[int],
+    position_logprobs: Sequence[Mapping[int, Any]],
+    top_k: int,
+) -> tuple[list[float], list[list[int]] | None, list[list[float]] | None]:
+    """Turn vLLM's per-position log-prob dictionaries into DPPO rollout fields.
+
+    Args:
+        token_ids: [T] sampled tokens.
+        position_logprobs: [T] mappings ``token_id -> Logprob`` (objects with ``.logprob`` and
+            ``.rank``, rank 1 = most likely) as returned by vLLM for ``SamplingParams(logprobs=K)``:
+            the K top-ranked tokens plus the sampled token.
+        top_k: K, number of top-K entries to keep per position (0 = none).
+
+    Returns:
+        ``(logprobs [T], topk_ids [T][K] | None, topk_logprobs [T][K] | None)``. Each top-K row is
+        ordered by rank; when the sampled token is not among the K best it replaces the last entry
+        (:func:`dppo_ext.rollout.base.force_sampled_into_topk`).
+    """
+    if len(token_ids) != len(position_logprobs):
+        raise ValueError(
+            f"token_ids and position_logprobs must have the same length, got "
+            f"{len(token_ids)} and {len(position_logprobs)}"
+        )
+    logprobs: list[float] = []
+    topk_ids: list[list[int]] = []
+    topk_logprobs: list[list[float]] = []
+    for pos, (tok, entries) in enumerate(zip(token_ids, position_logprobs)):
+        if tok not in entries:
+            raise ValueError(
+                f"vLLM returned no log-prob for the sampled token {tok} at position {pos} "
+                f"(entries: {sorted(entries)}); was SamplingParams(logprobs=...) set?"
+            )
+        sampled_lp = float(entries[tok].logprob)
+        logprobs.append(sampled_lp)
+        if top_k == 0:
+            continue
+        ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:top_k]
+        if len(ranked) < top_k:
+            raise ValueError(
+                f"vLLM returned {len(ranked)} log-prob entries at position {pos}, fewer than "
+                f"top_k={top_k}; is top_k larger than the vocabulary?"
+            )
+        ids, lps = force_sampled_into_topk(
+            [tid for tid, _ in ranked], [float(lp.logprob) for _, lp in ranked], tok, sampled_lp
+        )
+        topk_ids.append(ids)
+        topk_logprobs.append(lps)
+    if top_k == 0:
+        return logprobs, None, None
+    return logprobs, topk_ids, topk_logprobs
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip torch.compile / DistributedDataParallel wrappers so names are checkpoint names."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, detached tensor) pairs of ``model.state_dict()``."""
+    for name, tensor in _unwrap(model).state_dict().items():
+        yield name, tensor.detach()
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts from an in-process ``vllm.LLM`` with processed (temperature-scaled) log-probs.
+
+    Args:
+        model_path: Hugging Face model folder or hub id (weights + tokenizer).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        seed: engine seed (vLLM's default sampling RNG).
+        max_model_len: longest prompt + response; clamped to the model's
+            ``max_position_embeddings`` when that is smaller.
+        max_logprobs: largest ``top_k`` that ``generate`` accepts (vLLM's ``max_logprobs``).
+        enforce_eager: skip graph compilation; None = True on CPU, False on CUDA.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (CUDA only; leave room for
+            the trainer in the same process).
+        **llm_kwargs: extra keyword arguments for ``vllm.LLM``.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 256,
+        max_logprobs: int = 20,
+        enforce_eager: bool | None = None,
+        gpu_memory_utilization: float = 0.4,
+        **llm_kwargs: Any,
+    ) -> None:
+        if dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            logger.warning(
+                "overriding VLLM_ENABLE_V1_MULTIPROCESSING=%s with 0: the rollout engine must run "
+                "in-process for weight sync",
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        if positions is not None and max_model_len > positions:
+            logger.info(
+                "max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
+                max_model_len, positions, positions,
+            )
+            max_model_len = positions
+        on_cuda = torch.cuda.is_available()
+        if enforce_eager is None:
+            enforce_eager = not on_cuda
+        if on_cuda:
+            llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
+        self.model_path = model_path
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.vocab_size = int(hf_config.vocab_size)
+        threads = torch.get_num_threads()
+        set_num_threads = torch.set_num_threads
+        start = time.perf_counter()
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_logprobs=max_logprobs,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=enforce_eager,
+            **llm_kwargs,
+        )
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        logger.info(
+            "vLLM engine for %s (%s) started in %.1f s", model_path, dtype, time.perf_counter() - start
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> list[list[RolloutSample]]:
+        """See :meth:`RolloutEngine.generate`. With a seed, prompt i samples with seeds
+        ``seed + i * n + j`` for j < n, so equal prompts still get distinct samples."""
+        from vllm import SamplingParams
+
+        check_generate_args(prompts, n, temperature, max_tokens, top_k)
+        if top_k > min(self.max_logprobs, self.vocab_size):
+            raise ValueError(
+                f"top_k={top_k} exceeds this engine's limit min(max_logprobs={self.max_logprobs}, "
+                f"vocab_size={self.vocab_size}); create the engine with a larger max_logprobs"
+            )
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                logprobs=max(top_k, 1),
+                seed=None if seed is None else seed + i * n,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+        )
+        results: list[list[RolloutSample]] = []
+        for prompt, request in zip(prompts, outputs):
+            group = []
+            for completion in request.outputs:
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(
+                        f"vLLM finished a request with reason {completion.finish_reason!r}; "
+                        "expected 'stop' or 'length'"
+                    )
+                response = list(completion.token_ids)
+                logprobs, topk_ids, topk_logprobs = extract_token_logprobs(
+                    response, completion.logprobs, top_k
+                )
+                group.append(
+                    RolloutSample(
+                        prompt_ids=list(prompt),
+                        response_ids=response,
+                        logprobs=logprobs,
+                        topk_ids=topk_ids,
+                        topk_logprobs=topk_logprobs,
+                        text=completion.text,
+                        finish_reason=completion.finish_reason,
+                    )
+                )
+            results.append(group)
+        return results
+
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Reload the engine's weights in place from ``model.state_dict()``; return seconds."""
+        start = time.perf_counter()
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": _checkpoint_weights(model), "is_checkpoint_format": True},
+        )
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Drop the engine (in-process: freeing the ``LLM`` object releases its memory)."""
+        self.llm = None
