@@ -29,6 +29,16 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)
+# (delta_low, delta_high) that dppo_loss_full_reference uses when a threshold is None: the paper's
+# scale (Binary-TV 0.15 as a probability difference, KL 0.05 nats) and the PPO/DAPO clip for ratio.
+DEFAULT_DELTAS = {
+    "binary_tv": (0.15, 0.15),
+    "topk_tv": (0.15, 0.15),
+    "binary_kl": (0.05, 0.05),
+    "topk_kl": (0.05, 0.05),
+    "ratio": (0.2, 0.28),
+    "none": (0.0, 0.0),
+}
 OUTPUT_KEYS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
 METRIC_KEYS = (
     "masked_frac",
@@ -260,8 +270,8 @@ def dppo_loss_full_reference(
     topk_logprobs: torch.Tensor | None = None,
     anchor_logprobs: torch.Tensor | None = None,
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: float | None = None,
+    delta_high: float | None = None,
     ratio_cap: float = 10.0,
     loss_agg_mode: str = "token-mean",
     compute_entropy: bool = True,
@@ -276,17 +286,22 @@ def dppo_loss_full_reference(
             (or token id -100) are padding.
         topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...].
         loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl's meanings, see aggregate_loss_reference).
-        Other arguments: as in ``dppo_loss_reference`` (explicit thresholds, no per-mode
-        defaults: pass the values the API resolves).
+        delta_low, delta_high: None takes ``DEFAULT_DELTAS[mode]``.
+        Other arguments: as in ``dppo_loss_reference``.
 
     Returns:
         (loss 0-d, metrics) where metrics maps ``METRIC_KEYS`` to detached 0-d float tensors,
         all over the valid tokens: masked_frac = fraction with mask 0; masked_frac_pos /
         masked_frac_neg = the same fraction among tokens with A > 0 / A < 0; mismatch_mean /
         mismatch_max = mean / max of |pi - mu| (mu = the rollout's probability); divergence_mean;
-        entropy_mean; ratio_max = max of the capped weight w; num_tokens = number of valid tokens.
+        entropy_mean; ratio_max = max of pi / mu (log-ratio clamped at 20, not capped at C);
+        num_tokens = number of valid tokens.
         Empty selections give 0.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    delta_low = DEFAULT_DELTAS[mode][0] if delta_low is None else delta_low
+    delta_high = DEFAULT_DELTAS[mode][1] if delta_high is None else delta_high
     lead = logits.shape[:-1]
     vocab = logits.shape[-1]
     if len(lead) == 2 and advantages.shape == lead[:1]:
@@ -318,7 +333,11 @@ def dppo_loss_full_reference(
     acc = out["loss"].dtype
     adv = advantages.reshape(-1).to(acc)
     masked_out = (1 - out["mask"]).detach()
-    mismatch = (out["logp"].detach().exp() - rollout_logprobs.reshape(-1).to(acc).exp()).abs()
+    logp = out["logp"].detach()
+    m = rollout_logprobs.reshape(-1).to(acc)
+    mismatch = (logp.exp() - m.exp()).abs()
+    log_ratio = logp - m
+    ratio = torch.where(torch.isnan(log_ratio), torch.zeros_like(logp), torch.exp(torch.clamp(log_ratio, max=LOG_RATIO_CLAMP)))
     metrics = {
         "masked_frac": _masked_mean(masked_out, flat_valid),
         "masked_frac_pos": _masked_mean(masked_out, flat_valid & (adv > 0)),
@@ -327,7 +346,7 @@ def dppo_loss_full_reference(
         "mismatch_max": _masked_max(mismatch, flat_valid),
         "divergence_mean": _masked_mean(out["divergence"], flat_valid),
         "entropy_mean": _masked_mean(out["entropy"].detach(), flat_valid),
-        "ratio_max": _masked_max(out["weight"], flat_valid),
+        "ratio_max": _masked_max(ratio, flat_valid),
         "num_tokens": flat_valid.sum().to(acc),
     }
     return loss, metrics
