@@ -40,9 +40,10 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from .ops import DPPOOutputs
+from .loss import DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, dppo_metrics
+from .ops import MODES, DPPOOutputs
 
-__all__ = ["fused_linear_dppo_loss", "FusedLinearPlan", "plan_chunks"]
+__all__ = ["FusedLinearPlan", "fused_linear_dppo", "fused_linear_dppo_loss", "plan_chunks"]
 
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
 _OFF_BLOCK_GAP = 1.0e4
@@ -410,3 +411,92 @@ def fused_linear_dppo_loss(
         weight_context or contextlib.nullcontext,
     )
     return DPPOOutputs(*outs)
+
+
+def fused_linear_dppo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    response_mask: Optional[torch.Tensor] = None,
+    mode: str = "binary_tv",
+    topk_ids: Optional[torch.Tensor] = None,
+    topk_logprobs: Optional[torch.Tensor] = None,
+    anchor_logprobs: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
+    ratio_cap: float = 10.0,
+    loss_agg_mode: str = "token-mean",
+    compute_entropy: bool = True,
+    chunk_size: Optional[int] = None,
+    vocab_chunk_size: Optional[int] = None,
+    memory_budget_bytes: Optional[int] = None,
+    weight_context: Optional[Callable[[], ContextManager]] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``dppo_ext.dppo_loss`` from hidden states and the LM-head weight: ``(loss, metrics)``.
+
+    Same arguments and results as :func:`dppo_ext.dppo_loss` (``response_mask``, ``loss_agg_mode``,
+    ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``, the same metrics dict) with ``logits`` replaced by
+    ``hidden [..., H]`` and ``weight [V, H]`` (+ ``bias [V]``); ``[B, T, H]`` hidden states allow per-sequence
+    ``advantages [B]`` and the sequence aggregation modes. Chunking arguments as :func:`fused_linear_dppo_loss`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
+    lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
+    for name, t in (("tokens", tokens), ("rollout_logprobs", rollout_logprobs), ("response_mask", response_mask),
+                    ("anchor_logprobs", anchor_logprobs)):
+        if t is not None and t.shape != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} (hidden's leading dims), got {tuple(t.shape)}")
+    if advantages.shape != lead:
+        if hidden.dim() == 3 and advantages.shape == lead[:1]:
+            advantages = advantages.unsqueeze(-1).expand(lead)
+        else:
+            raise ValueError(
+                f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} (per sequence, for "
+                f"[B, T, H] hidden), got {tuple(advantages.shape)}"
+            )
+    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
+        if t is not None and t.shape[:-1] != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
+    low_default, high_default = DEFAULT_DELTAS[mode]
+    rows = lead.numel()
+    accum = _accum_dtype(hidden.dtype)
+    valid = (
+        torch.ones(lead, dtype=torch.bool, device=hidden.device) if response_mask is None else response_mask.bool()
+    )
+    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
+
+    def flat(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return None if t is None else t.reshape(rows, *t.shape[len(lead):]).to(dtype)
+
+    rollout = flat(rollout_logprobs, accum)
+    adv = flat(advantages, accum)
+    out = fused_linear_dppo_loss(
+        hidden.reshape(rows, hidden_size),
+        weight,
+        flat_tokens.reshape(rows),
+        rollout,
+        adv,
+        bias=bias,
+        topk_ids=flat(topk_ids, torch.long),
+        topk_logprobs=flat(topk_logprobs, accum),
+        anchor_logprobs=flat(anchor_logprobs, accum),
+        mode=mode,
+        temperature=temperature,
+        delta_low=low_default if delta_low is None else delta_low,
+        delta_high=high_default if delta_high is None else delta_high,
+        ratio_cap=ratio_cap,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        memory_budget_bytes=memory_budget_bytes,
+        weight_context=weight_context,
+    )
+    loss = aggregate_loss(out.loss.reshape(lead), valid, loss_agg_mode)
+    return loss, dppo_metrics(out, rollout, adv, valid.reshape(rows))
