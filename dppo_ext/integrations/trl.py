@@ -1,0 +1,363 @@
+"""DPPO as the policy loss of TRL's GRPO trainer: ``DPPOGRPOConfig`` + ``DPPOGRPOTrainer``.
+
+    from dppo_ext.integrations.trl import DPPOGRPOConfig, DPPOGRPOTrainer
+    args = DPPOGRPOConfig(output_dir="out", dppo_mode="binary_tv", use_vllm=True, ...)
+    trainer = DPPOGRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward_fn, args=args, train_dataset=ds)
+    trainer.train()
+
+What changes against ``trl.GRPOTrainer`` (everything else, generation, rewards, advantages, logging, is TRL's):
+
+* The policy loss is DPPO (docs/contract.md) computed by our fused op. By default through
+  :func:`dppo_ext.fused_linear_dppo_loss` from the last hidden states and the LM-head weight, so no
+  ``[B, T, V]`` logits tensor exists (``dppo_fused_linear=False``: the LM head runs as usual and the logits op
+  is applied to the logits). The loss runs inside the model's ``forward`` (a wrapper installed on the model), so
+  DDP, FSDP and DeepSpeed see an ordinary forward/backward.
+* The rollout log-probs ``mu`` are the ones vLLM returned for the sampled tokens (``sampling_per_token_logps``)
+  when ``use_vllm=True``. Without vLLM there are none: the trainer then uses the old-policy log-probs recomputed
+  by the trainer model (computing them when TRL would skip them), i.e. the paper's "recompute" variant, and logs
+  that once (and ``dppo/recompute_variant = 1`` in the metrics). TRL's own vLLM importance-sampling correction is
+  not applied on top (DPPO's weight ``min(pi / mu, C)`` already corrects against ``mu``).
+* The DPPO settings are config fields (``dppo_*``, below); our metrics are logged as ``dppo/<name>`` through
+  TRL's logger, with ``entropy`` and ``policy_loss`` as TRL names them.
+
+Supported: text models, ``beta`` (KL to the reference model, TRL's k3 estimator on our log-probs), tools /
+environment masks, gradient accumulation, ``num_iterations``. Rejected with a clear error: the top-K modes (TRL
+1.16 asks vLLM for the sampled token's log-prob only), the entropy bonus, ``top_entropy_quantile < 1`` and
+``off_policy_mask_threshold`` (TRL loss variants of their own), multimodal inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from ..fused_linear import fused_linear_dppo_loss
+from ..loss import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, dppo_metrics
+from ..ops import MODES, DPPOOutputs, dppo_loss_forward
+
+logger = logging.getLogger(__name__)
+
+# TRL releases this integration is written and tested against (it overrides GRPOTrainer internals).
+SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
+TESTED_TRL = "1.16.0"
+TOPK_MODES = ("topk_tv", "topk_kl")
+# Metrics aggregated across processes by max instead of mean.
+_MAX_METRICS = ("mismatch_max", "ratio_max")
+
+
+def check_trl_version(version: str) -> None:
+    """Raise ``ImportError`` unless ``version`` (a TRL version string) is in ``SUPPORTED_TRL``."""
+    if Version(version) not in SUPPORTED_TRL:
+        raise ImportError(
+            f"dppo_ext.integrations.trl supports trl{SUPPORTED_TRL} (tested with {TESTED_TRL}) because it overrides "
+            f"GRPOTrainer internals, but trl {version} is installed. Install a supported release: "
+            f"pip install 'trl=={TESTED_TRL}'"
+        )
+
+
+try:
+    import trl
+except ImportError as exc:  # pragma: no cover - exercised only without trl
+    raise ImportError(
+        f"dppo_ext.integrations.trl needs TRL: pip install 'trl=={TESTED_TRL}' accelerate"
+    ) from exc
+check_trl_version(trl.__version__)
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers.utils import ModelOutput  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
+
+__all__ = ["DPPOGRPOConfig", "DPPOGRPOTrainer", "SUPPORTED_TRL", "add_dppo_head", "check_trl_version"]
+
+
+@dataclass
+class DPPOGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the DPPO settings (TRL's ``loss_type``/``epsilon`` fields are not used).
+
+    Attributes:
+        dppo_mode: ``binary_tv`` | ``binary_kl`` | ``ratio`` | ``none`` (see docs/contract.md).
+        dppo_delta_low, dppo_delta_high: trust-region thresholds; ``None`` -> ``dppo_ext.DEFAULT_DELTAS[mode]``.
+        dppo_ratio_cap: cap C of the importance weight ``min(pi / mu, C)``.
+        dppo_loss_agg_mode: ``token-mean`` (over all completion tokens of the generation batch on all processes,
+            like TRL's ``dapo``) or a sequence mode of ``dppo_ext.AGG_MODES`` (per micro-batch).
+        dppo_fused_linear: compute the loss from hidden states + LM-head weight (no logits tensor).
+        dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
+    """
+
+    dppo_mode: str = field(default="binary_tv", metadata={"help": "DPPO mode: binary_tv, binary_kl, ratio, none."})
+    dppo_delta_low: Optional[float] = field(
+        default=None, metadata={"help": "Lower threshold (A <= 0 side); None: the mode's default."}
+    )
+    dppo_delta_high: Optional[float] = field(
+        default=None, metadata={"help": "Upper threshold (A > 0 side); None: the mode's default."}
+    )
+    dppo_ratio_cap: float = field(default=10.0, metadata={"help": "Cap C of the importance weight min(pi/mu, C)."})
+    dppo_loss_agg_mode: str = field(default="token-mean", metadata={"help": f"One of {AGG_MODES}."})
+    dppo_fused_linear: bool = field(
+        default=True, metadata={"help": "Fused LM head + loss (no [B, T, V] logits); False: the logits path."}
+    )
+    dppo_chunk_size: Optional[int] = field(
+        default=None, metadata={"help": "Rows per fused-linear chunk; None: automatic."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dppo_mode in TOPK_MODES:
+            raise ValueError(
+                f"dppo_mode={self.dppo_mode!r} needs the rollout's top-K log-probs, which TRL {trl.__version__}'s "
+                "generation does not keep (it asks vLLM for the sampled token's log-prob only); use binary_tv or "
+                "binary_kl, or the dppo_ext trainer (dppo-train) for the top-K modes"
+            )
+        if self.dppo_mode not in MODES:
+            raise ValueError(f"dppo_mode must be one of {tuple(m for m in MODES if m not in TOPK_MODES)}, "
+                             f"got {self.dppo_mode!r}")
+        if self.dppo_loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"dppo_loss_agg_mode must be one of {AGG_MODES}, got {self.dppo_loss_agg_mode!r}")
+        for name in ("dppo_delta_low", "dppo_delta_high"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if not self.dppo_ratio_cap > 0:
+            raise ValueError(f"dppo_ratio_cap must be > 0, got {self.dppo_ratio_cap}")
+        if self.dppo_chunk_size is not None and self.dppo_chunk_size < 1:
+            raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
+
+    @property
+    def dppo_deltas(self) -> tuple[float, float]:
+        """``(delta_low, delta_high)`` with the mode's defaults filled in."""
+        low, high = DEFAULT_DELTAS[self.dppo_mode]
+        return (
+            low if self.dppo_delta_low is None else self.dppo_delta_low,
+            high if self.dppo_delta_high is None else self.dppo_delta_high,
+        )
+
+
+@dataclass
+class DPPOForwardOutput(ModelOutput):
+    """Per-token DPPO outputs of the patched forward, each ``[B, T]`` float32 (0 at padding)."""
+
+    loss: Optional[torch.Tensor] = None
+    logp: Optional[torch.Tensor] = None
+    divergence: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+
+
+def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: float) -> None:
+    """Wrap ``model.forward`` so that ``model(input_ids, attention_mask, dppo_batch=batch)`` returns DPPO outputs.
+
+    ``batch`` is a dict of ``[B, T]`` tensors for the last ``T`` positions (the completion): ``tokens`` (int64,
+    -100 at padding), ``rollout_logprobs``, ``advantages`` (float32) and optionally ``anchor_logprobs``. The
+    backbone runs on the whole sequence; the hidden states that predict the completion tokens go through the LM
+    head and the DPPO op (fused, or via logits with ``args.dppo_fused_linear=False``). Without ``dppo_batch``
+    the previous forward runs unchanged (generation, TRL's own log-prob passes).
+    """
+    previous_forward = model.forward
+    delta_low, delta_high = args.dppo_deltas
+
+    @functools.wraps(type(model).forward)
+    def _forward(self, *f_args: Any, dppo_batch: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any):
+        if dppo_batch is None:
+            return previous_forward(*f_args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*f_args, **kwargs).last_hidden_state
+        tokens = dppo_batch["tokens"]
+        batch, length = tokens.shape
+        hidden = hidden[:, -length - 1 : -1]
+        head = self.get_output_embeddings()
+        op_kwargs = dict(
+            anchor_logprobs=_flat(dppo_batch.get("anchor_logprobs")),
+            mode=args.dppo_mode,
+            temperature=temperature,
+            delta_low=delta_low,
+            delta_high=delta_high,
+            ratio_cap=args.dppo_ratio_cap,
+            compute_entropy=True,
+        )
+        flat_tokens = tokens.reshape(-1)
+        rollout = _flat(dppo_batch["rollout_logprobs"])
+        advantages = _flat(dppo_batch["advantages"])
+        if args.dppo_fused_linear:
+            weight, bias = head.weight, head.bias
+            if isinstance(weight, DTensor):  # FSDP2 shards: the fused matmul needs the whole head
+                weight = weight.full_tensor()
+                bias = bias.full_tensor() if bias is not None else None
+            hidden = hidden.to(weight.dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                out = fused_linear_dppo_loss(
+                    hidden.reshape(batch * length, -1),
+                    weight,
+                    flat_tokens,
+                    rollout,
+                    advantages,
+                    bias=bias,
+                    chunk_size=args.dppo_chunk_size,
+                    weight_context=functools.partial(maybe_gather_lm_head_ctx, weight, bias),
+                    **op_kwargs,
+                )
+        else:
+            logits = head(hidden)
+            out = dppo_loss_forward(logits.reshape(batch * length, -1), flat_tokens, rollout, advantages, **op_kwargs)
+        return DPPOForwardOutput(*(t.view(batch, length) for t in out))
+
+    model.forward = types.MethodType(_forward, model)
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1).float().contiguous()
+
+
+class DPPOGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy loss is DPPO through ``dppo_ext`` (see the module docstring)."""
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Optional[DPPOGRPOConfig] = None, **kwargs: Any):
+        if not isinstance(args, DPPOGRPOConfig):
+            raise TypeError(f"DPPOGRPOTrainer needs args=DPPOGRPOConfig(...), got {type(args).__name__}")
+        unsupported = {
+            "entropy_coef": args.entropy_coef != 0.0,
+            "use_adaptive_entropy": args.use_adaptive_entropy,
+            "top_entropy_quantile": args.top_entropy_quantile < 1.0,
+            "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        }
+        bad = [name for name, is_set in unsupported.items() if is_set]
+        if bad:
+            raise ValueError(
+                f"DPPOGRPOTrainer does not combine DPPO with TRL's {bad} (set them to their defaults: entropy_coef=0, "
+                "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_dppo_head(target, args, self.temperature)
+        self._dppo_recompute_noted = False
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        if output.get("sampling_per_token_logps") is not None:
+            return output
+        if not self._dppo_recompute_noted:
+            logger.warning(
+                "DPPO 'recompute' variant: no rollout log-probs from vLLM (use_vllm=False), so the trust region is "
+                "anchored on the old-policy log-probs recomputed by the trainer model, not on the sampler's"
+            )
+            self._dppo_recompute_noted = True
+        if output.get("old_per_token_logps") is None:
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            with torch.no_grad():
+                old, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size,
+                )
+            output["old_per_token_logps"] = old
+        return output
+
+    def _dppo_rollout(self, inputs: dict[str, Any], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(rollout_logprobs [B, T], mask [B, T], recompute)``: vLLM's log-probs, else the old-policy ones.
+
+        Tokens vLLM could not score (NaN) take the old-policy log-prob when TRL computed it, else leave the loss.
+        """
+        sampling = inputs.get("sampling_per_token_logps")
+        old = inputs.get("old_per_token_logps")
+        if sampling is None:
+            return old.clamp(max=0.0), mask, True
+        unscored = torch.isnan(sampling) & mask
+        if unscored.any():
+            if old is not None:
+                sampling = torch.where(unscored, old, sampling)
+            else:
+                mask = mask & ~unscored
+        return sampling.clamp(max=0.0), mask, False
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if inputs.get("pixel_values") is not None:
+            raise ValueError("DPPOGRPOTrainer supports text-only models; got pixel_values in the batch")
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask.bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
+        rollout, mask, recompute = self._dppo_rollout(inputs, mask)
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        advantages = advantages.expand_as(completion_ids)
+        batch = {
+            "tokens": completion_ids.masked_fill(~mask, IGNORE_INDEX),
+            "rollout_logprobs": torch.where(mask, rollout, torch.zeros_like(rollout)),
+            "advantages": torch.where(mask, advantages, torch.zeros_like(advantages)),
+        }
+        with self.accelerator.autocast():
+            out = model(
+                input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+                dppo_batch=batch,
+            )
+        per_token_loss = out.loss
+        if self.beta != 0.0:
+            ref_diff = inputs["ref_per_token_logps"] - out.logp
+            per_token_kl = torch.exp(ref_diff) - ref_diff - 1
+            per_token_loss = per_token_loss + self.beta * per_token_kl * mask
+        mode = "train" if self.model.training else "eval"
+        loss = self._dppo_aggregate(per_token_loss, mask, inputs, mode)
+        policy_loss = (out.loss * mask).sum() / mask.sum().clamp(min=1)
+        self._dppo_log(out, batch, mask, policy_loss, recompute, mode, per_token_kl if self.beta != 0.0 else None)
+        return loss
+
+    def _dppo_aggregate(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], mode: str
+    ) -> torch.Tensor:
+        """Scalar loss of this micro-batch, scaled so that the sum over accumulation steps and the mean over
+        processes give the configured aggregation."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.args.dppo_loss_agg_mode == "token-mean":
+            # num_items_in_batch: completion tokens of the whole generation batch on all processes.
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+            return (per_token_loss * mask).sum() / normalizer
+        return aggregate_loss(per_token_loss, mask, self.args.dppo_loss_agg_mode) / accumulation
+
+    def _dppo_log(
+        self,
+        out: DPPOForwardOutput,
+        batch: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+        policy_loss: torch.Tensor,
+        recompute: bool,
+        mode: str,
+        per_token_kl: Optional[torch.Tensor],
+    ) -> None:
+        """Our metrics (``dppo/<name>``), reduced across processes, into TRL's metric buffer."""
+        flat = DPPOOutputs(*(_flat(t) for t in out.to_tuple()))
+        metrics = dppo_metrics(flat, _flat(batch["rollout_logprobs"]), _flat(batch["advantages"]), mask.reshape(-1))
+        if per_token_kl is not None:
+            metrics["kl"] = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
+        names = list(metrics)
+        local = torch.stack([metrics[n].detach().float() for n in names])
+        gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, len(names))
+        for i, name in enumerate(names):
+            column = gathered[:, i]
+            if name in _MAX_METRICS:
+                value = column.max()
+            elif name == "num_tokens":
+                value = column.sum()
+            else:
+                value = column.mean()
+            self._metrics[mode][f"dppo/{name}"].append(value.item())
+        self._metrics[mode]["entropy"].append(self._metrics[mode]["dppo/entropy_mean"][-1])
+        self._metrics[mode]["dppo/recompute_variant"].append(float(recompute))
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss.detach()).mean().item())
+
