@@ -1,0 +1,318 @@
+"""Rollout engines: log-probs match the transformers model, top-K rows are right, weights sync.
+
+The independent reference is the float32 transformers model itself: for every sampled response
+we recompute ``log_softmax(logits / T)`` at each response position with one teacher-forced
+forward pass and compare it with what the engine reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from dppo_ext.rollout import RolloutEngine, RolloutSample, force_sampled_into_topk, make_engine
+from dppo_ext.rollout import base as rollout_base
+from dppo_ext.rollout.hf_engine import topk_with_sampled
+from dppo_ext.rollout.vllm_engine import extract_token_logprobs
+
+# Max |engine log-prob - transformers log-prob| in float32 (measured: <= 1e-6 for vLLM and HF).
+FP32_LOGPROB_ATOL = 1e-5
+# A bf16 rollout copy must differ from the fp32 model (real mismatch) but stay close.
+BF16_MISMATCH_RANGE = (1e-4, 5e-2)
+# The weight perturbation used to prove sync moves log-probs by far more than this.
+STALE_MIN_DIFF = 1e-2
+
+# "<s>12+7=" and "<s>34-5=" in the tiny character tokenizer.
+PROMPTS = [[1, 5, 6, 14, 11, 16], [1, 7, 8, 15, 9, 16]]
+TEMPERATURE = 1.7
+MAX_TOKENS = 12
+
+
+def model_logprobs(model: torch.nn.Module, sample: RolloutSample, temperature: float) -> torch.Tensor:
+    """[T, V] ``log_softmax(logits / temperature)`` at each response position (teacher-forced)."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def max_logprob_error(
+    model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float
+) -> float:
+    """Largest |reported - model| over sampled-token and top-K log-probs of all samples."""
+    worst = 0.0
+    for group in groups:
+        for sample in group:
+            ref = model_logprobs(model, sample, temperature)
+            sampled = torch.tensor(sample.response_ids)
+            worst = max(worst, (ref.gather(-1, sampled[:, None])[:, 0] - torch.tensor(sample.logprobs)).abs().max().item())
+            if sample.topk_ids is not None:
+                ref_topk = ref.gather(-1, torch.tensor(sample.topk_ids))
+                worst = max(worst, (ref_topk - torch.tensor(sample.topk_logprobs)).abs().max().item())
+    return worst
+
+
+def check_fields(groups: list[list[RolloutSample]], prompts: list[list[int]], n: int, top_k: int, eos_id: int) -> None:
+    """Shapes and invariants every engine must honour."""
+    assert len(groups) == len(prompts)
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == n
+        for s in group:
+            t = len(s.response_ids)
+            assert s.prompt_ids == prompt
+            assert 1 <= t <= MAX_TOKENS
+            assert len(s.logprobs) == t
+            assert all(lp <= 0.0 for lp in s.logprobs)
+            assert isinstance(s.text, str)
+            if s.finish_reason == "stop":
+                assert s.response_ids[-1] == eos_id and eos_id not in s.response_ids[:-1]
+            else:
+                assert s.finish_reason == "length" and t == MAX_TOKENS and eos_id not in s.response_ids
+            if top_k == 0:
+                assert s.topk_ids is None and s.topk_logprobs is None
+                continue
+            assert len(s.topk_ids) == len(s.topk_logprobs) == t
+            for tok, lp, ids, lps in zip(s.response_ids, s.logprobs, s.topk_ids, s.topk_logprobs):
+                assert len(ids) == len(lps) == top_k and len(set(ids)) == top_k
+                assert tok in ids and lps[ids.index(tok)] == pytest.approx(lp, abs=1e-6)
+
+
+def check_topk_is_model_topk(model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float, k: int) -> int:
+    """Each top-K row must be the model's K best tokens in rank order, except that a sampled
+    token outside them replaces the last one. Returns how many rows needed that replacement."""
+    forced = 0
+    for group in groups:
+        for s in group:
+            ref = model_logprobs(model, s, temperature)
+            best = ref.topk(k, dim=-1).indices.tolist()
+            for tok, ids, true_ids in zip(s.response_ids, s.topk_ids, best):
+                if tok in true_ids:
+                    assert ids == true_ids
+                else:
+                    forced += 1
+                    assert ids == true_ids[:-1] + [tok]
+    return forced
+
+
+# --- hand-made data: the insertion helper and vLLM's log-prob dictionaries -------------------
+
+
+def test_force_sampled_into_topk_keeps_a_member_row() -> None:
+    ids, lps = force_sampled_into_topk([4, 9, 2], [-0.1, -1.0, -2.0], 9, -1.0)
+    assert (ids, lps) == ([4, 9, 2], [-0.1, -1.0, -2.0])
+
+
+def test_force_sampled_into_topk_replaces_lowest_ranked() -> None:
+    src_ids, src_lps = [4, 9, 2], [-0.1, -1.0, -2.0]
+    ids, lps = force_sampled_into_topk(src_ids, src_lps, 7, -5.5)
+    assert (ids, lps) == ([4, 9, 7], [-0.1, -1.0, -5.5])
+    assert src_ids == [4, 9, 2] and src_lps == [-0.1, -1.0, -2.0]
+    assert force_sampled_into_topk([4], [-0.1], 7, -5.5) == ([7], [-5.5])
+
+
+def test_force_sampled_into_topk_rejects_bad_rows() -> None:
+    with pytest.raises(ValueError, match="same length, got 2 and 1"):
+        force_sampled_into_topk([1, 2], [-1.0], 3, -2.0)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        force_sampled_into_topk([], [], 3, -2.0)
+
+
+@dataclass
+class FakeLogprob:
+    """Stand-in for vllm.logprobs.Logprob (rank 1 = most likely)."""
+
+    logprob: float
+    rank: int
+
+
+def test_extract_token_logprobs_on_vllm_shaped_dicts() -> None:
+    # Position 0: sampled token 5 is rank 2 (inside K=2; vLLM returns K entries).
+    # Position 1: sampled token 8 is rank 6 (outside; vLLM returns K + 1 entries, sampled first).
+    positions = [
+        {5: FakeLogprob(-1.2, 2), 3: FakeLogprob(-0.5, 1)},
+        {8: FakeLogprob(-4.0, 6), 1: FakeLogprob(-0.3, 1), 2: FakeLogprob(-1.9, 2)},
+    ]
+    logprobs, ids, lps = extract_token_logprobs([5, 8], positions, 2)
+    assert logprobs == [-1.2, -4.0]
+    assert ids == [[3, 5], [1, 8]]
+    assert lps == [[-0.5, -1.2], [-0.3, -4.0]]
+    assert extract_token_logprobs([5, 8], positions, 0) == ([-1.2, -4.0], None, None)
+    one_ids, one_lps = extract_token_logprobs([5, 8], positions, 1)[1:]
+    assert one_ids == [[5], [8]] and one_lps == [[-1.2], [-4.0]]
+
+
+def test_extract_token_logprobs_errors() -> None:
+    with pytest.raises(ValueError, match="no log-prob for the sampled token 7 at position 0"):
+        extract_token_logprobs([7], [{3: FakeLogprob(-0.5, 1)}], 1)
+    with pytest.raises(ValueError, match="fewer than top_k=3"):
+        extract_token_logprobs([3], [{3: FakeLogprob(-0.5, 1), 4: FakeLogprob(-0.9, 2)}], 3)
+    with pytest.raises(ValueError, match="same length, got 2 and 1"):
+        extract_token_logprobs([3, 4], [{3: FakeLogprob(-0.5, 1)}], 1)
+
+
+def test_topk_with_sampled_on_hand_made_rows() -> None:
+    logprobs = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 5.0, 2.0]]), dim=-1)
+    ids, lps = topk_with_sampled(logprobs, torch.tensor([1, 0]), 2)
+    assert ids == [[0, 1], [2, 0]]
+    assert lps[0] == pytest.approx(logprobs[0, [0, 1]].tolist())
+    assert lps[1] == pytest.approx(logprobs[1, [2, 0]].tolist())
+
+
+# --- engine construction -------------------------------------------------------------------
+
+
+def test_make_engine_rejects_unknown_kind(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown rollout engine kind 'sglang'"):
+        make_engine("sglang", str(tiny_model_dir))
+
+
+def test_make_engine_without_vllm(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rollout_base, "vllm_available", lambda: False)
+    with pytest.raises(ImportError, match="'vllm' was requested but the vllm package is not installed"):
+        make_engine("vllm", str(tiny_model_dir))
+    engine = make_engine("auto", str(tiny_model_dir), max_model_len=16, device="cpu")
+    assert engine.name == "hf"
+
+
+def test_generate_rejects_bad_arguments(hf_engine: RolloutEngine) -> None:
+    good = dict(n=2, temperature=1.0, max_tokens=4)
+    for kwargs, match in [
+        ({**good, "n": 0}, "n \\(samples per prompt\\) must be >= 1, got 0"),
+        ({**good, "temperature": 0.0}, "temperature must be > 0"),
+        ({**good, "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({**good, "top_k": -1}, "top_k .* must be >= 0, got -1"),
+        ({**good, "top_k": 1000}, "top_k=1000 exceeds the vocabulary size 17"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            hf_engine.generate(PROMPTS, **kwargs)
+    with pytest.raises(ValueError, match="prompts must be a list of non-empty"):
+        hf_engine.generate([[]], **good)
+    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len=64"):
+        hf_engine.generate([[1] * 64], **good)
+
+
+# --- vLLM engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def vllm_on_tiny(vllm_engine: RolloutEngine, tiny_model: torch.nn.Module) -> RolloutEngine:
+    """The shared vLLM engine holding exactly the tiny model's weights (other tests may have
+    synced different ones)."""
+    vllm_engine.sync_weights(tiny_model)
+    return vllm_engine
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_match_transformers(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=11)
+    check_fields(groups, PROMPTS, 4, 3, tiny_model.config.eos_token_id)
+    assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+    check_topk_is_model_topk(tiny_model, groups, TEMPERATURE, 3)
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_are_temperature_processed(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    """At T=0.5 the reported log-probs must be of logits/T, not of the raw logits."""
+    groups = vllm_on_tiny.generate(PROMPTS[:1], n=2, temperature=0.5, max_tokens=MAX_TOKENS, seed=5)
+    assert max_logprob_error(tiny_model, groups, 0.5) < FP32_LOGPROB_ATOL
+    assert max_logprob_error(tiny_model, groups, 1.0) > STALE_MIN_DIFF
+
+
+@pytest.mark.vllm
+def test_vllm_forces_sampled_token_into_top1(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    """K=1 at temperature 2 (vLLM's maximum): most sampled tokens are not the argmax, so the single top-K entry
+    must be the sampled token itself with its own log-prob."""
+    groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=2.0, max_tokens=MAX_TOKENS, top_k=1, seed=2)
+    check_fields(groups, PROMPTS, 4, 1, tiny_model.config.eos_token_id)
+    forced = check_topk_is_model_topk(tiny_model, groups, 2.0, 1)
+    assert forced > 0
+    for group in groups:
+        for s in group:
+            assert [row[0] for row in s.topk_ids] == s.response_ids
+            assert [row[0] for row in s.topk_logprobs] == s.logprobs
+
+
+@pytest.mark.vllm
+def test_vllm_seed_determinism(vllm_on_tiny: RolloutEngine) -> None:
+    def draw(seed: int) -> list[list[int]]:
+        groups = vllm_on_tiny.generate(PROMPTS, n=3, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=seed)
+        return [s.response_ids for g in groups for s in g]
+
+    first = draw(7)
+    assert draw(7) == first
+    assert draw(8) != first
+    # Distinct seeds per sample: the group members differ from each other.
+    assert len({tuple(r) for r in first}) == len(first)
+
+
+@pytest.mark.vllm
+def test_vllm_weight_sync(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module, tiny_model_dir: Path) -> None:
+    """After sync, fresh rollouts of the same prompts are scored by the UPDATED model and not by
+    the stale one."""
+    from transformers import AutoModelForCausalLM
+
+    stale = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in tiny_model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    try:
+        seconds = vllm_on_tiny.sync_weights(tiny_model)
+        assert 0.0 < seconds < 5.0
+        groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=2, seed=11)
+        assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+        assert max_logprob_error(stale, groups, TEMPERATURE) > STALE_MIN_DIFF
+    finally:
+        vllm_on_tiny.sync_weights(stale)
+
+
+# --- transformers engine -------------------------------------------------------------------
+
+
+def test_hf_engine_fields_and_logprobs(hf_engine: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    groups = hf_engine.generate(PROMPTS, n=3, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=4)
+    check_fields(groups, PROMPTS, 3, 3, tiny_model.config.eos_token_id)
+    assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+    check_topk_is_model_topk(tiny_model, groups, TEMPERATURE, 3)
+    no_topk = hf_engine.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=4)
+    check_fields(no_topk, PROMPTS, 2, 0, tiny_model.config.eos_token_id)
+
+
+def test_hf_engine_forces_sampled_token_into_top1(hf_engine: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    groups = hf_engine.generate(PROMPTS, n=4, temperature=2.0, max_tokens=MAX_TOKENS, top_k=1, seed=2)
+    assert check_topk_is_model_topk(tiny_model, groups, 2.0, 1) > 0
+
+
+def test_hf_engine_seed_determinism(hf_engine: RolloutEngine) -> None:
+    def draw(seed: int) -> list[list[int]]:
+        groups = hf_engine.generate(PROMPTS, n=3, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=seed)
+        return [s.response_ids for g in groups for s in g]
+
+    first = draw(7)
+    assert draw(7) == first
+    assert draw(8) != first
+
+
+def test_hf_engine_weight_sync(tiny_model_dir: Path, tiny_model: torch.nn.Module) -> None:
+    from transformers import AutoModelForCausalLM
+
+    stale = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine = make_engine("hf", str(tiny_model_dir), max_model_len=32, device="cpu")
+    with torch.no_grad():
+        for param in tiny_model.parameters():
+            param.mul_(1.5)
+    assert engine.sync_weights(tiny_model) > 0.0
+    groups = engine.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=1)
+    assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+    assert max_logprob_error(stale, groups, TEMPERATURE) > STALE_MIN_DIFF
+
+
+def test_hf_engine_bf16_rollouts_mismatch(tiny_model_dir: Path, tiny_model: torch.nn.Module) -> None:
+    """A bf16 rollout copy of an fp32 model reports log-probs that really differ, by a little."""
+    engine = make_engine("hf", str(tiny_model_dir), dtype="bfloat16", max_model_len=32, device="cpu")
+    groups = engine.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=1)
+    low, high = BF16_MISMATCH_RANGE
+    assert low < max_logprob_error(tiny_model, groups, TEMPERATURE) < high
