@@ -1,0 +1,168 @@
+// checks.h -- input validation shared by the CPU and CUDA entry points, so both backends reject
+// bad input with the same message. Every message names the argument, what it got and what was
+// expected. Value checks (token ids in range, rollout log-probs <= 0) read the data: on CUDA that
+// is one small reduction and one host sync per call, the price of never launching a kernel that
+// would index out of bounds.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "dppo_math.h"
+
+namespace dppo {
+
+inline Mode parse_mode(c10::string_view mode) {
+  if (mode == "binary_tv") return Mode::kBinaryTV;
+  if (mode == "binary_kl") return Mode::kBinaryKL;
+  if (mode == "topk_tv") return Mode::kTopkTV;
+  if (mode == "topk_kl") return Mode::kTopkKL;
+  if (mode == "ratio") return Mode::kRatio;
+  if (mode == "none") return Mode::kNone;
+  TORCH_CHECK_VALUE(false, "mode must be one of 'binary_tv', 'binary_kl', 'topk_tv', 'topk_kl', ",
+                    "'ratio', 'none'; got '", std::string(mode), "'");
+}
+
+// The dtype of every per-row float input and output: float32 for low-precision and fp32 logits,
+// float64 for fp64 logits (so gradcheck runs end to end in double).
+inline at::ScalarType acc_dtype(at::ScalarType logits_dtype) {
+  return logits_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_logits(const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be 2-D [N, V], got shape ", logits.sizes());
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble,
+                   "logits must be float32, float16, bfloat16 or float64, got ", dt);
+  TORCH_CHECK_VALUE(logits.size(1) > 0, "logits must have a non-empty vocabulary dimension, got shape ",
+                    logits.sizes());
+  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.size(1) == 1 || logits.stride(1) == 1),
+                    "logits must be contiguous along the vocabulary dimension (stride(1) == 1), got strides ",
+                    logits.strides(), "; call .contiguous() first");
+  TORCH_CHECK_VALUE(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1),
+                    "logits rows must not overlap (stride(0) >= V), got strides ", logits.strides(),
+                    " for shape ", logits.sizes());
+}
+
+inline void check_row_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype,
+                             const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, name, " must be 1-D with N=", n,
+                    " rows (one per logits row), got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, " (", 
+                   (dtype == at::kLong ? "token ids" : "the accumulation dtype of logits of dtype "),
+                   (dtype == at::kLong ? "" : c10::toString(logits.scalar_type())), "), got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == logits.device(), name, " must be on the same device as logits (",
+                    logits.device(), "), got ", t.device());
+}
+
+inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t n, int64_t k,
+                              at::ScalarType dtype, const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == n && (k < 0 || t.size(1) == k), name,
+                    " must be 2-D [N, K] with N=", n, k < 0 ? "" : " and K=", k < 0 ? std::string() : std::to_string(k),
+                    ", got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(1) >= 1, name, " must have K >= 1 columns, got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == logits.device(), name, " must be on the same device as logits (",
+                    logits.device(), "), got ", t.device());
+}
+
+inline void check_scalars(double temperature, double delta_low, double delta_high, double ratio_cap) {
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
+                    "temperature must be a finite number > 0, got ", temperature);
+  TORCH_CHECK_VALUE(std::isfinite(delta_low) && delta_low >= 0.0,
+                    "delta_low must be a finite number >= 0, got ", delta_low);
+  TORCH_CHECK_VALUE(std::isfinite(delta_high) && delta_high >= 0.0,
+                    "delta_high must be a finite number >= 0, got ", delta_high);
+  TORCH_CHECK_VALUE(!std::isnan(ratio_cap) && ratio_cap > 0.0, "ratio_cap must be > 0, got ", ratio_cap);
+}
+
+// Value checks that read the data (one fused reduction each; a host sync on CUDA).
+inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const char* name, bool allow_ignore) {
+  if (tokens.numel() == 0) return;
+  const at::Tensor valid = allow_ignore ? tokens.ne(kIgnoreIndex) : at::ones_like(tokens, at::kBool);
+  const at::Tensor bad = valid.logical_and(tokens.lt(0).logical_or(tokens.ge(vocab)));
+  if (bad.any().item<bool>()) {
+    const int64_t first = bad.nonzero().select(1, 0).min().item<int64_t>();
+    const at::Tensor flat = tokens.reshape(-1);
+    TORCH_CHECK_INDEX(false, name, " must hold ids in [0, V=", vocab, ")",
+                      allow_ignore ? " or the ignore index -100" : "", ", got ",
+                      flat[first].item<int64_t>(), " at flat position ", first);
+  }
+}
+
+inline void check_logprob_values(const at::Tensor& lp, const char* name) {
+  if (lp.numel() == 0) return;
+  const at::Tensor bad = lp.gt(0).logical_or(lp.isnan());
+  if (bad.any().item<bool>()) {
+    const at::Tensor flat = lp.reshape(-1);
+    const int64_t first = bad.reshape(-1).nonzero().select(1, 0).min().item<int64_t>();
+    TORCH_CHECK_VALUE(false, name, " must be log-probabilities (<= 0, -inf allowed, not NaN), got ",
+                      flat[first].item<double>(), " at flat position ", first,
+                      "; pass log-probs, not probabilities or logits");
+  }
+}
+
+// Everything the forward entry point validates, for both backends.
+inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tokens,
+                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                 const c10::optional<at::Tensor>& topk_ids,
+                                 const c10::optional<at::Tensor>& topk_logprobs,
+                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
+                                 double temperature, double delta_low, double delta_high, double ratio_cap) {
+  const Mode mode = parse_mode(mode_str);
+  check_logits(logits);
+  check_scalars(temperature, delta_low, delta_high, ratio_cap);
+  const int64_t n = logits.size(0);
+  const int64_t v = logits.size(1);
+  const auto acc = acc_dtype(logits.scalar_type());
+  check_row_vector(tokens, "tokens", n, at::kLong, logits);
+  check_row_vector(rollout_logprobs, "rollout_logprobs", n, acc, logits);
+  check_row_vector(advantages, "advantages", n, acc, logits);
+  if (anchor_logprobs.has_value()) check_row_vector(*anchor_logprobs, "anchor_logprobs", n, acc, logits);
+  TORCH_CHECK_VALUE(topk_ids.has_value() == topk_logprobs.has_value(),
+                    "topk_ids and topk_logprobs must be given together, got ",
+                    topk_ids.has_value() ? "topk_ids only" : "topk_logprobs only");
+  if (mode_is_topk(mode)) {
+    TORCH_CHECK_VALUE(topk_ids.has_value(), "mode '", std::string(mode_str),
+                      "' needs the rollout's top-K: pass topk_ids [N, K] and topk_logprobs [N, K] "
+                      "(e.g. from vLLM SamplingParams(logprobs=K))");
+  }
+  if (topk_ids.has_value()) {
+    check_topk_matrix(*topk_ids, "topk_ids", n, -1, at::kLong, logits);
+    check_topk_matrix(*topk_logprobs, "topk_logprobs", n, topk_ids->size(1), acc, logits);
+  }
+  check_token_values(tokens, v, "tokens", /*allow_ignore=*/true);
+  check_logprob_values(rollout_logprobs, "rollout_logprobs");
+  if (anchor_logprobs.has_value()) check_logprob_values(*anchor_logprobs, "anchor_logprobs");
+  if (topk_ids.has_value() && mode_is_topk(mode)) {
+    check_token_values(*topk_ids, v, "topk_ids", /*allow_ignore=*/false);
+    check_logprob_values(*topk_logprobs, "topk_logprobs");
+  }
+  const at::Tensor adv_bad = advantages.isfinite().logical_not();
+  TORCH_CHECK_VALUE(!adv_bad.any().item<bool>(), "advantages must be finite, got a NaN or inf value");
+  return mode;
+}
+
+inline void check_backward_inputs(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
+                                  const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
+                                  const c10::optional<at::Tensor>& entropy, double temperature) {
+  check_logits(logits);
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
+                    "temperature must be a finite number > 0, got ", temperature);
+  const int64_t n = logits.size(0);
+  const auto acc = acc_dtype(logits.scalar_type());
+  check_row_vector(grad_target, "grad_target", n, acc, logits);
+  check_row_vector(tokens, "tokens", n, at::kLong, logits);
+  check_row_vector(lse, "lse", n, acc, logits);
+  TORCH_CHECK_VALUE(grad_entropy.has_value() == entropy.has_value(),
+                    "grad_entropy and entropy must be given together (the entropy gradient needs both)");
+  if (grad_entropy.has_value()) {
+    check_row_vector(*grad_entropy, "grad_entropy", n, acc, logits);
+    check_row_vector(*entropy, "entropy", n, acc, logits);
+  }
+}
+
+}  // namespace dppo

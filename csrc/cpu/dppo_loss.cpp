@@ -1,0 +1,378 @@
+// cpu/dppo_loss.cpp -- CPU kernels of the DPPO loss (see docs/contract.md, csrc/dppo_math.h).
+//
+// forward : logits [N, V] (fp32/fp16/bf16/fp64, stride(1) == 1, any row stride) -> seven [N]
+//           outputs in the accumulation dtype. Per row, two SIMD passes over the vocabulary read
+//           the input dtype directly (no fp32 copy of the logits): a max pass, then one pass that
+//           sums exp(s - max) over the non-target tokens (so log(1 - pi) is exact) and, when asked,
+//           the entropy moment. The target and top-K logits are gathered by index. Everything per
+//           row after that is dppo_math.h.
+// backward: grad [N, V] in the logits dtype, one SIMD pass per row recomputing p from the saved
+//           lse; the target column in the accumulation dtype via grad_target (expm1 form). The
+//           in-place variant writes into logits.
+// Rows run in parallel (at::parallel_for); fp16/bf16/fp32 accumulate in float, fp64 in double.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <type_traits>
+
+#include "../checks.h"
+#include "../dppo_math.h"
+
+namespace dppo {
+namespace {
+
+using at::vec::Vectorized;
+using FVec = Vectorized<float>;
+constexpr int64_t kFV = FVec::size();
+constexpr int64_t kStep = 2 * kFV;  // elements per SIMD step: one Vectorized<bf16/half> = two float vectors
+
+template <typename scalar_t>
+inline void load2(const scalar_t* p, FVec& a, FVec& b) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    a = FVec::loadu(p);
+    b = FVec::loadu(p + kFV);
+  } else {
+    at::vec::load_to_float<scalar_t>(p, a, b);
+  }
+}
+
+template <typename scalar_t>
+inline void store2(scalar_t* p, const FVec& a, const FVec& b) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    a.store(p);
+    b.store(p + kFV);
+  } else {
+    at::vec::convert_from_float<scalar_t>(a, b).store(p);
+  }
+}
+
+inline float hsum(const FVec& v) {
+  alignas(64) float buf[kFV];
+  v.store(buf);
+  float s = 0.f;
+  for (int64_t i = 0; i < kFV; ++i) s += buf[i];
+  return s;
+}
+
+inline float hmax(const FVec& v) {
+  alignas(64) float buf[kFV];
+  v.store(buf);
+  float s = buf[0];
+  for (int64_t i = 1; i < kFV; ++i) s = buf[i] > s ? buf[i] : s;
+  return s;
+}
+
+// ---- row reductions: float accumulation over fp32/fp16/bf16 rows (SIMD) ----------------------
+
+template <typename scalar_t>
+float row_max(const scalar_t* z, int64_t v) {
+  FVec m0(-INFINITY), m1(-INFINITY);
+  int64_t j = 0;
+  for (; j + kStep <= v; j += kStep) {
+    FVec a, b;
+    load2(z + j, a, b);
+    m0 = at::vec::maximum(m0, a);
+    m1 = at::vec::maximum(m1, b);
+  }
+  float m = hmax(at::vec::maximum(m0, m1));
+  for (; j < v; ++j) m = std::max(m, static_cast<float>(z[j]));
+  return m;
+}
+
+// Over z[lo, hi): sum += exp(s - mx), and when with_ent, wsum += exp(s - mx) * (s - mx), where
+// s = z * inv_t.
+template <typename scalar_t>
+void row_sums(const scalar_t* z, int64_t lo, int64_t hi, float inv_t, float mx, bool with_ent, float& sum,
+              float& wsum) {
+  const FVec vinv(inv_t), vmx(mx), vfloor(shift_floor<float>());
+  FVec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
+  int64_t j = lo;
+  if (with_ent) {
+    for (; j + kStep <= hi; j += kStep) {
+      FVec a, b;
+      load2(z + j, a, b);
+      const FVec xa = at::vec::maximum(a * vinv - vmx, vfloor);
+      const FVec xb = at::vec::maximum(b * vinv - vmx, vfloor);
+      const FVec ea = xa.exp_u20(), eb = xb.exp_u20();
+      s0 += ea;
+      s1 += eb;
+      w0 += ea * xa;
+      w1 += eb * xb;
+    }
+  } else {
+    for (; j + kStep <= hi; j += kStep) {
+      FVec a, b;
+      load2(z + j, a, b);
+      s0 += (a * vinv - vmx).exp_u20();
+      s1 += (b * vinv - vmx).exp_u20();
+    }
+  }
+  float s = hsum(s0 + s1), w = with_ent ? hsum(w0 + w1) : 0.f;
+  for (; j < hi; ++j) {
+    const float x = std::max(static_cast<float>(z[j]) * inv_t - mx, shift_floor<float>());
+    const float e = std::exp(x);
+    s += e;
+    if (with_ent) w += e * x;
+  }
+  sum += s;
+  wsum += w;
+}
+
+// ---- the same for fp64 rows: plain loops in double (fp64 exists for gradcheck) ---------------
+
+double row_max(const double* z, int64_t v) {
+  double m = -INFINITY;
+  for (int64_t j = 0; j < v; ++j) m = std::max(m, z[j]);
+  return m;
+}
+
+void row_sums(const double* z, int64_t lo, int64_t hi, double inv_t, double mx, bool with_ent, double& sum,
+              double& wsum) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const double x = std::max(z[j] * inv_t - mx, shift_floor<double>());
+    const double e = std::exp(x);
+    sum += e;
+    if (with_ent) wsum += e * x;
+  }
+}
+
+struct ForwardArgs {
+  Mode mode;
+  double temperature, delta_low, delta_high, ratio_cap;
+  bool compute_entropy;
+};
+
+template <typename scalar_t>
+void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
+                    int64_t n, int64_t v, int64_t ld,
+                    const int64_t* tokens,        // [N]
+                    const at::opmath_type<scalar_t>* rollout_lp,  // [N]
+                    const at::opmath_type<scalar_t>* adv,         // [N]
+                    const int64_t* topk_ids,      // [N, K] or null
+                    const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
+                    int64_t k,
+                    const at::opmath_type<scalar_t>* anchor_lp,   // [N] or null
+                    const ForwardArgs& args,
+                    at::opmath_type<scalar_t>* out_loss, at::opmath_type<scalar_t>* out_logp,
+                    at::opmath_type<scalar_t>* out_div, at::opmath_type<scalar_t>* out_mask,
+                    at::opmath_type<scalar_t>* out_weight, at::opmath_type<scalar_t>* out_ent,
+                    at::opmath_type<scalar_t>* out_lse) {  // each [N]
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t inv_t = acc_t(1.0 / args.temperature);
+  const bool topk = mode_is_topk(args.mode);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t a = tokens[i];
+      if (a == kIgnoreIndex) {
+        out_loss[i] = out_logp[i] = out_div[i] = out_mask[i] = out_weight[i] = out_ent[i] = out_lse[i] = 0;
+        continue;
+      }
+      const scalar_t* z = logits + i * ld;
+      const acc_t mx = row_max(z, v) * inv_t;
+      // Sum over the non-target tokens, then the target's own term: 1 - pi = other / (other + e_a).
+      acc_t other = 0, wsum = 0;
+      row_sums(z, 0, a, inv_t, mx, args.compute_entropy, other, wsum);
+      row_sums(z, a + 1, v, inv_t, mx, args.compute_entropy, other, wsum);
+      const acc_t xa = std::max(static_cast<acc_t>(z[a]) * inv_t - mx, shift_floor<acc_t>());
+      const acc_t ea = std::exp(xa);
+      const acc_t total = other + ea;
+      if (args.compute_entropy) wsum += ea * xa;
+      const acc_t log_total = std::log(total);
+      const acc_t lse = mx + log_total;
+      const acc_t lp = xa - log_total;
+      const acc_t l1p = std::log(other) - log_total;
+      const acc_t m = rollout_lp[i];
+      const acc_t la = anchor_lp ? anchor_lp[i] : m;
+      acc_t div;
+      if (topk) {
+        TopkAcc<acc_t> acc = topk_init<acc_t>();
+        for (int64_t c = 0; c < k; ++c) {
+          const acc_t lq = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t - lse;
+          topk_add(acc, topk_lp[i * k + c], lq);
+        }
+        div = args.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);
+      } else {
+        div = binary_divergence(args.mode, lp, l1p, la);
+      }
+      const acc_t msk = trust_mask(args.mode, adv[i], lp, la, div, acc_t(args.delta_low), acc_t(args.delta_high));
+      const acc_t w = is_weight(lp, m, acc_t(args.ratio_cap));
+      out_loss[i] = token_loss(loss_coef(adv[i], w, msk), lp);
+      out_logp[i] = lp;
+      out_div[i] = div;
+      out_mask[i] = msk;
+      out_weight[i] = w;
+      out_ent[i] = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
+      out_lse[i] = lse;
+    }
+  });
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+template <typename scalar_t>
+void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float lse, float gt, float gh,
+                  float ent) {
+  const FVec vinv(inv_t), vlse(lse), vgt(gt), vneg(-inv_t);
+  int64_t j = 0;
+  if (gh == 0.f) {
+    for (; j + kStep <= v; j += kStep) {
+      FVec a, b;
+      load2(z + j, a, b);
+      store2(g + j, grad_from_p_noent((a * vinv - vlse).exp_u20(), vgt, vneg),
+             grad_from_p_noent((b * vinv - vlse).exp_u20(), vgt, vneg));
+    }
+    for (; j < v; ++j) {
+      g[j] = static_cast<scalar_t>(grad_from_p_noent(std::exp(static_cast<float>(z[j]) * inv_t - lse), gt, -inv_t));
+    }
+  } else {
+    const FVec vgh(gh), vent(ent), vfloor(shift_floor<float>());
+    for (; j + kStep <= v; j += kStep) {
+      FVec a, b;
+      load2(z + j, a, b);
+      const FVec la = at::vec::maximum(a * vinv - vlse, vfloor);
+      const FVec lb = at::vec::maximum(b * vinv - vlse, vfloor);
+      store2(g + j, grad_from_p(la.exp_u20(), la, vgt, vgh, vent, vneg),
+             grad_from_p(lb.exp_u20(), lb, vgt, vgh, vent, vneg));
+    }
+    for (; j < v; ++j) {
+      const float l = std::max(static_cast<float>(z[j]) * inv_t - lse, shift_floor<float>());
+      g[j] = static_cast<scalar_t>(grad_from_p(std::exp(l), l, gt, gh, ent, -inv_t));
+    }
+  }
+}
+
+void backward_row(const double* z, double* g, int64_t v, double inv_t, double lse, double gt, double gh,
+                  double ent) {
+  for (int64_t j = 0; j < v; ++j) {
+    const double l = std::max(z[j] * inv_t - lse, shift_floor<double>());
+    g[j] = gh == 0.0 ? grad_from_p_noent(std::exp(l), gt, -inv_t) : grad_from_p(std::exp(l), l, gt, gh, ent, -inv_t);
+  }
+}
+
+template <typename scalar_t>
+void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stride ld_in
+                     scalar_t* grad, int64_t ld_out,         // [N, V], row stride ld_out (may alias logits)
+                     int64_t n, int64_t v,
+                     const int64_t* tokens,                  // [N]
+                     const at::opmath_type<scalar_t>* lse,   // [N]
+                     const at::opmath_type<scalar_t>* g_t,   // [N]
+                     const at::opmath_type<scalar_t>* g_h,   // [N] or null
+                     const at::opmath_type<scalar_t>* ent,   // [N] or null
+                     double temperature) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t inv_t = acc_t(1.0 / temperature);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const scalar_t* z = logits + i * ld_in;
+      scalar_t* g = grad + i * ld_out;
+      const int64_t a = tokens[i];
+      if (a < 0 || a >= v) {  // padding row (-100); out-of-range ids were rejected by the forward
+        std::fill(g, g + v, scalar_t(0));
+        continue;
+      }
+      const acc_t gh = g_h ? g_h[i] : acc_t(0);
+      const acc_t h = ent ? ent[i] : acc_t(0);
+      // Read the target logit before the row is overwritten (in-place backward).
+      const acc_t lpa = static_cast<acc_t>(z[a]) * inv_t - lse[i];
+      backward_row(z, g, v, inv_t, lse[i], g_t[i], gh, h);
+      g[a] = static_cast<scalar_t>(grad_target(lpa, g_t[i], gh, h, inv_t));
+    }
+  });
+}
+
+template <typename T>
+const T* opt_ptr(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dppo_loss_forward_cpu(
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
+    const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
+    c10::string_view mode, double temperature, double delta_low, double delta_high, double ratio_cap,
+    bool compute_entropy) {
+  const Mode m = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                                      anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+  const int64_t n = logits.size(0), v = logits.size(1);
+  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
+  std::array<at::Tensor, 7> out;
+  for (auto& t : out) t = at::empty({n}, opts);
+  if (n == 0) return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+
+  const at::Tensor tok = tokens.contiguous();
+  const at::Tensor rlp = rollout_logprobs.contiguous();
+  const at::Tensor adv = advantages.contiguous();
+  const bool topk = mode_is_topk(m);
+  c10::optional<at::Tensor> tid, tlp, anc;
+  if (topk) {
+    tid = topk_ids->contiguous();
+    tlp = topk_logprobs->contiguous();
+  }
+  if (anchor_logprobs.has_value()) anc = anchor_logprobs->contiguous();
+  const int64_t k = topk ? tid->size(1) : 0;
+  const ForwardArgs args{m, temperature, delta_low, delta_high, ratio_cap, compute_entropy};
+  const int64_t ld = n > 1 ? logits.stride(0) : v;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), n, v, ld, tok.data_ptr<int64_t>(),
+                             rlp.data_ptr<acc_t>(), adv.data_ptr<acc_t>(), opt_ptr<int64_t>(tid),
+                             opt_ptr<acc_t>(tlp), k, opt_ptr<acc_t>(anc), args, out[0].data_ptr<acc_t>(),
+                             out[1].data_ptr<acc_t>(), out[2].data_ptr<acc_t>(), out[3].data_ptr<acc_t>(),
+                             out[4].data_ptr<acc_t>(), out[5].data_ptr<acc_t>(), out[6].data_ptr<acc_t>());
+  });
+  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+}
+
+void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
+                  const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens, const at::Tensor& lse,
+                  const c10::optional<at::Tensor>& entropy, double temperature) {
+  const int64_t n = logits.size(0), v = logits.size(1);
+  if (n == 0) return;
+  const at::Tensor tok = tokens.contiguous();
+  const at::Tensor l = lse.contiguous();
+  const at::Tensor gt = grad_target.contiguous();
+  c10::optional<at::Tensor> gh, ent;
+  if (grad_entropy.has_value()) {
+    gh = grad_entropy->contiguous();
+    ent = entropy->contiguous();
+  }
+  const int64_t ld_in = n > 1 ? logits.stride(0) : v;
+  const int64_t ld_out = n > 1 ? grad.stride(0) : v;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), ld_in, grad.data_ptr<scalar_t>(), ld_out, n, v,
+                              tok.data_ptr<int64_t>(), l.data_ptr<acc_t>(), gt.data_ptr<acc_t>(),
+                              opt_ptr<acc_t>(gh), opt_ptr<acc_t>(ent), temperature);
+  });
+}
+
+at::Tensor dppo_loss_backward_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
+                                  const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
+                                  const c10::optional<at::Tensor>& entropy, double temperature) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  run_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature);
+  return grad;
+}
+
+void dppo_loss_backward_inplace_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
+                                    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
+                                    const c10::optional<at::Tensor>& entropy, double temperature) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+  run_backward(grad_target, grad_entropy, logits, logits, tokens, lse, entropy, temperature);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dppo, CPU, m) {
+  m.impl("dppo_loss_forward", &dppo_loss_forward_cpu);
+  m.impl("dppo_loss_backward", &dppo_loss_backward_cpu);
+  m.impl("dppo_loss_backward_", &dppo_loss_backward_inplace_cpu);
+}
+
+}  // namespace dppo

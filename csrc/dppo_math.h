@@ -1,0 +1,262 @@
+// dppo_math.h -- the scalar math of the DPPO loss, shared by the CPU and CUDA kernels.
+//
+// Every formula of the op contract lives here once, as DPPO_HOST_DEVICE inline functions on the
+// accumulation type T (float for fp16/bf16/fp32 logits, double for fp64 logits). The kernels only
+// stream over the vocabulary (max, sum of exp, entropy moment, gathers); everything that happens
+// per row after that is a call into this header, so the CPU tests vouch for the CUDA formulas too.
+//
+// Per row i (one response token), with s = z / T, lse = logsumexp(s):
+//   logp = s[a] - lse,  pi = exp(logp),  mu = exp(m)          (m = rollout log-prob of a)
+//   divergence D by mode (binary_tv, binary_kl, topk_tv, topk_kl, ratio, none),
+//   mask M = 0 iff (A > 0 and pi > mu_anchor and D > delta_high) or
+//                  (A <= 0 and pi < mu_anchor and D > delta_low)   (ratio mode: r vs 1 +- delta)
+//   weight w = min(exp(min(logp - m, 20)), C),  loss = -A * w * M * logp.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define DPPO_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define DPPO_HOST_DEVICE inline
+#endif
+
+namespace dppo {
+
+// Mode ids: the order is part of the ABI between ops.cpp's string parsing and the kernels.
+enum class Mode : int64_t {
+  kBinaryTV = 0,
+  kBinaryKL = 1,
+  kTopkTV = 2,
+  kTopkKL = 3,
+  kRatio = 4,
+  kNone = 5,
+};
+
+DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) {
+  return mode == Mode::kTopkTV || mode == Mode::kTopkKL;
+}
+
+// Tokens equal to this id mark padding rows: they cost no compute, every output is 0 and their
+// gradient is 0 (the same convention as torch.nn.functional.cross_entropy).
+constexpr int64_t kIgnoreIndex = -100;
+
+// Probability masses are floored here before a log (Stable-RL's top-K clamp); it keeps the binary
+// and top-K divergences finite when a mass underflows to 0 while leaving every mask decision
+// unchanged (a floored divergence is still ~27 nats / ~1 in TV, far above any threshold).
+template <typename T>
+DPPO_HOST_DEVICE T mass_floor() { return T(1e-12); }
+template <typename T>
+DPPO_HOST_DEVICE T log_mass_floor() { return T(-27.631021115928547); }  // log(1e-12)
+
+// The importance weight's log-ratio is clamped at 20 before exp (verl / Stable-RL convention).
+template <typename T>
+DPPO_HOST_DEVICE T log_ratio_clamp() { return T(20); }
+
+// Online log-sum-exp state: running max mx and sum of exp(x - mx). Merging two partial states is
+// how split-vocabulary blocks and SIMD lanes are combined. The empty state is (-inf, 0).
+template <typename T>
+struct LseState {
+  T mx;
+  T sum;
+};
+
+template <typename T>
+DPPO_HOST_DEVICE LseState<T> lse_merge(LseState<T> a, LseState<T> b) {
+  // -inf max means an empty (or all -inf) partial: it contributes nothing and must not produce
+  // exp(-inf - -inf) = NaN.
+  if (a.mx == -INFINITY) return b;
+  if (b.mx == -INFINITY) return a;
+  if (a.mx >= b.mx) return {a.mx, a.sum + b.sum * std::exp(b.mx - a.mx)};
+  return {b.mx, b.sum + a.sum * std::exp(a.mx - b.mx)};
+}
+
+// Online state for the entropy moment: alongside (mx, sum) keep wsum = sum exp(x - mx) * (x - mx).
+// Then E_p[x] - mx = wsum / sum and entropy H = lse - E_p[x] = log(sum) - wsum / sum.
+template <typename T>
+struct EntState {
+  T mx;
+  T sum;
+  T wsum;
+};
+
+template <typename T>
+DPPO_HOST_DEVICE EntState<T> ent_merge(EntState<T> a, EntState<T> b) {
+  if (a.mx == -INFINITY) return b;
+  if (b.mx == -INFINITY) return a;
+  if (a.mx < b.mx) {
+    EntState<T> t = a;
+    a = b;
+    b = t;
+  }
+  // Shift b to a's max: exp(x - a.mx) = exp(x - b.mx) * c and (x - a.mx) = (x - b.mx) + d.
+  const T d = b.mx - a.mx;  // <= 0
+  const T c = std::exp(d);
+  return {a.mx, a.sum + b.sum * c, a.wsum + c * (b.wsum + d * b.sum)};
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T entropy_from_state(T sum, T wsum) {
+  // H = log(sum) - wsum / sum, clamped at 0 against rounding (an entropy is never negative).
+  const T h = std::log(sum) - wsum / sum;
+  return h > T(0) ? h : T(0);
+}
+
+// log(1 - exp(x)) for x <= 0, accurate at both ends (Maechler's log1mexp).
+template <typename T>
+DPPO_HOST_DEVICE T log1mexp(T x) {
+  if (x >= T(0)) return -INFINITY;
+  return x > T(-0.6931471805599453) ? std::log(-std::expm1(x)) : std::log1p(-std::exp(x));
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T floor_log_mass(T log_mass) {
+  return log_mass > log_mass_floor<T>() ? log_mass : log_mass_floor<T>();
+}
+
+// Binary KL(Bernoulli(mu) || Bernoulli(pi)) = mu*log(mu/pi) + (1-mu)*log((1-mu)/(1-pi)) from
+// log-probabilities: lp = log pi, l1p = log(1 - pi) (passed in so a kernel can supply it from the
+// exact sum of the other tokens' mass), lm = log mu. 0 * log 0 terms are 0; log(1 - pi) is floored
+// at log(1e-12) so pi == 1 in floating point gives a large finite divergence instead of inf.
+template <typename T>
+DPPO_HOST_DEVICE T binary_kl(T lp, T l1p, T lm) {
+  const T mu = std::exp(lm);
+  T kl = T(0);
+  if (mu > T(0)) kl += mu * (lm - lp);
+  if (mu < T(1)) kl += (T(1) - mu) * (log1mexp(lm) - floor_log_mass(l1p));
+  return kl > T(0) ? kl : T(0);  // KL >= 0; rounding can give -1e-9
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T binary_tv(T lp, T lm) {
+  return std::fabs(std::exp(lp) - std::exp(lm));
+}
+
+// Top-K buckets: accumulate over the rollout's K tokens, then close with the "other" bucket.
+// p = rollout probabilities on S (from its log-probs), q = trainer softmax(s) on S.
+template <typename T>
+struct TopkAcc {
+  T p_mass;  // sum_k p_k
+  T q_mass;  // sum_k q_k
+  T tv;      // sum_k |p_k - q_k|
+  T kl;      // sum_k p_k (log p_k - log q_k)
+};
+
+template <typename T>
+DPPO_HOST_DEVICE TopkAcc<T> topk_init() { return {T(0), T(0), T(0), T(0)}; }
+
+// lpk: rollout log-prob of the k-th top token (may be -inf), lqk: trainer log-prob of that token.
+template <typename T>
+DPPO_HOST_DEVICE void topk_add(TopkAcc<T>& acc, T lpk, T lqk) {
+  const T pk = std::exp(lpk);
+  const T qk = std::exp(lqk);
+  acc.p_mass += pk;
+  acc.q_mass += qk;
+  acc.tv += std::fabs(pk - qk);
+  if (pk > T(0)) acc.kl += pk * (lpk - lqk);
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T topk_rest(T mass) {
+  const T r = T(1) - mass;
+  return r > mass_floor<T>() ? r : mass_floor<T>();
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T topk_tv_finish(const TopkAcc<T>& acc) {
+  return T(0.5) * (acc.tv + std::fabs(topk_rest(acc.p_mass) - topk_rest(acc.q_mass)));
+}
+
+template <typename T>
+DPPO_HOST_DEVICE T topk_kl_finish(const TopkAcc<T>& acc) {
+  const T pr = topk_rest(acc.p_mass);
+  const T qr = topk_rest(acc.q_mass);
+  return acc.kl + pr * (std::log(pr) - std::log(qr));
+}
+
+// The divergence of the binary and ratio modes (top-K modes finish from TopkAcc instead).
+// `none` reports the binary TV as an informative divergence; it never masks.
+// ratio: r = exp(min(lp - la, 20)) (the clamp only caps a value that is masked anyway).
+template <typename T>
+DPPO_HOST_DEVICE T binary_divergence(Mode mode, T lp, T l1p, T la) {
+  switch (mode) {
+    case Mode::kBinaryKL:
+      return binary_kl(lp, l1p, la);
+    case Mode::kRatio: {
+      const T d = lp - la;
+      return std::exp(d < log_ratio_clamp<T>() ? d : log_ratio_clamp<T>());
+    }
+    default:
+      return binary_tv(lp, la);
+  }
+}
+
+// The trust-region mask (1 = keep the token's gradient). la = anchor log-prob (the rollout's
+// unless an anchor is given). Strict comparisons, as in the contract.
+template <typename T>
+DPPO_HOST_DEVICE T trust_mask(Mode mode, T adv, T lp, T la, T div, T delta_low, T delta_high) {
+  bool invalid;
+  if (mode == Mode::kNone) {
+    invalid = false;
+  } else if (mode == Mode::kRatio) {
+    invalid = adv > T(0) ? (div > T(1) + delta_high) : (div < T(1) - delta_low);
+  } else {
+    const T pi = std::exp(lp);
+    const T mu = std::exp(la);
+    invalid = adv > T(0) ? (pi > mu && div > delta_high) : (pi < mu && div > delta_low);
+  }
+  return invalid ? T(0) : T(1);
+}
+
+// Importance weight w = min(exp(min(lp - m, 20)), C). lp - m is NaN only when both are -inf
+// (a token impossible for both policies); its weight is then 0.
+template <typename T>
+DPPO_HOST_DEVICE T is_weight(T lp, T m, T ratio_cap) {
+  T d = lp - m;
+  if (d != d) return T(0);
+  d = d < log_ratio_clamp<T>() ? d : log_ratio_clamp<T>();
+  const T w = std::exp(d);
+  return w < ratio_cap ? w : ratio_cap;
+}
+
+// Gradient coefficient c = -A * w * M (dl/dz_j = c * (1[j = a] - p_j) / T) and loss = c * logp,
+// with a zero coefficient giving an exact 0 loss even when logp = -inf.
+template <typename T>
+DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) { return -adv * w * m; }
+
+template <typename T>
+DPPO_HOST_DEVICE T token_loss(T coef, T lp) { return coef == T(0) ? T(0) : coef * lp; }
+
+// Shifted logits s - max (or log-probs s - lse) are floored here before exp(x) * x products
+// (entropy moment, entropy gradient): a -inf logit then contributes exp(-1e30) * -1e30 = 0
+// instead of 0 * -inf = NaN. Any x below ~-104 already has exp(x) == 0 in float.
+template <typename T>
+DPPO_HOST_DEVICE T shift_floor() { return T(-1e30); }
+
+// Backward, element j of a row, given p = p_j = exp(logp_j) (the kernel computes the exp with its
+// own scalar or SIMD routine): g_t * (1[j = a] - p) - g_h * p * (logp_j + H), all / T.
+// Only arithmetic, so a kernel may instantiate it with a SIMD vector type (at::vec::Vectorized).
+// logp_j must already be floored at shift_floor() when g_h may be nonzero.
+template <typename T>
+DPPO_HOST_DEVICE T grad_from_p(T p, T logp_j, T g_t, T g_h, T entropy, T neg_inv_t) {
+  return (g_t * p + g_h * p * (logp_j + entropy)) * neg_inv_t;
+}
+
+// The same element without the entropy term (the common case: no entropy bonus upstream).
+template <typename T>
+DPPO_HOST_DEVICE T grad_from_p_noent(T p, T g_t, T neg_inv_t) {
+  return g_t * p * neg_inv_t;
+}
+
+// The target column a: g_t * (1 - p_a) with 1 - p_a = -expm1(logp_a), exact as p_a -> 1 (the
+// plain 1 - p_a cancels to 0 in float once p_a > 1 - 6e-8).
+template <typename T>
+DPPO_HOST_DEVICE T grad_target(T logp_a, T g_t, T g_h, T entropy, T inv_t) {
+  const T p = std::exp(logp_a);
+  const T one_minus_p = -std::expm1(logp_a);
+  const T ent = g_h == T(0) ? T(0) : g_h * p * (logp_a + entropy);
+  return (g_t * one_minus_p - ent) * inv_t;
+}
+
+}  // namespace dppo

@@ -1,0 +1,28 @@
+// ops.cpp -- the one TORCH_LIBRARY(dppo, m) block: every schema of the extension lives here.
+// Kernels register their implementations with TORCH_LIBRARY_IMPL in cpu/ and cuda/; the Python
+// side (dppo_ext/ops.py) adds register_fake and register_autograd.
+//
+// dppo_loss_forward(logits [N, V], tokens [N] int64, rollout_logprobs [N], advantages [N],
+//                   topk_ids [N, K] int64?, topk_logprobs [N, K]?, anchor_logprobs [N]?, mode,
+//                   temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+//   -> (loss, logp, divergence, mask, weight, entropy, lse), each [N] in the accumulation dtype
+//      (float32, or float64 for float64 logits). Rows whose token is -100 are padding: all zero.
+// dppo_loss_backward(grad_target [N], grad_entropy [N]?, logits, tokens, lse, entropy [N]?, T)
+//   -> grad_logits [N, V] in the logits dtype:
+//      grad[i, j] = (grad_target[i] * (1[j = a_i] - p_ij) - grad_entropy[i] * p_ij (log p_ij + H_i)) / T
+// dppo_loss_backward_ is the same, written into logits (which it consumes).
+#include <torch/library.h>
+
+TORCH_LIBRARY(dppo, m) {
+  m.def(
+      "dppo_loss_forward(Tensor logits, Tensor tokens, Tensor rollout_logprobs, Tensor advantages, "
+      "Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, float temperature, "
+      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
+      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
+  m.def(
+      "dppo_loss_backward(Tensor grad_target, Tensor? grad_entropy, Tensor logits, Tensor tokens, "
+      "Tensor lse, Tensor? entropy, float temperature) -> Tensor");
+  m.def(
+      "dppo_loss_backward_(Tensor grad_target, Tensor? grad_entropy, Tensor(a!) logits, Tensor tokens, "
+      "Tensor lse, Tensor? entropy, float temperature) -> ()");
+}

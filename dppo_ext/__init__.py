@@ -1,0 +1,25 @@
+"""dppo_ext: a fused, memory-light DPPO loss for LLM reinforcement learning.
+
+    from dppo_ext import dppo_loss
+    loss, metrics = dppo_loss(logits, tokens, rollout_logprobs, advantages, response_mask=mask)
+
+The ops are registered as ``torch.ops.dppo.*`` by the native library ``dppo_ext._C``; the math
+contract is in docs/contract.md.
+"""
+
+try:
+    from . import _C  # noqa: F401  (loads the library: registers torch.ops.dppo.*)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        f"dppo_ext's native library dppo_ext._C could not be loaded ({exc}). Build it from the repository "
+        "root with: pip install --no-build-isolation --no-deps -e .  (it must be built against the torch "
+        "that is installed now)") from exc
+
+from ._C import __version__, cuda_compiled  # noqa: E402
+from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics  # noqa: E402
+from .ops import MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward  # noqa: E402
+
+__all__ = [
+    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "MODES", "__version__", "aggregate_loss",
+    "cuda_compiled", "dppo_loss", "dppo_loss_backward", "dppo_loss_forward", "dppo_metrics",
+]

@@ -1,0 +1,250 @@
+"""The user-facing DPPO loss: ``dppo_loss`` and the ``DPPOLoss`` module.
+
+Takes the policy's logits for the response tokens in any leading layout (``[N, V]``, ``[B, T, V]``)
+plus what the rollout engine returned, runs the fused op (``dppo_ext.ops``) on the flattened
+rows, aggregates the per-token loss the way verl does, and returns the scalar loss with a dict of
+metrics. Padding (``response_mask == 0``) rows are skipped inside the kernels and get a zero
+gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .ops import MODES, DPPOOutputs, dppo_loss_forward
+
+__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "aggregate_loss", "dppo_loss", "dppo_metrics"]
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# (delta_low, delta_high) when not given. TV thresholds bound a probability difference, KL ones a
+# divergence in nats (the paper's Binary-TV 0.15 / Binary-KL 0.05 scale), ratio ones the PPO clip.
+DEFAULT_DELTAS = {
+    "binary_tv": (0.15, 0.15),
+    "topk_tv": (0.15, 0.15),
+    "binary_kl": (0.05, 0.05),
+    "topk_kl": (0.05, 0.05),
+    "ratio": (0.2, 0.28),
+    "none": (0.0, 0.0),
+}
+
+IGNORE_INDEX = -100
+
+
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
+    """Aggregate a per-token loss with verl's conventions.
+
+    Args:
+        loss_mat: ``[B, T]`` (or ``[N]``, treated as one sequence) per-token loss.
+        mask: same shape, 1 for response tokens, 0 for padding.
+        loss_agg_mode: ``token-mean`` (sum / number of tokens), ``seq-mean-token-sum`` (mean over
+            sequences of per-sequence sums), ``seq-mean-token-mean`` (mean over sequences of
+            per-sequence means), ``seq-mean-token-sum-norm`` (total sum / T, Dr. GRPO).
+    Sequences without a response token are left out of the sequence means; an empty batch gives 0.
+    """
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
+    if loss_mat.dim() == 1:
+        loss_mat, mask = loss_mat.unsqueeze(0), mask.unsqueeze(0)
+    mask = mask.to(loss_mat.dtype)
+    masked = loss_mat * mask
+    if loss_agg_mode == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return masked.sum() / loss_mat.shape[-1]
+    tokens_per_seq = mask.sum(-1)
+    seq_loss = masked.sum(-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
+    has_tokens = (tokens_per_seq > 0).to(loss_mat.dtype)
+    return (seq_loss * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The op's per-row outputs summarised over valid rows, as 0-d tensors (no host sync).
+
+    Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``mismatch_mean`` and
+    ``mismatch_max`` (|pi - mu|, the paper's training-inference mismatch), ``divergence_mean``,
+    ``entropy_mean``, ``ratio_max`` (pi / mu, log-ratio clamped at 20), ``num_tokens``.
+    """
+    v = valid.to(out.loss.dtype)
+    n = v.sum()
+
+    def mean(x: Tensor, w: Tensor) -> Tensor:
+        return (x * w).sum() / w.sum().clamp(min=1)
+
+    def vmax(x: Tensor) -> Tensor:
+        return torch.where(valid, x, torch.zeros_like(x)).amax() if x.numel() else x.new_zeros(())
+
+    masked = 1.0 - out.mask
+    mismatch = (out.logp.exp() - rollout_logprobs.exp()).abs()
+    ratio = torch.exp((out.logp - rollout_logprobs).clamp(max=20.0))
+    return {
+        "masked_frac": mean(masked, v),
+        "masked_frac_pos": mean(masked, v * (advantages > 0)),
+        "masked_frac_neg": mean(masked, v * (advantages < 0)),
+        "mismatch_mean": mean(mismatch, v),
+        "mismatch_max": vmax(mismatch),
+        "divergence_mean": mean(out.divergence, v),
+        "entropy_mean": mean(out.entropy, v),
+        "ratio_max": vmax(ratio),
+        "num_tokens": n,
+    }
+
+
+def _check_shape(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
+    if t is not None and t.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading dims), got {tuple(t.shape)}")
+
+
+def dppo_loss(
+    logits: Tensor,
+    tokens: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    response_mask: Optional[Tensor] = None,
+    mode: str = "binary_tv",
+    topk_ids: Optional[Tensor] = None,
+    topk_logprobs: Optional[Tensor] = None,
+    anchor_logprobs: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
+    ratio_cap: float = 10.0,
+    loss_agg_mode: str = "token-mean",
+    compute_entropy: bool = True,
+    inplace_backward: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO policy loss from the policy's logits and the rollout engine's log-probs.
+
+    Args:
+        logits: ``[..., V]`` policy logits at the response positions (any float dtype; never
+            upcast or copied). For ``[B, T, V]`` the sequence modes of ``loss_agg_mode`` apply.
+        tokens: ``[...]`` sampled token ids.
+        rollout_logprobs: ``[...]`` log mu(token) from the rollout engine (e.g. vLLM), of the
+            temperature-processed distribution.
+        advantages: ``[...]`` per token, or ``[B]`` per sequence for ``[B, T, V]`` logits.
+        response_mask: ``[...]`` 1/True for response tokens; padding rows cost no compute and get a
+            zero gradient. Default: all tokens are valid.
+        mode: ``binary_tv`` | ``binary_kl`` | ``topk_tv`` | ``topk_kl`` (DPPO), ``ratio`` (PPO/GRPO
+            clip as a mask) or ``none`` (PG-IS / CISPO style: never masked).
+        topk_ids, topk_logprobs: ``[..., K]`` the rollout's top-K ids and log-probs (top-K modes).
+        anchor_logprobs: ``[...]`` recomputed old-policy log-probs replacing mu in the mask test
+            only (the "recompute" ablations); the importance weight always uses mu.
+        temperature: the rollout temperature; logits are divided by it.
+        delta_low, delta_high: trust-region thresholds; ``None`` takes ``DEFAULT_DELTAS[mode]``.
+        ratio_cap: cap C on the importance weight min(pi / mu, C).
+        loss_agg_mode: see :func:`aggregate_loss`.
+        compute_entropy: compute the policy entropy (``entropy_mean`` metric); else it reads 0.
+        inplace_backward: write the logits gradient into the logits buffer during backward
+            (no ``[N, V]`` allocation; the logits are consumed, do not reuse them).
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
+        :func:`dppo_metrics`).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    _check_shape("tokens", tokens, lead)
+    _check_shape("rollout_logprobs", rollout_logprobs, lead)
+    _check_shape("response_mask", response_mask, lead)
+    _check_shape("anchor_logprobs", anchor_logprobs, lead)
+    if advantages.shape != lead:
+        if logits.dim() == 3 and advantages.shape == lead[:1]:
+            advantages = advantages.unsqueeze(-1).expand(lead)
+        else:
+            raise ValueError(
+                f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} (per sequence, "
+                f"for [B, T, V] logits), got {tuple(advantages.shape)}")
+    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
+        if t is not None and t.shape[:-1] != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
+    lo_default, hi_default = DEFAULT_DELTAS[mode]
+    delta_low = lo_default if delta_low is None else delta_low
+    delta_high = hi_default if delta_high is None else delta_high
+
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    valid = torch.ones(lead, dtype=torch.bool, device=logits.device) if response_mask is None else response_mask.bool()
+    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
+    rows = lead.numel()
+
+    def flat(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+        return None if t is None else t.reshape(rows, *t.shape[len(lead):]).to(dtype)
+
+    rollout = flat(rollout_logprobs, acc)
+    adv = flat(advantages, acc)
+    out = dppo_loss_forward(
+        logits.reshape(rows, vocab), flat_tokens.reshape(rows), rollout, adv,
+        flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc),
+        mode=mode, temperature=temperature, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap,
+        compute_entropy=compute_entropy, inplace_backward=inplace_backward)
+    loss = aggregate_loss(out.loss.reshape(lead), valid.reshape(lead), loss_agg_mode)
+    metrics = dppo_metrics(out, rollout, adv, valid.reshape(rows))
+    return loss, metrics
+
+
+class DPPOLoss(nn.Module):
+    """``nn.Module`` form of :func:`dppo_loss` holding the settings; ``forward`` takes the tensors.
+
+    Example::
+
+        crit = DPPOLoss(mode="binary_tv", delta_low=0.15, delta_high=0.15)
+        loss, metrics = crit(logits, tokens, rollout_logprobs, advantages, response_mask=mask)
+    """
+
+    def __init__(
+        self,
+        mode: str = "binary_tv",
+        *,
+        temperature: float = 1.0,
+        delta_low: Optional[float] = None,
+        delta_high: Optional[float] = None,
+        ratio_cap: float = 10.0,
+        loss_agg_mode: str = "token-mean",
+        compute_entropy: bool = True,
+        inplace_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
+        self.mode = mode
+        self.temperature = temperature
+        self.delta_low = delta_low
+        self.delta_high = delta_high
+        self.ratio_cap = ratio_cap
+        self.loss_agg_mode = loss_agg_mode
+        self.compute_entropy = compute_entropy
+        self.inplace_backward = inplace_backward
+
+    def forward(
+        self,
+        logits: Tensor,
+        tokens: Tensor,
+        rollout_logprobs: Tensor,
+        advantages: Tensor,
+        *,
+        response_mask: Optional[Tensor] = None,
+        topk_ids: Optional[Tensor] = None,
+        topk_logprobs: Optional[Tensor] = None,
+        anchor_logprobs: Optional[Tensor] = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return dppo_loss(
+            logits, tokens, rollout_logprobs, advantages, response_mask=response_mask, mode=self.mode,
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
+            temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
+            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, compute_entropy=self.compute_entropy,
+            inplace_backward=self.inplace_backward)
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}")
