@@ -7,6 +7,7 @@ forward pass and compare it with what the engine reported.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from dppo_ext.rollout import RolloutEngine, RolloutSample, force_sampled_into_to
 from dppo_ext.rollout import base as rollout_base
 from dppo_ext.rollout.hf_engine import topk_with_sampled
 from dppo_ext.rollout.vllm_engine import extract_token_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Max |engine log-prob - transformers log-prob| in float32 (measured: <= 1e-6 for vLLM and HF).
 FP32_LOGPROB_ATOL = 1e-5
@@ -48,14 +51,17 @@ def max_logprob_error(
         for sample in group:
             ref = model_logprobs(model, sample, temperature)
             sampled = torch.tensor(sample.response_ids)
-            worst = max(worst, (ref.gather(-1, sampled[:, None])[:, 0] - torch.tensor(sample.logprobs)).abs().max().item())
+            reported = torch.tensor(sample.logprobs)
+            worst = max(worst, (ref.gather(-1, sampled[:, None])[:, 0] - reported).abs().max().item())
             if sample.topk_ids is not None:
                 ref_topk = ref.gather(-1, torch.tensor(sample.topk_ids))
                 worst = max(worst, (ref_topk - torch.tensor(sample.topk_logprobs)).abs().max().item())
     return worst
 
 
-def check_fields(groups: list[list[RolloutSample]], prompts: list[list[int]], n: int, top_k: int, eos_id: int) -> None:
+def check_fields(
+    groups: list[list[RolloutSample]], prompts: list[list[int]], n: int, top_k: int, eos_id: int
+) -> None:
     """Shapes and invariants every engine must honour."""
     assert len(groups) == len(prompts)
     for prompt, group in zip(prompts, groups):
@@ -80,7 +86,9 @@ def check_fields(groups: list[list[RolloutSample]], prompts: list[list[int]], n:
                 assert tok in ids and lps[ids.index(tok)] == pytest.approx(lp, abs=1e-6)
 
 
-def check_topk_is_model_topk(model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float, k: int) -> int:
+def check_topk_is_model_topk(
+    model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float, k: int
+) -> int:
     """Each top-K row must be the model's K best tokens in rank order, except that a sampled
     token outside them replaces the last one. Returns how many rows needed that replacement."""
     forced = 0
@@ -209,7 +217,9 @@ def vllm_on_tiny(vllm_engine: RolloutEngine, tiny_model: torch.nn.Module) -> Rol
 def test_vllm_logprobs_match_transformers(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
     groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=11)
     check_fields(groups, PROMPTS, 4, 3, tiny_model.config.eos_token_id)
-    assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+    error = max_logprob_error(tiny_model, groups, TEMPERATURE)
+    logger.info("vLLM fp32 vs transformers: max |logprob diff| = %.3g", error)
+    assert error < FP32_LOGPROB_ATOL
     check_topk_is_model_topk(tiny_model, groups, TEMPERATURE, 3)
 
 
@@ -262,9 +272,17 @@ def test_vllm_weight_sync(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Modu
     try:
         seconds = vllm_on_tiny.sync_weights(tiny_model)
         assert 0.0 < seconds < 5.0
-        groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=2, seed=11)
-        assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
-        assert max_logprob_error(stale, groups, TEMPERATURE) > STALE_MIN_DIFF
+        groups = vllm_on_tiny.generate(
+            PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=2, seed=11
+        )
+        updated_error = max_logprob_error(tiny_model, groups, TEMPERATURE)
+        stale_error = max_logprob_error(stale, groups, TEMPERATURE)
+        logger.info(
+            "vLLM weight sync took %.4f s; max |logprob diff| vs updated model %.3g, vs stale model %.3g",
+            seconds, updated_error, stale_error,
+        )
+        assert updated_error < FP32_LOGPROB_ATOL
+        assert stale_error > STALE_MIN_DIFF
     finally:
         vllm_on_tiny.sync_weights(stale)
 
@@ -275,7 +293,9 @@ def test_vllm_weight_sync(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Modu
 def test_hf_engine_fields_and_logprobs(hf_engine: RolloutEngine, tiny_model: torch.nn.Module) -> None:
     groups = hf_engine.generate(PROMPTS, n=3, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=4)
     check_fields(groups, PROMPTS, 3, 3, tiny_model.config.eos_token_id)
-    assert max_logprob_error(tiny_model, groups, TEMPERATURE) < FP32_LOGPROB_ATOL
+    error = max_logprob_error(tiny_model, groups, TEMPERATURE)
+    logger.info("HF fp32 engine vs transformers: max |logprob diff| = %.3g", error)
+    assert error < FP32_LOGPROB_ATOL
     check_topk_is_model_topk(tiny_model, groups, TEMPERATURE, 3)
     no_topk = hf_engine.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=4)
     check_fields(no_topk, PROMPTS, 2, 0, tiny_model.config.eos_token_id)
@@ -314,5 +334,7 @@ def test_hf_engine_bf16_rollouts_mismatch(tiny_model_dir: Path, tiny_model: torc
     """A bf16 rollout copy of an fp32 model reports log-probs that really differ, by a little."""
     engine = make_engine("hf", str(tiny_model_dir), dtype="bfloat16", max_model_len=32, device="cpu")
     groups = engine.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=1)
+    error = max_logprob_error(tiny_model, groups, TEMPERATURE)
+    logger.info("HF bf16 rollouts vs fp32 model: max |logprob diff| = %.3g", error)
     low, high = BF16_MISMATCH_RANGE
-    assert low < max_logprob_error(tiny_model, groups, TEMPERATURE) < high
+    assert low < error < high
