@@ -7,6 +7,8 @@ The ops are registered as ``torch.ops.dppo.*`` by the native library ``dppo_ext.
 contract is in docs/contract.md.
 """
 
+import torch  # noqa: F401  (loads libtorch/libc10, which the native library links against)
+
 try:
     from . import _C  # noqa: F401  (loads the library: registers torch.ops.dppo.*)
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
