@@ -17,9 +17,10 @@ Design (why recompute rather than Liger-style gradients-in-forward):
   buffer, then the logits op on it (the op needs whole rows for the log-sum-exp and the top-K divergence).
   Backward: tiles of ``tile_rows`` x ``vocab_block``, vocabulary blocks outermost. Per tile, the logits are
   recomputed into one reused buffer and ``torch.ops.dppo.dppo_loss_backward_`` overwrites them in place with
-  ``d loss / d logits`` (it takes the saved ``lse`` and ``entropy``, so a tile needs no other column). A row whose
-  sampled token lies outside the tile's vocabulary block points at one extra column holding a logit
-  ``1e4 * T`` below its ``lse`` (probability exactly 0, so it changes nothing; its gradient column is dropped).
+  ``d loss / d logits`` (it takes the saved ``lse`` and ``entropy``: each gradient element depends only on its own
+  logit, so a tile needs no other column). A row whose sampled token lies outside the tile's vocabulary block
+  points at one extra column; its gradient is discarded, and it holds a finite logit ``1e4 * T`` below the row's
+  ``lse`` (probability 0) rather than whatever the reused buffer held.
   Then ``grad_hidden += g @ W_b``, ``grad_weight[b] += g^T @ h``, ``grad_bias[b] += g.sum(0)``.
   With all rows in one tile (the usual automatic plan) each ``grad_weight`` block is a single matmul, as precise as
   the logits path; partial sums across tiles are accumulated in float32 (float64 for float64 inputs).
@@ -48,7 +49,7 @@ __all__ = ["FusedLinearPlan", "fused_linear_dppo", "fused_linear_dppo_loss", "pl
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
 _OFF_BLOCK_GAP = 1.0e4
 # Smallest vocabulary block the automatic plan uses before it also splits rows (keeps matmuls efficient).
-_MIN_VOCAB_BLOCK = 4096
+_MIN_VOCAB_BLOCK = 2048
 # Default memory budget for one logits buffer: max(this, the size of ``hidden``).
 _DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 
@@ -86,7 +87,7 @@ def plan_chunks(
 
     Automatic plan: a logits buffer of at most ``memory_budget_bytes`` (default: max(64 MiB, the size of the hidden
     states [N, H])). Forward chunks take as many whole rows as fit. The backward keeps all rows in one tile and
-    splits the vocabulary into blocks of at least 4096 columns; only when even that does not fit are rows split too.
+    splits the vocabulary into blocks of at least 2048 columns; only when even that does not fit are rows split too.
     ``chunk_size`` (rows) overrides the forward chunk and the backward tile rows; ``vocab_chunk_size`` overrides the
     backward vocabulary block (default with ``chunk_size``: the whole vocabulary).
     """
@@ -111,7 +112,8 @@ def plan_chunks(
     elif rows * vocab <= budget_elems:
         vocab_block = vocab
     else:
-        vocab_block = min(vocab, max(budget_elems // rows, _MIN_VOCAB_BLOCK))
+        # one column of every blocked tile is the off-block padding column
+        vocab_block = min(vocab, max(budget_elems // rows - 1, _MIN_VOCAB_BLOCK))
     tile_rows = min(rows, max(budget_elems // (vocab_block + 1), 1))
     return FusedLinearPlan(chunk_rows, tile_rows, vocab_block)
 

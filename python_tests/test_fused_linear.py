@@ -1,0 +1,333 @@
+"""dppo_ext.fused_linear against the logits path (LM-head matmul + dppo_ext.ops.dppo_loss_forward).
+
+Checks: (1) every forward output and (2) the gradients of hidden, weight and bias under a random upstream
+gradient on loss, logp and entropy, for every mode, in float64, float32 and bfloat16, with chunk plans that split
+rows unevenly (N = 37, chunk 8), split the vocabulary into uneven tiles, N = 1, N = 0 and the automatic plan;
+(3) in float64 also against the op-free dppo_ext.reference with autograd; (4) tied input/output embeddings;
+(5) no [N, V] tensor is ever created; (6) the aggregating wrapper equals dppo_ext.dppo_loss; (7) error messages.
+
+Tolerance rule (as test_dppo_op.py): the truth is the float64 logits path on the same rounded inputs; in float32
+and bfloat16 the fused result's error must be at most twice the same-precision logits path's error plus the
+dtype's tolerance. Rows whose mask decision is within rounding of a tie are left out of loss/mask comparisons and
+get no upstream gradient on the loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import TOL, ambiguous_rows
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dppo_ext import dppo_loss
+from dppo_ext.fused_linear import FusedLinearPlan, fused_linear_dppo, fused_linear_dppo_loss, plan_chunks
+from dppo_ext.ops import dppo_loss_forward
+from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+DIFFERENTIABLE = ("loss", "logp", "entropy")
+OUTPUTS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
+# Thresholds giving a mix of masked and kept rows on these inputs.
+DELTAS = {"binary_tv": (0.05, 0.08), "binary_kl": (0.05, 0.08), "topk_tv": (0.15, 0.2), "topk_kl": (0.2, 0.3),
+          "ratio": (0.2, 0.28), "none": (0.2, 0.2)}
+# Gradient tolerances of the matmul'd gradients (relative to the gradient's scale, see _close_enough).
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# name: (N, V, H, chunk_size, vocab_chunk_size, memory_budget_bytes)
+PLANS = {
+    "rows_37_chunk_8": (37, 257, 24, 8, None, None),
+    "tiles_8x13": (37, 257, 24, 8, 13, None),
+    "n1": (1, 257, 24, None, None, None),
+    "auto_small_budget": (37, 257, 24, None, None, 10 * 258 * 8),
+}
+
+
+def _id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_inputs(n: int, v: int, h: int, mode: str, *, seed: int = 0, temperature: float = 0.8,
+                anchor: bool = False) -> dict:
+    """float64 inputs: hidden [N, H], weight [V, H], bias [V] and the op's per-row inputs.
+
+    The rollout distribution is the model's logits plus noise (mixed masks); tokens are sampled from it; the
+    last two rows (when N >= 4) are padding; top-K (K = 5) comes from the rollout distribution.
+    """
+    g = torch.Generator().manual_seed(seed * 31 + n * 7 + v + sum(map(ord, mode)))
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (2.0 / math.sqrt(h))
+    bias = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
+    logits = hidden @ weight.t() + bias
+    rollout = torch.log_softmax((logits + torch.randn(n, v, generator=g, dtype=torch.float64)) / temperature, -1)
+    tokens = torch.multinomial(rollout.exp(), 1, generator=g).squeeze(1) if n else torch.zeros(0, dtype=torch.long)
+    rollout_logprobs = rollout.gather(1, tokens[:, None]).squeeze(1)
+    if n >= 4:
+        tokens[-2:] = -100
+    topk_logprobs, topk_ids = rollout.topk(5, dim=-1) if mode in TOPK_MODES else (None, None)
+    anchor_logprobs = (rollout_logprobs + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    delta_low, delta_high = DELTAS[mode]
+    return {
+        "hidden": hidden, "weight": weight, "bias": bias, "tokens": tokens,
+        "rollout_logprobs": rollout_logprobs, "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "anchor_logprobs": anchor_logprobs if anchor else None,
+        "mode": mode, "temperature": temperature, "delta_low": delta_low, "delta_high": delta_high,
+        "ratio_cap": 10.0 if mode != "none" else 2.0,
+    }
+
+
+def cast(inputs: dict, dtype: torch.dtype) -> dict:
+    """hidden/weight/bias in ``dtype``, per-row floats in its accumulation dtype (everything detached)."""
+    acc = accumulation_dtype(dtype)
+    out = dict(inputs)
+    for key in ("hidden", "weight", "bias"):
+        out[key] = inputs[key].detach().to(dtype) if inputs[key] is not None else None
+    for key in ("rollout_logprobs", "advantages", "topk_logprobs", "anchor_logprobs"):
+        out[key] = inputs[key].to(acc) if inputs[key] is not None else None
+    return out
+
+
+def _op_kwargs(inputs: dict) -> dict:
+    keys = ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs", "anchor_logprobs", "mode",
+            "temperature", "delta_low", "delta_high", "ratio_cap")
+    return {k: inputs[k] for k in keys}
+
+
+def logits_path(hidden, weight, bias, inputs: dict) -> dict:
+    logits = hidden @ weight.t() + (bias if bias is not None else 0)
+    return dppo_loss_forward(logits, **_op_kwargs(inputs))._asdict()
+
+
+def reference_path(hidden, weight, bias, inputs: dict) -> dict:
+    logits = hidden @ weight.t() + (bias if bias is not None else 0)
+    return dppo_loss_reference(logits, **_op_kwargs(inputs))
+
+
+def fused_path(chunk_size=None, vocab_chunk_size=None, budget=None):
+    def run(hidden, weight, bias, inputs: dict) -> dict:
+        return fused_linear_dppo_loss(hidden, weight, bias=bias, chunk_size=chunk_size,
+                                      vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=budget,
+                                      **_op_kwargs(inputs))._asdict()
+    return run
+
+
+def run_with_grads(path, inputs: dict, upstream: dict) -> tuple[dict, dict]:
+    """Outputs and (hidden, weight, bias) gradients of ``sum(out[k] * upstream[k])`` over loss/logp/entropy."""
+    leaves = {k: None if inputs[k] is None else inputs[k].detach().clone().requires_grad_(True)
+              for k in ("hidden", "weight", "bias")}
+    out = path(leaves["hidden"], leaves["weight"], leaves["bias"], inputs)
+    total = sum((out[k] * upstream[k].to(out[k].dtype)).sum() for k in DIFFERENTIABLE)
+    total.backward()
+    return {k: v.detach() for k, v in out.items()}, {k: None if t is None else t.grad for k, t in leaves.items()}
+
+
+def upstream_grads(n: int, tie: torch.Tensor, seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    up = {k: torch.randn(n, generator=g, dtype=torch.float64) for k in DIFFERENTIABLE}
+    up["loss"][tie] = 0.0  # a mask tie may flip under rounding: no loss gradient through that row
+    return up
+
+
+def _close_enough(name: str, got, want, base, scale_tol: float) -> None:
+    """max|got - want| <= 2 * max|base - want| + scale_tol * max|want| (+ tiny), and no NaN."""
+    got, want, base = got.double(), want.double(), base.double()
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    if got.numel() == 0:
+        return
+    finite = torch.isfinite(want)
+    assert torch.equal(got[~finite], want[~finite]), f"{name}: non-finite values differ"
+    err = (got - want)[finite].abs().max().item() if finite.any() else 0.0
+    base_err = (base - want)[finite].abs().max().item() if finite.any() else 0.0
+    scale = want[finite].abs().max().item() if finite.any() else 0.0
+    bound = 2 * base_err + scale_tol * scale + 1e-300
+    assert err <= bound, f"{name}: fused error {err:.3e} > bound {bound:.3e} (logits path error {base_err:.3e})"
+
+
+def check_against_logits_path(inputs64: dict, dtype: torch.dtype, fused) -> None:
+    inputs = cast(inputs64, dtype)
+    truth_in = cast(inputs, torch.float64)  # the same rounded values, in float64
+    n = inputs["tokens"].shape[0]
+    ref_out = logits_path(truth_in["hidden"], truth_in["weight"], truth_in["bias"], truth_in)
+    tie = ambiguous_rows(truth_in, ref_out)
+    up = upstream_grads(n, tie)
+    want_out, want_grad = run_with_grads(logits_path, truth_in, up)
+    base_out, base_grad = run_with_grads(logits_path, inputs, up)
+    got_out, got_grad = run_with_grads(fused, inputs, up)
+
+    tol = TOL[dtype]
+    keep = ~tie
+    for key in OUTPUTS:
+        assert got_out[key].shape == (n,) and got_out[key].dtype == accumulation_dtype(dtype), key
+        sel = keep if key in ("loss", "mask", "weight") else torch.ones_like(keep)
+        _close_enough(key, got_out[key][sel], want_out[key][sel], base_out[key][sel], tol["fwd_rtol"])
+    for key in ("hidden", "weight", "bias"):
+        assert got_grad[key].dtype == dtype and got_grad[key].shape == inputs[key].shape, key
+        _close_enough(f"grad_{key}", got_grad[key], want_grad[key], base_grad[key], GRAD_TOL[dtype])
+    valid = inputs["tokens"] != -100
+    assert (got_grad["hidden"][~valid] == 0).all(), "padding rows must get a zero hidden gradient"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_logits_path_all_modes(mode, dtype):
+    n, v, h, chunk, vchunk, budget = PLANS["tiles_8x13"]
+    check_against_logits_path(make_inputs(n, v, h, mode), dtype, fused_path(chunk, vchunk, budget))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("plan", [p for p in PLANS if p != "tiles_8x13"])
+@pytest.mark.parametrize("mode", ("binary_tv", "topk_kl"))
+def test_matches_logits_path_chunk_plans(plan, mode, dtype):
+    n, v, h, chunk, vchunk, budget = PLANS[plan]
+    check_against_logits_path(make_inputs(n, v, h, mode, anchor=True), dtype, fused_path(chunk, vchunk, budget))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_matches_op_free_reference(mode):
+    """Independent of the op: the reference's full log-softmax + autograd, through the same matmul."""
+    inputs = make_inputs(37, 257, 24, mode, seed=3)
+    tie = ambiguous_rows(inputs, reference_path(inputs["hidden"], inputs["weight"], inputs["bias"], inputs))
+    up = upstream_grads(37, tie)
+    want_out, want_grad = run_with_grads(reference_path, inputs, up)
+    got_out, got_grad = run_with_grads(fused_path(8, 13), inputs, up)
+    for key in OUTPUTS:
+        torch.testing.assert_close(got_out[key][~tie], want_out[key][~tie].to(torch.float64), rtol=1e-9, atol=1e-10,
+                                   msg=lambda m: f"{key}: {m}")
+    for key in ("hidden", "weight", "bias"):
+        torch.testing.assert_close(got_grad[key], want_grad[key], rtol=1e-8, atol=1e-10, msg=lambda m: f"{key}: {m}")
+
+
+def test_no_bias_and_n0():
+    inputs = make_inputs(6, 33, 8, "binary_kl")
+    inputs["bias"] = None
+    up = upstream_grads(6, torch.zeros(6, dtype=torch.bool))
+    want_out, want_grad = run_with_grads(logits_path, inputs, up)
+    got_out, got_grad = run_with_grads(fused_path(4, 5), inputs, up)
+    assert got_grad["bias"] is None
+    for key in ("hidden", "weight"):
+        torch.testing.assert_close(got_grad[key], want_grad[key], rtol=1e-9, atol=1e-12)
+    empty = make_inputs(0, 33, 8, "binary_tv")
+    out, grads = run_with_grads(fused_path(), empty, upstream_grads(0, torch.zeros(0, dtype=torch.bool)))
+    assert all(t.shape == (0,) for t in out.values())
+    assert (grads["weight"] == 0).all() and (grads["bias"] == 0).all() and grads["hidden"].shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=_id)
+def test_tied_embeddings(dtype):
+    """weight = the input embedding: its gradient sums the embedding lookup's and the LM head's parts."""
+    inputs = make_inputs(37, 257, 24, "binary_tv")
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 257, (37,), generator=g)
+    proj0 = (torch.randn(24, 24, generator=g, dtype=torch.float64) / 5).to(dtype)
+    emb0 = inputs["weight"].to(dtype)
+    acc = accumulation_dtype(dtype)
+    kw = _op_kwargs(cast(inputs, dtype))
+
+    def grads(fused: bool):
+        emb = emb0.clone().requires_grad_(True)
+        proj = proj0.clone().requires_grad_(True)
+        hidden = torch.tanh(emb[ids] @ proj)
+        if fused:
+            out = fused_linear_dppo_loss(hidden, emb, chunk_size=8, vocab_chunk_size=100, **kw)
+        else:
+            out = dppo_loss_forward(hidden @ emb.t(), **kw)
+        (out.loss.sum() + 0.5 * out.entropy.sum() + out.logp.to(acc).sum()).backward()
+        return emb.grad, proj.grad
+
+    (emb_f, proj_f), (emb_l, proj_l) = grads(True), grads(False)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(emb_f, emb_l, rtol=tol, atol=tol)
+    torch.testing.assert_close(proj_f, proj_l, rtol=tol, atol=tol)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (in elements) any op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("plan", ("rows_37_chunk_8", "tiles_8x13"))
+def test_never_materialises_logits(plan):
+    n, v, h, chunk, vchunk, budget = PLANS[plan]
+    inputs = cast(make_inputs(n, v, h, "binary_tv"), torch.float32)
+    up = upstream_grads(n, torch.zeros(n, dtype=torch.bool))
+    seen = {}
+    for name, path in (("fused", fused_path(chunk, vchunk, budget)), ("logits", logits_path)):
+        with _LargestTensor() as mode:
+            run_with_grads(path, inputs, up)
+        seen[name] = mode.largest
+    assert seen["logits"] >= n * v, "the detector must see the logits path's [N, V] tensor"
+    limit = max(FusedLinearPlan(chunk, chunk, vchunk or v).buffer_bytes(v, 1), v * h)  # buffer or the weight
+    assert seen["fused"] <= limit < n * v, seen
+
+
+def test_plan_chunks_respects_budget_and_overrides():
+    plan = plan_chunks(8192, 151936, 2048, torch.bfloat16)
+    budget = max(64 * 1024 * 1024, 8192 * 2048 * 2)
+    assert plan.buffer_bytes(151936, 2) <= budget
+    assert plan.tile_rows == 8192, "the default plan keeps all rows in one backward tile"
+    assert plan_chunks(37, 257, 24, torch.float32, chunk_size=8) == FusedLinearPlan(8, 8, 257)
+    assert plan_chunks(37, 257, 24, torch.float32, chunk_size=8, vocab_chunk_size=13) == FusedLinearPlan(8, 8, 13)
+    small = plan_chunks(37, 257, 24, torch.float32, memory_budget_bytes=10 * 258 * 4)
+    assert small.buffer_bytes(257, 4) <= 10 * 258 * 4 and small.tile_rows < 37
+    huge_n = plan_chunks(1_000_000, 151936, 2048, torch.bfloat16)
+    assert huge_n.buffer_bytes(151936, 2) <= 1_000_000 * 2048 * 2 and huge_n.tile_rows < 1_000_000
+
+
+@pytest.mark.parametrize("agg", ("token-mean", "seq-mean-token-mean"))
+def test_wrapper_matches_dppo_loss(agg):
+    g = torch.Generator().manual_seed(4)
+    b, t, h, v = 3, 7, 16, 61
+    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / 3).requires_grad_(True)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    rollout = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    kw = dict(response_mask=mask, loss_agg_mode=agg, mode="binary_tv", temperature=0.9)
+    loss_l, metrics_l = dppo_loss(hidden @ weight.t(), tokens, rollout, adv, **kw)
+    grads_l = torch.autograd.grad(loss_l, (hidden, weight))
+    loss_f, metrics_f = fused_linear_dppo(hidden, weight, tokens, rollout, adv, chunk_size=4, vocab_chunk_size=9, **kw)
+    grads_f = torch.autograd.grad(loss_f, (hidden, weight))
+    torch.testing.assert_close(loss_f, loss_l, rtol=1e-10, atol=1e-12)
+    assert metrics_f.keys() == metrics_l.keys()
+    for key in metrics_l:
+        torch.testing.assert_close(metrics_f[key], metrics_l[key], rtol=1e-10, atol=1e-12, msg=key)
+    for got, want in zip(grads_f, grads_l):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _args(**over):
+    base = make_inputs(5, 11, 4, "binary_tv")
+    kw = dict(hidden=base["hidden"], weight=base["weight"], tokens=base["tokens"],
+              rollout_logprobs=base["rollout_logprobs"], advantages=base["advantages"])
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize(
+    "over, exc, match",
+    [
+        (dict(hidden=torch.zeros(5)), ValueError, r"hidden must be 2-D \[N, H\], got shape \(5,\)"),
+        (dict(weight=torch.zeros(11, 3, dtype=torch.float64)), ValueError, r"weight must be 2-D \[V, H\] with H=4"),
+        (dict(weight=torch.zeros(11, 4)), TypeError, r"weight dtype must equal hidden dtype torch.float64"),
+        (dict(tokens=torch.zeros(4, dtype=torch.long)), ValueError, r"tokens must be 1-D with N=5 rows"),
+        (dict(advantages=torch.zeros(6, dtype=torch.float64)), ValueError, r"advantages must be 1-D with N=5 rows"),
+        (dict(bias=torch.zeros(10, dtype=torch.float64)), ValueError, r"bias must be \[V\] with V=11"),
+        (dict(chunk_size=0), ValueError, r"chunk_size must be a positive int or None, got 0"),
+        (dict(vocab_chunk_size=-3), ValueError, r"vocab_chunk_size must be a positive int or None, got -3"),
+        (dict(tokens=torch.full((5,), 11)), (ValueError, IndexError), r"11"),
+    ],
+)
+def test_error_messages(over, exc, match):
+    with pytest.raises(exc, match=match):
+        fused_linear_dppo_loss(**_args(**over))
