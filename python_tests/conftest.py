@@ -68,8 +68,8 @@ CASES = {
     "v1000_k64": Case(n=9, v=1000, k=64, temperature=1.3),
     "v4099": Case(n=6, v=4099, k=20),
     "noncontig": Case(n=11, v=250, k=8, noncontiguous=True),
-    "few_rows_big_v": Case(n=3, v=32771, k=20),
-    "many_rows": Case(n=1100, v=40, k=3),
+    "few_rows_big_v": Case(n=3, v=16411, k=20),
+    "many_rows": Case(n=300, v=40, k=3),
     "extreme": Case(n=12, v=301, k=6, extreme=True),
 }
 SMALL_CASES = ("n0", "n1_v1", "v7_k1", "v129", "noncontig", "extreme")
