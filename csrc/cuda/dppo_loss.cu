@@ -93,6 +93,12 @@ __device__ __forceinline__ bool in_vector(int64_t a, int64_t j0) {
   return static_cast<uint64_t>(a - j0) < static_cast<uint64_t>(kVec);
 }
 
+// s = z / T as z * (1 / T), rounded on its own: never contracted into an FMA with a following
+// subtraction, so s - max(s) is exactly 0 at the max even for huge logits (an FMA would leave the
+// product's rounding residual, up to ~1e22 for |s| ~ 1e30, and exp of it overflows).
+__device__ __forceinline__ float scale_logit(float z, float inv_t) { return __fmul_rn(z, inv_t); }
+__device__ __forceinline__ double scale_logit(double z, double inv_t) { return __dmul_rn(z, inv_t); }
+
 // ---- online log-sum-exp states ----------------------------------------------------------------
 
 template <typename acc_t>
@@ -189,7 +195,7 @@ __device__ __forceinline__ void add_packs(EntState<acc_t>& st, const Pack<scalar
     }
   }
   if (zmax == static_cast<acc_t>(-INFINITY)) return;  // nothing but -inf (or the target): no mass
-  const acc_t cm = zmax * inv_t;
+  const acc_t cm = scale_logit(zmax, inv_t);
   acc_t sum = 0, wsum = 0;
 #pragma unroll
   for (int u = 0; u < kPacks; ++u) {
@@ -197,12 +203,12 @@ __device__ __forceinline__ void add_packs(EntState<acc_t>& st, const Pack<scalar
     for (int k = 0; k < kVec; ++k) {
       if (kExclude && j0 + u * jstride + k == a) continue;
       if constexpr (kEntropy) {
-        const acc_t x = std::fmax(static_cast<acc_t>(pk[u].v[k]) * inv_t - cm, shift_floor<acc_t>());
+        const acc_t x = std::fmax(scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm, shift_floor<acc_t>());
         const acc_t e = std::exp(x);
         sum += e;
         wsum += e * x;
       } else {
-        sum += std::exp(static_cast<acc_t>(pk[u].v[k]) * inv_t - cm);
+        sum += std::exp(scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm);
       }
     }
   }
@@ -250,7 +256,7 @@ __device__ __forceinline__ void add_scalars(EntState<acc_t>& st, const scalar_t*
                                             int64_t a, acc_t inv_t) {
   for (int64_t j = jb + threadIdx.x; j < je; j += blockDim.x) {
     if (j == a) continue;
-    st = merge_state<kEntropy>(st, EntState<acc_t>{static_cast<acc_t>(row[j]) * inv_t, acc_t(1), acc_t(0)});
+    st = merge_state<kEntropy>(st, EntState<acc_t>{scale_logit(static_cast<acc_t>(row[j]), inv_t), acc_t(1), acc_t(0)});
   }
 }
 
@@ -298,7 +304,7 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
-      const acc_t lq = id >= 0 && id < p.v ? static_cast<acc_t>(row[id]) * p.inv_t - lse
+      const acc_t lq = id >= 0 && id < p.v ? scale_logit(static_cast<acc_t>(row[id]), p.inv_t) - lse
                                            : static_cast<acc_t>(-INFINITY);
       topk_add(acc, p.topk_lp[i * p.k + c], lq);
     }
@@ -339,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<scalar_t>) dppo_loss_forw
     return;
   }
   const scalar_t* row = p.logits + i * p.ld;
-  const acc_t s_a = static_cast<acc_t>(row[a]) * p.inv_t;  // issued early, used in the epilogue
+  const acc_t s_a = scale_logit(static_cast<acc_t>(row[a]), p.inv_t);  // issued early, used in the epilogue
   const int64_t head = head_elems(row, p.v);
   const int64_t nvec = (p.v - head) / kVec;
   EntState<acc_t> st = empty_state<acc_t>();
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(kFinishThreads)
     return;
   }
   const scalar_t* row = p.logits + i * p.ld;
-  const acc_t s_a = static_cast<acc_t>(row[a]) * p.inv_t;
+  const acc_t s_a = scale_logit(static_cast<acc_t>(row[a]), p.inv_t);
   EntState<acc_t> st = empty_state<acc_t>();
   for (int64_t s = threadIdx.x; s < n_split; s += kFinishThreads) {
     const acc_t* w = ws + (i * n_split + s) * 3;
@@ -427,13 +433,13 @@ struct RowGrad {
 
   __device__ __forceinline__ acc_t nontarget(acc_t z) const {
     if constexpr (kEnt) {
-      const acc_t l = std::fmax(z * inv_t - lse, shift_floor<acc_t>());
+      const acc_t l = std::fmax(scale_logit(z, inv_t) - lse, shift_floor<acc_t>());
       return grad_from_p(std::exp(l), l, gt, gh, h, -inv_t);
     } else {
-      return grad_from_p_noent(std::exp(z * inv_t - lse), gt, -inv_t);
+      return grad_from_p_noent(std::exp(scale_logit(z, inv_t) - lse), gt, -inv_t);
     }
   }
-  __device__ __forceinline__ acc_t target(acc_t z) const { return grad_target(z * inv_t - lse, gt, gh, h, inv_t); }
+  __device__ __forceinline__ acc_t target(acc_t z) const { return grad_target(scale_logit(z, inv_t) - lse, gt, gh, h, inv_t); }
   __device__ __forceinline__ acc_t at(acc_t z, int64_t j) const { return j == a ? target(z) : nontarget(z); }
 };
 

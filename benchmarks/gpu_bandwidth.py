@@ -1,0 +1,259 @@
+"""Memory bandwidth of the DPPO loss kernels next to the device's measured copy bandwidth.
+
+The op is memory-bound: the forward reads the logits once, the backward reads them once and writes
+the gradient once. This script measures
+
+* copy bandwidth: ``dst.copy_(src)`` of a large tensor, bytes = read + write;
+* forward GB/s of ``torch.ops.dppo.dppo_loss_forward`` (bytes = logits read) and backward GB/s of
+  ``dppo_loss_backward`` / ``dppo_loss_backward_`` (bytes = logits read + grad written), by default at
+  N = 16384, V = 151936, bfloat16;
+* for contrast, the eager ``dppo_ext.reference.dppo_loss_reference`` (forward, and forward + autograd
+  backward) at a smaller N, next to our op at that same N.
+
+Two timings per case: ``op`` is the wall time of the whole call between CUDA events (it includes the
+input validation of checks.h, a few small reductions and host syncs); ``kernel`` is the device time
+of the dppo kernels alone, from torch.profiler. The bandwidth targets (forward >= 75 %, backward
+>= 80 % of copy bandwidth) are judged on ``kernel``. Medians over --iters runs after --warmup.
+
+Usage (a GPU machine; scripts/gpu_check.sh runs it):
+    python benchmarks/gpu_bandwidth.py [--n 16384] [--v 151936] [--dtype bf16] [--out results.json]
+Smoke test without a GPU (tiny sizes, CPU kernels, no targets):
+    python benchmarks/gpu_bandwidth.py --device cpu --n 64 --v 4096 --ref-n 32 --iters 2
+Results are printed as a table and written as JSON to --out (default $OUT/gpu_bandwidth.json when
+$OUT is set, else ./gpu_bandwidth.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+import dppo_ext  # noqa: F401  (registers torch.ops.dppo.*)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TARGETS = {"forward": 0.75, "backward": 0.80}
+
+
+@dataclass
+class Row:
+    """One benchmark case: times in ms (medians), bandwidths in GB/s (1e9 bytes/s)."""
+
+    name: str
+    kind: str  # "copy" | "forward" | "backward" | "reference"
+    n: int
+    v: int
+    bytes: int
+    op_ms: float
+    kernel_ms: Optional[float]
+    op_gbps: float
+    kernel_gbps: Optional[float]
+    pct_of_copy: Optional[float]  # kernel GB/s (op GB/s when no kernel time) / copy GB/s
+    target: Optional[float]
+    meets_target: Optional[bool]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
+    """Median wall time of fn() in ms (CUDA events on a GPU, perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_kernels(fn: Callable[[], object], device: torch.device, iters: int, name_part: str) -> Optional[float]:
+    """Mean device time per call (ms) of the CUDA kernels whose name contains name_part, measured
+    with torch.profiler; None on the CPU or when the profiler records no such kernel."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    total_us = 0.0
+    found = False
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and name_part in evt.name:
+            total_us += evt.time_range.elapsed_us()
+            found = True
+    return total_us / iters / 1e3 if found else None
+
+
+def make_inputs(n: int, v: int, dtype: torch.dtype, device: torch.device, k: int, seed: int = 0) -> dict:
+    """Random op inputs: logits [N, V] (dtype), tokens [N], rollout log-probs [N] (<= 0), advantages
+    [N], top-K ids [N, K] and log-probs [N, K] (<= 0), all per-row tensors in float32."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.empty(n, v, dtype=dtype, device=device)
+    for i in range(0, n, 1024):  # row chunks keep the fp32 temporary small
+        rows = min(1024, n - i)
+        logits[i:i + rows] = torch.randn(rows, v, generator=gen, device=device) * 2.0
+    tokens = torch.randint(0, v, (n,), generator=gen, device=device)
+    rollout = -torch.rand(n, generator=gen, device=device) * 5.0
+    adv = torch.randn(n, generator=gen, device=device)
+    topk_ids = torch.randint(0, v, (n, k), generator=gen, device=device)
+    topk_lp = torch.log_softmax(torch.randn(n, k, generator=gen, device=device), dim=-1) - 0.5
+    return dict(logits=logits, tokens=tokens, rollout=rollout, adv=adv, topk_ids=topk_ids, topk_lp=topk_lp)
+
+
+def forward_call(x: dict, mode: str, entropy: bool) -> Callable[[], object]:
+    topk = mode.startswith("topk")
+    return lambda: torch.ops.dppo.dppo_loss_forward(
+        x["logits"], x["tokens"], x["rollout"], x["adv"], x["topk_ids"] if topk else None,
+        x["topk_lp"] if topk else None, None, mode, 1.0, 0.2, 0.2, 10.0, entropy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=16384, help="rows (response tokens)")
+    ap.add_argument("--v", type=int, default=151936, help="vocabulary size")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--k", type=int, default=20, help="top-K width of the topk_kl case")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copied tensor (GiB)")
+    ap.add_argument("--ref-n", type=int, default=1024, help="rows for the eager-reference contrast (0: skip)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device visible to torch; use --device cpu for a smoke test")
+    dtype = DTYPES[args.dtype]
+    out_path = args.out or os.path.join(os.environ.get("OUT", "."), "gpu_bandwidth.json")
+    esize = torch.empty((), dtype=dtype).element_size()
+    rows: list[Row] = []
+
+    def add(name, kind, n, v, nbytes, op_ms, kernel_ms, copy_gbps):
+        op_gbps = nbytes / op_ms / 1e6
+        kernel_gbps = nbytes / kernel_ms / 1e6 if kernel_ms else None
+        best = kernel_gbps if kernel_gbps is not None else op_gbps
+        pct = best / copy_gbps if copy_gbps else None
+        target = TARGETS.get(kind) if device.type == "cuda" else None
+        meets = (pct >= target) if (target is not None and pct is not None and kernel_gbps is not None) else None
+        rows.append(Row(name, kind, n, v, nbytes, op_ms, kernel_ms, op_gbps, kernel_gbps, pct, target, meets))
+
+    # Copy bandwidth: bytes = read + write.
+    numel = int(args.copy_gib * 2**30) // 4
+    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = time_op(lambda: dst.copy_(src), device, args.iters, args.warmup)
+    copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
+    add("copy_", "copy", 0, 0, 2 * src.numel() * 4, copy_ms, None, copy_gbps)
+    del src, dst
+
+    n, v = args.n, args.v
+    x = make_inputs(n, v, dtype, device, args.k)
+    read = n * v * esize
+    for mode, entropy in (("binary_tv", True), ("binary_tv", False), ("topk_kl", True)):
+        fn = forward_call(x, mode, entropy)
+        add(f"forward {mode} entropy={entropy}", "forward", n, v, read, time_op(fn, device, args.iters, args.warmup),
+            time_kernels(fn, device, args.iters, "dppo_loss_forward"), copy_gbps)
+
+    outs = forward_call(x, "binary_tv", True)()
+    lse, ent = outs[6], outs[5]
+    gt = torch.randn(n, device=device)
+    gh = torch.randn(n, device=device) * 0.01
+    for name, fn in (
+        ("backward (no entropy grad)",
+         lambda: torch.ops.dppo.dppo_loss_backward(gt, None, x["logits"], x["tokens"], lse, None, 1.0)),
+        ("backward (with entropy grad)",
+         lambda: torch.ops.dppo.dppo_loss_backward(gt, gh, x["logits"], x["tokens"], lse, ent, 1.0)),
+    ):
+        add(name, "backward", n, v, 2 * read, time_op(fn, device, args.iters, args.warmup),
+            time_kernels(fn, device, args.iters, "dppo_loss_backward"), copy_gbps)
+    # In place last: it overwrites the logits with gradients (the bytes moved are the same).
+    fn = lambda: torch.ops.dppo.dppo_loss_backward_(gt, None, x["logits"], x["tokens"], lse, None, 1.0)  # noqa: E731
+    add("backward_ in-place", "backward", n, v, 2 * read, time_op(fn, device, args.iters, args.warmup),
+        time_kernels(fn, device, args.iters, "dppo_loss_backward"), copy_gbps)
+    del x, outs, lse, ent
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if args.ref_n > 0:
+        try:
+            from dppo_ext.reference import dppo_loss_reference
+        except ImportError as exc:
+            print(f"(eager reference not importable: {exc})")
+        else:
+            rn = args.ref_n
+            y = make_inputs(rn, v, dtype, device, args.k, seed=1)
+            rread = rn * v * esize
+            fn = forward_call(y, "binary_tv", True)
+            add(f"ours forward binary_tv (N={rn})", "forward", rn, v, rread,
+                time_op(fn, device, args.iters, args.warmup), time_kernels(fn, device, args.iters, "dppo_loss_forward"),
+                copy_gbps)
+
+            def ours_fwd_bwd():
+                o = fn()
+                torch.ops.dppo.dppo_loss_backward(o[0], None, y["logits"], y["tokens"], o[6], None, 1.0)
+
+            add(f"ours fwd+bwd binary_tv (N={rn})", "reference", rn, v, 3 * rread,
+                time_op(ours_fwd_bwd, device, args.iters, args.warmup), None, copy_gbps)
+
+            def ref_fwd():
+                with torch.no_grad():
+                    return dppo_loss_reference(y["logits"], y["tokens"], y["rollout"], y["adv"], mode="binary_tv")
+
+            def ref_fwd_bwd():
+                logits = y["logits"].detach().requires_grad_(True)
+                out = dppo_loss_reference(logits, y["tokens"], y["rollout"], y["adv"], mode="binary_tv")
+                out["loss"].sum().backward()
+
+            add(f"reference forward binary_tv (N={rn})", "reference", rn, v, rread,
+                time_op(ref_fwd, device, args.iters, args.warmup), None, copy_gbps)
+            add(f"reference fwd+bwd binary_tv (N={rn})", "reference", rn, v, 3 * rread,
+                time_op(ref_fwd_bwd, device, args.iters, args.warmup), None, copy_gbps)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"\nDPPO loss bandwidth on {name}, torch {torch.__version__}, dtype {args.dtype}, N={n}, V={v}")
+    print(f"copy bandwidth (copy_ of {args.copy_gib:g} GiB fp32, read + write): {copy_gbps:,.0f} GB/s\n")
+    hdr = f"{'case':44s} {'bytes':>9s} {'op ms':>8s} {'op GB/s':>9s} {'kern ms':>8s} {'kern GB/s':>9s} {'% copy':>7s} {'target':>7s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows[1:]:
+        kms = f"{r.kernel_ms:8.3f}" if r.kernel_ms is not None else f"{'-':>8s}"
+        kgb = f"{r.kernel_gbps:9,.0f}" if r.kernel_gbps is not None else f"{'-':>9s}"
+        pct = f"{100 * r.pct_of_copy:6.1f}%" if r.pct_of_copy is not None else f"{'-':>7s}"
+        tgt = "" if r.target is None else (f">={100 * r.target:.0f}% " + ("ok" if r.meets_target else "MISS"))
+        print(f"{r.name:44s} {r.bytes / 1e9:8.2f}G {r.op_ms:8.3f} {r.op_gbps:9,.0f} {kms} {kgb} {pct} {tgt:>7s}")
+    result = {
+        "device": name, "torch": torch.__version__, "dtype": args.dtype, "n": n, "v": v,
+        "copy_gbps": copy_gbps, "targets": TARGETS, "rows": [asdict(r) for r in rows],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
