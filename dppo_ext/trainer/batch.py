@@ -1,0 +1,161 @@
+"""Pack rollout samples into the padded tensors one training step needs.
+
+Layout (B sequences, prompts left-padded to a common length P, responses right-padded to T):
+
+    input_ids      [B, P + T]   pad | prompt | response | pad
+    attention_mask [B, P + T]   1 on real tokens
+    position_ids   [B, P + T]   0, 1, ... counted over real tokens (matches the rollout engine)
+
+The logits that predict response token t sit at column ``P - 1 + t``, so the policy's
+response logits are the last ``T + 1`` columns minus the final one: a single contiguous slice
+for every row, which lets the model project only those hidden states to the vocabulary
+(``logits_to_keep``) instead of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from dppo_ext.rollout.base import RolloutSample
+
+
+@dataclass
+class RolloutBatch:
+    """Padded tensors of B rollout sequences (see the module docstring for the layout).
+
+    Attributes:
+        input_ids, attention_mask, position_ids: [B, P + T] int64.
+        tokens: [B, T] int64 response tokens (pad id on padding).
+        response_mask: [B, T] bool, True on real response tokens.
+        rollout_logprobs: [B, T] float32 rollout log-probs (0 on padding).
+        advantages: [B] float32, one per sequence.
+        topk_ids: [B, T, K] int64 or None; topk_logprobs: [B, T, K] float32 or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    tokens: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of sequences B."""
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        """Padded response length T."""
+        return self.tokens.shape[1]
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        """The sub-batch of rows ``index`` ([b] int64), trimmed to its own longest response."""
+        picked = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)}
+        longest = int(picked["response_mask"].sum(dim=1).max()) if index.numel() else 0
+        cut = self.response_len - longest
+        if cut > 0:
+            for name in ("input_ids", "attention_mask", "position_ids"):
+                picked[name] = picked[name][:, : picked[name].shape[1] - cut]
+            for name in ("tokens", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+                if picked[name] is not None:
+                    picked[name] = picked[name][:, :longest]
+        return RolloutBatch(**picked)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device``."""
+        return RolloutBatch(
+            **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device)) for f in fields(self)}
+        )
+
+
+def collate_rollouts(
+    samples: list[RolloutSample], advantages: list[float], *, pad_id: int, with_topk: bool
+) -> RolloutBatch:
+    """Pack ``samples`` (with one advantage each) into a ``RolloutBatch`` on the CPU.
+
+    Args:
+        samples: B rollout samples; each response must be non-empty.
+        advantages: B advantages.
+        pad_id: token id used for padding (never attended to, never trained on).
+        with_topk: also pack ``topk_ids`` / ``topk_logprobs`` (all samples must carry them).
+    """
+    if len(samples) != len(advantages):
+        raise ValueError(f"got {len(samples)} samples but {len(advantages)} advantages")
+    if not samples:
+        raise ValueError("collate_rollouts needs at least one sample")
+    prompt_len = max(len(s.prompt_ids) for s in samples)
+    resp_len = max(len(s.response_ids) for s in samples)
+    if resp_len == 0:
+        raise ValueError("every rollout response is empty; nothing to train on")
+    batch, total = len(samples), prompt_len + resp_len
+    input_ids = torch.full((batch, total), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, total), dtype=torch.long)
+    tokens = torch.full((batch, resp_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((batch, resp_len), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((batch, resp_len), dtype=torch.float32)
+    topk_ids = topk_logprobs = None
+    if with_topk:
+        k = _topk_width(samples)
+        topk_ids = torch.zeros((batch, resp_len, k), dtype=torch.long)
+        topk_logprobs = torch.zeros((batch, resp_len, k), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        p, t = len(sample.prompt_ids), len(sample.response_ids)
+        if len(sample.logprobs) != t:
+            raise ValueError(f"sample {row}: {t} response tokens but {len(sample.logprobs)} log-probs")
+        input_ids[row, prompt_len - p : prompt_len] = torch.tensor(sample.prompt_ids, dtype=torch.long)
+        attention_mask[row, prompt_len - p : prompt_len + t] = 1
+        if t:
+            response = torch.tensor(sample.response_ids, dtype=torch.long)
+            input_ids[row, prompt_len : prompt_len + t] = response
+            tokens[row, :t] = response
+            response_mask[row, :t] = True
+            rollout_logprobs[row, :t] = torch.tensor(sample.logprobs, dtype=torch.float32)
+            if with_topk:
+                topk_ids[row, :t] = torch.tensor(sample.topk_ids, dtype=torch.long)
+                topk_logprobs[row, :t] = torch.tensor(sample.topk_logprobs, dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        tokens=tokens,
+        response_mask=response_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+    )
+
+
+def _topk_width(samples: list[RolloutSample]) -> int:
+    widths = {len(row) for s in samples if s.topk_ids is not None for row in s.topk_ids}
+    if any(s.topk_ids is None or s.topk_logprobs is None for s in samples if s.response_ids):
+        raise ValueError("a top-K loss needs topk_ids/topk_logprobs on every sample; generate with top_k >= 1")
+    if len(widths) != 1:
+        raise ValueError(f"every top-K row must have the same K, got widths {sorted(widths)}")
+    return widths.pop()
+
+
+def response_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """The policy's raw logits for every response position.
+
+    Runs ``model`` on the packed sequences and projects only the ``T + 1`` last hidden states
+    to the vocabulary.
+
+    Returns:
+        [B, T, V] logits; row b, column t predicts ``batch.tokens[b, t]``.
+    """
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.response_len + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1]

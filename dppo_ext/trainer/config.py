@@ -1,0 +1,219 @@
+"""Typed training configuration; the command-line parser is generated from it.
+
+Every field of ``TrainConfig`` becomes a ``--flag`` (underscores -> dashes) with the field's
+type, default and help text, so the dataclass is the single place that defines the CLI.
+``TrainConfig.validate`` fails fast with messages that name the flag, the value and what is
+expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dppo_ext.tasks.base import VERIFIERS
+
+# --loss name -> dppo_loss mode. grpo_clip is the PPO/GRPO ratio clip used as a mask; pg_is is
+# plain importance-weighted policy gradient (never masks).
+LOSS_MODES = {
+    "dppo_binary_tv": "binary_tv",
+    "dppo_binary_kl": "binary_kl",
+    "dppo_topk_tv": "topk_tv",
+    "dppo_topk_kl": "topk_kl",
+    "grpo_clip": "ratio",
+    "pg_is": "none",
+}
+TOPK_LOSSES = ("dppo_topk_tv", "dppo_topk_kl")
+ENGINES = ("auto", "vllm", "hf")
+DTYPES = ("float32", "bfloat16", "float16")
+PROMPT_FORMATS = ("auto", "plain", "chat")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """All settings of a training run (defaults: the embedded arithmetic run)."""
+
+    # model and data
+    model: str = _opt("", "HF model folder or hub id; empty builds the embedded tiny model and warm-starts it")
+    data: str = _opt("", "JSONL training data ({'prompt','answer'} per line); empty uses the embedded arithmetic task")
+    eval_data: str = _opt("", "JSONL held-out data; empty splits --num-eval problems off --data")
+    num_eval: int = _opt(300, "held-out problems (split off the data or the embedded task)")
+    verifier: str = _opt("auto", "answer check: numeric, exact, or auto (numeric when the answer is a number)", VERIFIERS)
+    prompt_format: str = _opt("auto", "plain text prompts, the tokenizer's chat template, or auto (chat when it has one)", PROMPT_FORMATS)
+    # embedded task and its tiny model
+    max_operand: int = _opt(30, "embedded task: operands are integers in [0, max_operand]")
+    tiny_layers: int = _opt(2, "embedded model: decoder layers")
+    tiny_hidden: int = _opt(128, "embedded model: hidden size (head_dim = hidden / 2)")
+    warm_start_steps: int = _opt(400, "embedded model: supervised warm-start steps")
+    warm_start_problems: int = _opt(800, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
+    warm_start_lr: float = _opt(3e-3, "embedded model: warm-start learning rate")
+    # RL
+    loss: str = _opt("dppo_binary_tv", "policy loss", tuple(LOSS_MODES))
+    steps: int = _opt(150, "RL steps (one rollout batch each)")
+    prompts_per_step: int = _opt(32, "prompts per rollout batch")
+    group_size: int = _opt(8, "samples per prompt (GRPO group)")
+    temperature: float = _opt(1.0, "rollout temperature (the trainer scores logits / temperature)")
+    max_new_tokens: int = _opt(6, "maximum response tokens")
+    top_k: int = _opt(0, "rollout top-K log-probs per token (>= 1 for the top-K losses)")
+    adv_std: bool = _opt(True, "divide group advantages by the group std (GRPO); --no-adv-std keeps reward - mean")
+    delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the mode's)")
+    delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the mode's)")
+    ratio_cap: float = _opt(10.0, "cap on the importance weight")
+    loss_agg_mode: str = _opt("token-mean", "loss aggregation", LOSS_AGG_MODES)
+    lr: float = _opt(2e-4, "AdamW learning rate")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = _opt(1.0, "gradient clipping norm")
+    num_minibatches: int = _opt(2, "optimizer steps per epoch over a rollout batch")
+    ppo_epochs: int = _opt(1, "passes over each rollout batch")
+    micro_batch_size: int = _opt(0, "sequences per forward/backward (gradient accumulation); 0 = whole mini-batch")
+    drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
+    # evaluation
+    eval_every: int = _opt(25, "held-out accuracy every k steps (also at start and end)")
+    eval_samples: int = _opt(2, "samples per held-out prompt (accuracy = mean reward at --eval-temperature)")
+    eval_temperature: float = _opt(1.0, "held-out sampling temperature")
+    # engines and devices
+    engine: str = _opt("auto", "rollout engine: vllm when installed (auto), vllm, or transformers (hf)", ENGINES)
+    rollout_dtype: str = _opt("float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", DTYPES)
+    dtype: str = _opt("float32", "trainer parameter dtype", DTYPES)
+    device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
+    max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
+    vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
+    threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
+    # run management
+    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoints, summary.json)")
+    save_every: int = _opt(50, "checkpoint every k steps (and at the end); 0 = only at the end")
+    resume: bool = _opt(False, "continue from <out>/checkpoint")
+    seed: int = _opt(0, "seed for the task split, warm start, prompt order and rollouts")
+
+    @property
+    def mode(self) -> str:
+        """The ``dppo_loss`` mode of ``--loss``."""
+        return LOSS_MODES[self.loss]
+
+    @property
+    def uses_topk(self) -> bool:
+        """True when the loss needs the rollout's top-K log-probs."""
+        return self.loss in TOPK_LOSSES
+
+    def validate(self) -> TrainConfig:
+        """Check every setting; raise ``ValueError`` naming the flag, its value and what is expected."""
+        for name, f in _fields().items():
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, name) not in choices:
+                raise ValueError(f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}")
+        positive = (
+            "num_eval", "max_operand", "tiny_layers", "tiny_hidden", "warm_start_problems", "steps",
+            "prompts_per_step", "max_new_tokens", "num_minibatches", "ppo_epochs", "eval_every",
+            "eval_samples", "max_model_len",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("warm_start_steps", "micro_batch_size", "save_every", "threads", "top_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm", "ratio_cap"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("delta_low", "delta_high", "weight_decay"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"--group-size must be >= 2 (group advantages compare samples of the same prompt), got {self.group_size}"
+            )
+        if self.uses_topk and self.top_k < 1:
+            raise ValueError(f"--loss {self.loss} needs the rollout's top-K log-probs: --top-k must be >= 1, got {self.top_k}")
+        batch = self.prompts_per_step * self.group_size
+        if self.num_minibatches > batch:
+            raise ValueError(
+                f"--num-minibatches={self.num_minibatches} exceeds the rollout batch of "
+                f"prompts_per_step * group_size = {batch} sequences"
+            )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"--vllm-gpu-memory-utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        if self.model and not _looks_like_hub_id(self.model) and not Path(self.model).is_dir():
+            raise ValueError(
+                f"--model {self.model!r}: no such folder, and not a hub id of the form 'org/name'; "
+                "pass a Hugging Face model folder or hub id, or leave it empty for the embedded model"
+            )
+        for name in ("data", "eval_data"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"--{_flag(name)} {path!r}: no such file (expected a JSONL file)")
+        if self.eval_data and not self.data:
+            raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
+        if self.model and not self.data:
+            raise ValueError(f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny model)")
+        return self
+
+    def to_dict(self) -> dict:
+        """The settings as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One ``name = value`` line per setting (printed at the start of a run)."""
+        return "\n".join(f"  {_flag(name):<28} {value!r}" for name, value in self.to_dict().items())
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An ``argparse`` parser with one flag per ``TrainConfig`` field."""
+    parser = argparse.ArgumentParser(
+        prog="dppo-train",
+        description="Reference RL trainer: vLLM (or transformers) rollouts, GRPO group advantages, DPPO loss.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for name, f in _fields().items():
+        kind = hints[name]
+        kwargs: dict = {"default": f.default, "help": f.metadata["help"], "dest": name}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if typing.get_origin(kind) is typing.Union:
+                inner = next(a for a in typing.get_args(kind) if a is not type(None))
+                kwargs["type"] = inner
+            else:
+                kwargs["type"] = kind
+            if f.metadata.get("choices"):
+                kwargs["choices"] = list(f.metadata["choices"])
+        parser.add_argument(f"--{_flag(name)}", **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse command-line flags into a validated ``TrainConfig``."""
+    args = build_parser().parse_args(argv)
+    return TrainConfig(**vars(args)).validate()
+
+
+def load_config_json(path: str | Path) -> TrainConfig:
+    """Read a ``TrainConfig`` saved by ``to_dict`` (e.g. ``<out>/config.json``)."""
+    data = json.loads(Path(path).read_text())
+    unknown = set(data) - set(_fields())
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys {sorted(unknown)}")
+    return TrainConfig(**data)

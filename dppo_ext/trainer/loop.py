@@ -1,0 +1,358 @@
+"""The RL loop: rollouts -> rewards -> group advantages -> DPPO updates -> weight sync.
+
+One step:
+1. sample ``prompts_per_step`` training problems; the engine samples ``group_size`` responses
+   each, with the log-prob (and optionally top-K log-probs) of every sampled token under
+   ``log_softmax(logits / temperature)``;
+2. rewards from the task's verifier; GRPO group advantages (one per sequence);
+3. ``ppo_epochs`` passes over the batch in ``num_minibatches`` shuffled mini-batches (each
+   optionally split into micro-batches for gradient accumulation); every mini-batch is one
+   AdamW step on ``dppo_ext.dppo_loss(response logits, tokens, rollout log-probs, advantages,
+   temperature=...)`` after gradient clipping. The op takes the raw logits: no
+   full-vocabulary log-softmax is ever built in the training step;
+4. the new weights are pushed into the rollout engine (``engine.sync_weights``).
+
+Weight sync is measured, not assumed: the first mini-batch of every step runs before any
+update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
+compares the engine's log-probs with the trainer's own for exactly the same weights. It stays
+at rounding level (~1e-6 in float32) when the engine follows the trainer and jumps to the size
+of an update when it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dppo_ext.rollout.base import RolloutEngine, RolloutSample
+from dppo_ext.tasks.base import Problem, Task
+from dppo_ext.trainer.advantages import group_advantages
+from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
+from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
+from dppo_ext.trainer.config import TrainConfig
+from dppo_ext.trainer.metrics import MetricsWriter
+
+logger = logging.getLogger(__name__)
+
+EVAL_SEED_OFFSET = 7_919  # eval rollouts use a fixed seed so every evaluation sees the same draws
+STEP_SEED_STRIDE = 1_000_003
+
+
+class PromptSampler:
+    """Draws training problems without replacement, reshuffling (seeded) after each pass."""
+
+    def __init__(self, num_problems: int, seed: int) -> None:
+        self.num_problems = num_problems
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+
+    def draw(self, count: int) -> list[int]:
+        """``count`` problem indices."""
+        picked = []
+        while len(picked) < count:
+            if not self.order:
+                self.order = list(range(self.num_problems))
+                self.rng.shuffle(self.order)
+            picked.append(self.order.pop())
+        return picked
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same sequence of draws."""
+        return {"rng": self.rng.getstate(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict``."""
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])
+
+
+@dataclass
+class EvalResult:
+    """Held-out accuracy (mean reward over ``eval_samples`` draws per problem) and its cost."""
+
+    accuracy: float
+    response_len: float
+    seconds: float
+
+
+class Trainer:
+    """Runs the RL loop for one model, task and rollout engine.
+
+    Args:
+        config: validated settings.
+        model: the policy (transformers causal LM) on its training device, same weights as the engine.
+        tokenizer: its tokenizer (prompt encoding, response decoding).
+        task: training and held-out problems with their verifier.
+        engine: rollout engine loaded with the same weights as ``model``.
+        out_dir: run folder (metrics.jsonl, checkpoint/).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        task: Task,
+        engine: RolloutEngine,
+        out_dir: str | Path,
+    ) -> None:
+        from dppo_ext import dppo_loss
+
+        self._dppo_loss = dppo_loss
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.task = task
+        self.engine = engine
+        self.out_dir = Path(out_dir)
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.sampler = PromptSampler(len(task.train), config.seed)
+        self.step = 0
+        self.elapsed_before_s = 0.0
+        self.use_chat = _use_chat_template(config.prompt_format, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ prompts and rewards
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` (plain, or wrapped in the tokenizer's chat template)."""
+        ids = self._prompt_cache.get(prompt)
+        if ids is None:
+            if self.use_chat:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                )
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+            self._prompt_cache[prompt] = ids
+        return ids
+
+    def score(self, sample: RolloutSample, problem: Problem) -> float:
+        """The task reward of one response (decoded with special tokens skipped)."""
+        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        return self.task.reward(text, problem.answer)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> EvalResult:
+        """Held-out accuracy of the current weights (through the engine: generation only)."""
+        start = time.perf_counter()
+        problems = self.task.eval
+        groups = self.engine.generate(
+            [self.encode_prompt(p.prompt) for p in problems],
+            n=self.config.eval_samples,
+            temperature=self.config.eval_temperature,
+            max_tokens=self.config.max_new_tokens,
+            seed=self.config.seed + EVAL_SEED_OFFSET,
+        )
+        rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
+        lengths = [len(s.response_ids) for group in groups for s in group]
+        return EvalResult(
+            accuracy=sum(rewards) / len(rewards),
+            response_len=sum(lengths) / len(lengths),
+            seconds=time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self) -> tuple[list[RolloutSample], torch.Tensor, float]:
+        """Sample a rollout batch; return (samples [P*G], rewards [P, G], seconds)."""
+        cfg = self.config
+        start = time.perf_counter()
+        problems = [self.task.train[i] for i in self.sampler.draw(cfg.prompts_per_step)]
+        groups = self.engine.generate(
+            [self.encode_prompt(p.prompt) for p in problems],
+            n=cfg.group_size,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_new_tokens,
+            top_k=cfg.top_k if cfg.uses_topk else 0,
+            seed=cfg.seed * STEP_SEED_STRIDE + (self.step + 1) * cfg.prompts_per_step * cfg.group_size,
+        )
+        samples = [s for group in groups for s in group]
+        rewards = torch.tensor([[self.score(s, p) for s in group] for p, group in zip(problems, groups)])
+        return samples, rewards, time.perf_counter() - start
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """``ppo_epochs`` x ``num_minibatches`` AdamW steps on ``batch``; return averaged metrics.
+
+        ``mismatch_mean`` / ``mismatch_max`` come from the first mini-batch only, which is scored
+        before this step's first optimizer step (the engine's and the trainer's weights agree).
+        """
+        cfg = self.config
+        self.model.train()
+        generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
+        sums: dict[str, float] = {}
+        tokens_seen = 0.0
+        mismatch_sum, mismatch_max, mismatch_tokens = 0.0, 0.0, 0.0
+        losses, grad_norms = [], []
+        first = True
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(batch.size, generator=generator)
+            for mb_index in perm.chunk(min(cfg.num_minibatches, batch.size)):
+                micro_size = cfg.micro_batch_size or mb_index.numel()
+                micro_parts = mb_index.split(micro_size)
+                mb_tokens = float(batch.response_mask[mb_index].sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_loss = 0.0
+                for part in micro_parts:
+                    micro = batch.select(part).to(self.device)
+                    share = _micro_share(cfg.loss_agg_mode, micro, part.numel(), mb_index.numel(), mb_tokens)
+                    logits = response_logits(self.model, micro)
+                    loss, metrics = self._dppo_loss(
+                        logits,
+                        micro.tokens,
+                        micro.rollout_logprobs,
+                        micro.advantages,
+                        response_mask=micro.response_mask,
+                        mode=cfg.mode,
+                        topk_ids=micro.topk_ids,
+                        topk_logprobs=micro.topk_logprobs,
+                        temperature=cfg.temperature,
+                        delta_low=cfg.delta_low,
+                        delta_high=cfg.delta_high,
+                        ratio_cap=cfg.ratio_cap,
+                        loss_agg_mode=cfg.loss_agg_mode,
+                    )
+                    (loss * share).backward()
+                    mb_loss += float(loss.detach()) * share
+                    n_tok = float(metrics["num_tokens"])
+                    tokens_seen += n_tok
+                    for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean"):
+                        sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
+                    sums["ratio_max"] = max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
+                    if first:
+                        mismatch_sum += float(metrics["mismatch_mean"]) * n_tok
+                        mismatch_max = max(mismatch_max, float(metrics["mismatch_max"]))
+                        mismatch_tokens += n_tok
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                losses.append(mb_loss)
+                grad_norms.append(float(grad_norm))
+                first = False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        out = {key: value / max(tokens_seen, 1.0) for key, value in sums.items() if key != "ratio_max"}
+        out["ratio_max"] = sums.get("ratio_max", 0.0)
+        out.update(
+            loss=sum(losses) / len(losses),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            mismatch_mean=mismatch_sum / max(mismatch_tokens, 1.0),
+            mismatch_max=mismatch_max,
+            optimizer_steps=len(losses),
+        )
+        return out
+
+    def train_step(self) -> dict[str, Any]:
+        """One RL step (rollout, advantages, update, weight sync); return its metrics record."""
+        cfg = self.config
+        samples, rewards, rollout_s = self.rollout()
+        advantages = group_advantages(rewards, normalize_std=cfg.adv_std).reshape(-1)
+        record: dict[str, Any] = {
+            "step": self.step + 1,
+            "reward": float(rewards.mean()),
+            "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+            "zero_adv_groups": float((rewards.std(dim=1) == 0).float().mean()),
+            "rollout_s": rollout_s,
+        }
+        keep = [i for i, a in enumerate(advantages.tolist()) if a != 0.0 or not cfg.drop_zero_adv]
+        keep = [i for i in keep if samples[i].response_ids]
+        update_start = time.perf_counter()
+        if keep:
+            batch = collate_rollouts(
+                [samples[i] for i in keep],
+                [float(advantages[i]) for i in keep],
+                pad_id=self.pad_id,
+                with_topk=cfg.uses_topk,
+            )
+            record.update(self.update(batch))
+            record["update_s"] = time.perf_counter() - update_start
+            record["sync_s"] = self.engine.sync_weights(self.model)
+        else:
+            record.update(update_s=0.0, sync_s=0.0, optimizer_steps=0)
+        record["trained_seqs"] = len(keep)
+        self.step += 1
+        return record
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, elapsed_s: float) -> Path:
+        """Checkpoint the current state to ``<out>/checkpoint``."""
+        return save_checkpoint(
+            self.out_dir / "checkpoint",
+            model=self.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer,
+            step=self.step,
+            sampler=self.sampler.state_dict(),
+            elapsed_s=elapsed_s,
+        )
+
+    def restore(self, checkpoint_dir: str | Path) -> None:
+        """Load optimizer, sampler, RNG states and step from a checkpoint.
+
+        The model weights must already come from ``<checkpoint>/model`` (and the engine too).
+        """
+        state = load_trainer_state(checkpoint_dir)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.elapsed_before_s = float(state["elapsed_s"])
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, *, progress: bool = True) -> dict[str, Any]:
+        """Train up to ``config.steps`` steps (from ``self.step``); return the run summary.
+
+        Writes ``metrics.jsonl`` (an eval-only record at step 0, then one record per step with
+        ``eval_acc`` every ``eval_every`` steps and at the last step) and checkpoints.
+        """
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        start = time.perf_counter()
+        resumed = self.step > 0
+        writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resumed else None)
+        if not resumed:
+            result = self.evaluate()
+            writer.write({"step": 0, "eval_acc": result.accuracy, "eval_response_len": result.response_len, "eval_s": result.seconds})
+            logger.info("held-out accuracy at start: %.3f", result.accuracy)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="RL", disable=not progress, dynamic_ncols=True)
+        last_acc = None
+        while self.step < cfg.steps:
+            record = self.train_step()
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                result = self.evaluate()
+                record.update(eval_acc=result.accuracy, eval_response_len=result.response_len, eval_s=result.seconds)
+                last_acc = result.accuracy
+            record["elapsed_s"] = self.elapsed_before_s + time.perf_counter() - start
+            writer.write(record)
+            postfix = {"reward": f"{record['reward']:.2f}", "mismatch": f"{record.get('mismatch_max', 0.0):.1e}"}
+            if last_acc is not None:
+                postfix["acc"] = f"{last_acc:.2f}"
+            bar.set_postfix(postfix)
+            bar.update(1)
+            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+                self.save(self.elapsed_before_s + time.perf_counter() - start)
+        bar.close()
+        return {"steps": self.step, "elapsed_s": self.elapsed_before_s + time.perf_counter() - start}
+
+
+def _micro_share(agg_mode: str, micro: RolloutBatch, micro_seqs: int, mb_seqs: int, mb_tokens: float) -> float:
+    """Weight of one micro-batch's mean loss in its mini-batch's mean (token or sequence share)."""
+    if agg_mode == "token-mean":
+        return float(micro.response_mask.sum()) / max(mb_tokens, 1.0)
+    return micro_seqs / mb_seqs
+
+
+def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:
+    if prompt_format == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--prompt-format chat: the tokenizer has no chat template; use --prompt-format plain")
+        return True
+    return prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None))

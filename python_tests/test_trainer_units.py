@@ -1,0 +1,269 @@
+"""Unit tests of the reference trainer that need no vLLM: advantages, data loading, verifiers,
+config validation, batch layout, a few HF-engine training steps, and exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dppo_ext.rollout.base import RolloutSample
+from dppo_ext.tasks import DataFormatError, get_verifier, load_jsonl_problems, make_arithmetic_task
+from dppo_ext.trainer.advantages import group_advantages
+from dppo_ext.trainer.batch import collate_rollouts, response_logits
+from dppo_ext.trainer.config import TrainConfig, parse_config
+
+
+# ---------------------------------------------------------------- advantages
+def test_group_advantages_mean_only_on_hand_made_groups():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards, normalize_std=False)
+    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0], [-0.25, -0.25, -0.25, 0.75]])
+    torch.testing.assert_close(adv, expected)
+
+
+def test_group_advantages_std_normalised_on_hand_made_groups():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards, normalize_std=True, eps=0.0)
+    std3 = math.sqrt(0.75 * 0.25)  # population std of {0, 0, 0, 1}
+    expected = torch.tensor([[1.0, -1.0, -1.0, 1.0], [-0.25 / std3, -0.25 / std3, -0.25 / std3, 0.75 / std3]])
+    torch.testing.assert_close(adv, expected)
+    # every normalised group with variance has zero mean and unit population std
+    torch.testing.assert_close(adv.mean(dim=1), torch.zeros(2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(adv.std(dim=1, unbiased=False), torch.ones(2))
+
+
+def test_group_advantages_zero_variance_groups_are_exactly_zero():
+    rewards = torch.tensor([[0.1, 0.1, 0.1], [0.7, 0.7, 0.7], [0.0, 0.0, 0.0]])
+    for normalize in (True, False):
+        adv = group_advantages(rewards, normalize_std=normalize)
+        assert torch.equal(adv, torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize(
+    ("rewards", "match"),
+    [(torch.zeros(4), r"\[P, G\]"), (torch.zeros(3, 1), "group size >= 2"), (torch.tensor([[0.0, math.nan]]), "finite")],
+)
+def test_group_advantages_rejects_bad_rewards(rewards, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards)
+
+
+# ---------------------------------------------------------------- verifiers and data
+@pytest.mark.parametrize(
+    ("verifier", "response", "answer", "accepted"),
+    [
+        ("exact", "19", "19", True),
+        ("exact", "190", "19", False),
+        ("exact", " -42 \nmore", "-42", True),
+        ("numeric", "The total is 1,234 apples.", "1234", True),
+        ("numeric", "first 3 then 5", "3", False),
+        ("numeric", "so 6*7 = 42\n#### 42", "42", True),
+        ("numeric", "#### 41 but really 42", "42", False),
+        ("numeric", "answer \\boxed{3.50}", "3.5", True),
+        ("numeric", "no number here", "7", False),
+        ("auto", "x = -8", "-8", True),
+        ("auto", "Paris", "Paris", True),
+        ("auto", "paris", "Paris", False),
+    ],
+)
+def test_verifiers(verifier, response, answer, accepted):
+    assert get_verifier(verifier)(response, answer) is accepted
+
+
+def test_numeric_verifier_needs_a_numeric_answer():
+    with pytest.raises(ValueError, match="numeric answer"):
+        get_verifier("numeric")("12", "twelve")
+
+
+def test_arithmetic_task_splits_are_disjoint_and_answers_are_right():
+    task = make_arithmetic_task(max_operand=12, num_eval=40, num_sft=60, seed=3)
+    prompts = [{p.prompt for p in split} for split in (task.train, task.eval, task.sft)]
+    assert not (prompts[0] & prompts[1]) and not (prompts[0] & prompts[2]) and not (prompts[1] & prompts[2])
+    assert sum(map(len, prompts)) == 2 * 13 * 13
+    for problem in task.train[:50] + task.eval:
+        a, op, b = problem.prompt[:-1].partition("+") if "+" in problem.prompt else problem.prompt[:-1].partition("-")
+        assert int(problem.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert task.reward(task.eval[0].answer, task.eval[0].answer) == 1.0
+
+
+def test_jsonl_loader_reads_problems(tmp_path: Path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "2+2?", "answer": 4}\n\n{"prompt": "capital of France?", "answer": "Paris", "id": 7}\n'
+                    '{"prompt": "half of 3?", "answer": 1.5}\n{"prompt": "3.0?", "answer": 3.0}\n')
+    problems = load_jsonl_problems(path)
+    assert [(p.prompt, p.answer) for p in problems] == [
+        ("2+2?", "4"), ("capital of France?", "Paris"), ("half of 3?", "1.5"), ("3.0?", "3")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "match"),
+    [
+        ('{"prompt": "x", "answer": ', "invalid JSON"),
+        ('["x", "1"]', "expected a JSON object"),
+        ('{"prompt": "x"}', r"missing key\(s\) \['answer'\]"),
+        ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": 3, "answer": "1"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": "x", "answer": true}', "'answer' must be a string or number"),
+        ('{"prompt": "x", "answer": null}', "'answer' must be a string or number"),
+        ('{"prompt": "x", "answer": "  "}', "'answer' must not be empty"),
+    ],
+)
+def test_jsonl_loader_names_file_and_line_of_a_malformed_line(tmp_path: Path, bad_line: str, match: str):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok", "answer": "1"}\n\n' + bad_line + "\n")
+    with pytest.raises(DataFormatError, match=rf"bad\.jsonl:3: {match}"):
+        load_jsonl_problems(path)
+
+
+def test_jsonl_loader_missing_and_empty_files(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_jsonl_problems(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataFormatError, match="no problems"):
+        load_jsonl_problems(tmp_path / "empty.jsonl")
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"loss": "ppo_magic"}, r"--loss: unknown value 'ppo_magic'"),
+        ({"loss": "dppo_topk_tv", "top_k": 0}, r"--top-k must be >= 1, got 0"),
+        ({"loss": "dppo_topk_kl", "top_k": 0}, r"--top-k must be >= 1"),
+        ({"group_size": 1}, r"--group-size must be >= 2"),
+        ({"model": "/definitely/not/here", "data": ""}, r"--model '/definitely/not/here': no such folder"),
+        ({"engine": "tgi"}, r"--engine: unknown value 'tgi'"),
+        ({"temperature": 0.0}, r"--temperature must be > 0"),
+        ({"data": "/no/such.jsonl"}, r"--data '/no/such.jsonl': no such file"),
+        ({"delta_low": -0.1}, r"--delta-low must be >= 0"),
+        ({"num_minibatches": 1000}, r"--num-minibatches=1000 exceeds"),
+    ],
+)
+def test_config_validation_messages(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**overrides).validate()
+
+
+def test_cli_parses_every_field_and_rejects_bad_values(capsys):
+    config = parse_config(["--loss", "dppo_topk_kl", "--top-k", "4", "--no-adv-std", "--delta-low", "0.1", "--steps", "3"])
+    assert (config.loss, config.mode, config.top_k, config.adv_std, config.delta_low, config.steps) == (
+        "dppo_topk_kl", "topk_kl", 4, False, 0.1, 3
+    )
+    assert config.delta_high is None
+    with pytest.raises(SystemExit):
+        parse_config(["--loss", "unknown"])
+    assert "invalid choice: 'unknown'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--group-size must be >= 2"):
+        parse_config(["--group-size", "1"])
+
+
+def test_cli_main_reports_config_errors(capsys):
+    from dppo_ext.train import main
+
+    assert main(["--loss", "dppo_topk_tv"]) == 2
+    assert "--top-k must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- batch layout
+def _sample(prompt, response, logprobs):
+    return RolloutSample(prompt, response, logprobs, None, None, "", "stop")
+
+
+def test_collate_and_response_logits_match_unpadded_forwards(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from dppo_ext.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    samples = [
+        _sample([1, 5, 6, 14, 7, 16], [8, 9, 2], [-0.1, -0.2, -0.3]),
+        _sample([1, 4, 14, 4, 16], [4, 2], [-0.5, -0.6]),
+        _sample([1, 9, 9, 15, 10, 10, 16], [4], [-0.7]),
+    ]
+    batch = collate_rollouts(samples, [1.0, -1.0, 0.5], pad_id=0, with_topk=False)
+    assert batch.tokens.tolist() == [[8, 9, 2], [4, 2, 0], [4, 0, 0]]
+    assert batch.response_mask.tolist() == [[True, True, True], [True, True, False], [True, False, False]]
+    assert batch.rollout_logprobs[1].tolist() == pytest.approx([-0.5, -0.6, 0.0])
+    with torch.no_grad():
+        logits = response_logits(model, batch)
+        for row, sample in enumerate(samples):
+            full = model(input_ids=torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0]
+            p, t = len(sample.prompt_ids), len(sample.response_ids)
+            torch.testing.assert_close(logits[row, :t], full[p - 1 : p + t - 1], atol=1e-5, rtol=1e-5)
+        sub = batch.select(torch.tensor([2, 1]))
+        assert sub.response_len == 2 and sub.tokens.tolist() == [[4, 0], [4, 2]]
+        torch.testing.assert_close(response_logits(model, sub)[1], logits[1, :2], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- short training runs (HF engine)
+def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
+    settings = dict(
+        out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=30,
+        steps=4, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
+        save_every=2, max_new_tokens=4, lr=1e-3, threads=1, seed=5,
+    )
+    settings.update(overrides)
+    return TrainConfig(**settings).validate()
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+TIMING_KEYS = ("rollout_s", "update_s", "sync_s", "eval_s", "elapsed_s")
+
+
+def _comparable(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+@pytest.mark.parametrize("loss", ["dppo_binary_tv", "dppo_topk_kl"])
+def test_hf_engine_training_steps_change_weights_and_stay_in_sync(tmp_path: Path, loss: str):
+    from dppo_ext.train import run
+    from dppo_ext.trainer.metrics import read_metrics
+
+    config = _tiny_run_config(tmp_path / "run", loss=loss, top_k=3 if "topk" in loss else 0, steps=2, save_every=0)
+    summary = run(config, progress=False)
+    before = _weights(tmp_path / "run" / "base_model")
+    after = _weights(tmp_path / "run" / "checkpoint" / "model")
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert len(records) == 2
+    for record in records:
+        assert record["optimizer_steps"] > 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+        # fp32 HF rollouts of synced weights: the trainer's pi equals the rollout's mu up to rounding
+        assert record["mismatch_max"] < 1e-4
+    assert summary["start_acc"] is not None and summary["end_acc"] is not None
+    assert (tmp_path / "run" / "metrics.png").stat().st_size > 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+def test_resume_continues_identically(tmp_path: Path):
+    from dppo_ext.train import run
+    from dppo_ext.trainer.metrics import read_metrics
+
+    run(_tiny_run_config(tmp_path / "straight"), progress=False)
+    run(_tiny_run_config(tmp_path / "split", steps=2), progress=False)
+    run(_tiny_run_config(tmp_path / "split", steps=4, resume=True), progress=False)
+
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    split = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    assert [r["step"] for r in split] == [0, 1, 2, 3, 4]
+    assert _comparable(split) == _comparable(straight)
+    a, b = _weights(tmp_path / "straight" / "checkpoint" / "model"), _weights(tmp_path / "split" / "checkpoint" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_without_checkpoint_fails_fast(tmp_path: Path):
+    from dppo_ext.train import run
+
+    with pytest.raises(FileNotFoundError, match="--resume: no complete checkpoint"):
+        run(_tiny_run_config(tmp_path / "fresh", resume=True), progress=False)
