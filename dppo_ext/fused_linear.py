@@ -245,11 +245,13 @@ class _FusedLinearDPPO(torch.autograd.Function):
             grad_target += g_loss * (-advantages.to(accum) * row_weight * mask)
         if g_logp is not None:
             grad_target += g_logp
-        grad_entropy = g_entropy if (ctx.compute_entropy and g_entropy is not None) else None
+        # Upstream grads may be expanded (stride 0) views, e.g. from ``entropy.sum()``.
+        grad_entropy = g_entropy.to(accum).contiguous() if (ctx.compute_entropy and g_entropy is not None) else None
         entropy_arg = entropy if grad_entropy is not None else None
 
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        # Contiguous gradients: the tiles' matmuls write row/column blocks of them in place.
+        grad_hidden = torch.zeros(n, hidden_size, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        grad_weight = torch.zeros(vocab, hidden_size, dtype=weight.dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(vocab, dtype=accum, device=hidden.device) if need_bias else None
         if n == 0 or not (need_hidden or need_weight or need_bias):
             return _grads(grad_hidden, grad_weight, grad_bias, bias)

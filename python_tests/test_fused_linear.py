@@ -212,6 +212,26 @@ def test_no_bias_and_n0():
     assert (grads["weight"] == 0).all() and (grads["bias"] == 0).all() and grads["hidden"].shape == (0, 8)
 
 
+def test_noncontiguous_hidden_and_expanded_upstream_grads():
+    """hidden as a column-slice view; upstream grads from .sum() are stride-0 expands."""
+    inputs = make_inputs(37, 257, 24, "binary_kl", anchor=True)
+    kw = _op_kwargs(inputs)
+
+    def grads(fused: bool):
+        wide = torch.zeros(37, 30, dtype=torch.float64)
+        wide[:, 3:27] = inputs["hidden"]
+        wide.requires_grad_(True)
+        weight = inputs["weight"].clone().requires_grad_(True)
+        hidden = wide[:, 3:27]
+        out = (fused_linear_dppo_loss(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw) if fused
+               else dppo_loss_forward(hidden @ weight.t(), **kw))
+        (out.loss.sum() + out.entropy.sum() - out.logp.sum()).backward()
+        return wide.grad, weight.grad
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=_id)
 def test_tied_embeddings(dtype):
     """weight = the input embedding: its gradient sums the embedding lookup's and the LM head's parts."""
