@@ -173,17 +173,16 @@ def sample_inputs(
         if n >= 3:
             anchor_logprobs[2] = -0.5  # anchor defined where the rollout log-prob is -inf
 
-    if c.noncontiguous:
-        wide = torch.zeros(n, v + 5, dtype=dtype)
-        wide[:, 2 : v + 2] = logits
-        logits = wide[:, 2 : v + 2]
-
     def to_dev(x: torch.Tensor | None, dt: torch.dtype | None = None) -> torch.Tensor | None:
         if x is None:
             return None
         return x.to(device=device, dtype=dt if dt is not None else x.dtype)
 
     logits = to_dev(logits)
+    if c.noncontiguous:  # a column slice of a wider buffer: row stride V + 5, built on the device
+        wide = torch.zeros(n, v + 5, dtype=dtype, device=device)
+        wide[:, 2 : v + 2] = logits
+        logits = wide[:, 2 : v + 2]
     if requires_grad:
         logits.requires_grad_(True)
     delta_low, delta_high = DELTAS[mode]

@@ -70,6 +70,7 @@ def check_forward(inputs: dict, dtype: torch.dtype, out: dict[str, torch.Tensor]
 @pytest.mark.parametrize("mode", MODES)
 def test_forward_matches_reference(device, case, dtype, mode):
     inputs = sample_inputs(device, dtype, mode, case)
+    assert inputs["logits"].is_contiguous() != CASES[case].noncontiguous
     with torch.no_grad():
         out = _op_outputs(inputs)
     check_forward(inputs, dtype, out)
@@ -360,16 +361,20 @@ def test_backward_op_error_messages():
 # in-place backward, torch.compile, extremes -----------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ("contiguous", "column_slice"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=_dtype_id)
 @pytest.mark.parametrize("mode", ("binary_tv", "topk_kl"))
-def test_inplace_backward(device, dtype, mode):
+def test_inplace_backward(device, dtype, mode, layout):
     inputs = sample_inputs(device, dtype, mode, "noncontig", seed=9)
     g = _upstream(inputs["tokens"].shape[0], accumulation_dtype(dtype), device, torch.zeros_like(inputs["tokens"], dtype=torch.bool))
 
     ref_logits = inputs["logits"].detach().clone().requires_grad_(True)
     _weighted_sum(dppo_loss_forward(**dict(inputs, logits=ref_logits))._asdict(), g).backward()
 
-    logits = inputs["logits"].detach().clone().requires_grad_(True)
+    # column_slice: the logits are a [:, 2:V+2] view of a wider buffer; only that window is written.
+    logits = inputs["logits"].detach()
+    logits = (logits.clone() if layout == "contiguous" else logits).requires_grad_(True)
+    assert logits.is_contiguous() == (layout == "contiguous")
     seen = []
     logits.register_hook(seen.append)
     out = dppo_loss_forward(**dict(inputs, logits=logits), inplace_backward=True)
@@ -380,6 +385,10 @@ def test_inplace_backward(device, dtype, mode):
         "inplace_backward must write the gradient into the logits' storage"
     torch.testing.assert_close(grad, ref_logits.grad, rtol=0, atol=0)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=0, atol=0)
+    if layout == "column_slice":
+        n, v = logits.shape
+        wide = torch.as_strided(logits.detach(), (n, v + 5), (v + 5, 1), logits.storage_offset() - 2)
+        assert (wide[:, :2] == 0).all() and (wide[:, v + 2 :] == 0).all(), "writes outside the logits view"
 
 
 @pytest.mark.parametrize("device", DEVICES)
