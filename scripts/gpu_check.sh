@@ -223,8 +223,8 @@ def close(tag, got, want, tol, skip=None):
         bad &= ~skip
     if bad.any():
         i = int(bad.flatten().nonzero()[0])
-        failures.append(f"{tag}: {int(bad.sum())}/{bad.numel()} off, first at {i}: cuda={got.flatten()[i].item()!r} "
-                        f"cpu={want.flatten()[i].item()!r}")
+        failures.append(f"{tag}: {int(bad.sum())}/{bad.numel()} off, first at {i}: kernel={got.flatten()[i].item()!r} "
+                        f"exact={want.flatten()[i].item()!r}")
 
 
 def close_grad(tag, got, want, tol, atol):
@@ -236,7 +236,7 @@ def close_grad(tag, got, want, tol, atol):
     bad &= ~(got.isinf() & want.isinf() & (got.sign() == want.sign()))
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
-        failures.append(f"{tag}: {int(bad.sum())} off, first at [{i}, {j}]: cuda={got[i, j].item()!r} "
+        failures.append(f"{tag}: {int(bad.sum())} off, first at [{i}, {j}]: kernel={got[i, j].item()!r} "
                         f"exact={want[i, j].item()!r}")
 
 
