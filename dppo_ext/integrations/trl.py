@@ -192,17 +192,21 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             if isinstance(weight, DTensor):  # FSDP2 shards: the fused matmul needs the whole head
                 weight = weight.full_tensor()
                 bias = bias.full_tensor() if bias is not None else None
-            hidden = hidden.to(weight.dtype)
-            with torch.autocast(hidden.device.type, enabled=False):
+            gather = functools.partial(maybe_gather_lm_head_ctx, weight, bias)
+            # Under autocast the LM head would run in the autocast dtype: do the same, explicitly (the fused
+            # function writes into preallocated buffers, which autocast does not handle).
+            device_type = hidden.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+            with torch.autocast(device_type, enabled=False), gather():
                 out = fused_linear_dppo_loss(
-                    hidden.reshape(batch * length, -1),
-                    weight,
+                    hidden.reshape(batch * length, -1).to(dtype),
+                    weight.to(dtype),
                     flat_tokens,
                     rollout,
                     advantages,
-                    bias=bias,
+                    bias=None if bias is None else bias.to(dtype),
                     chunk_size=args.dppo_chunk_size,
-                    weight_context=functools.partial(maybe_gather_lm_head_ctx, weight, bias),
+                    weight_context=gather,
                     **op_kwargs,
                 )
         else:
