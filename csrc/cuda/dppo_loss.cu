@@ -10,7 +10,8 @@
 //           top-K logits are gathered after the reduction in the same kernel. When N is too small
 //           to fill the GPU the vocabulary is split over several blocks: partial states go to a
 //           workspace [N, S, 3] and a finishing kernel merges them and runs the same epilogue.
-//           Everything per row after the reduction is a call into dppo_math.h.
+//           Everything per row after the reduction is a call into dppo_math.h, evaluated in
+//           double (once per row; exact where --use_fast_math's float log/exp are not).
 // backward: grad [N, V] in the logits dtype, grad[i, j] = (g_t (1[j = a] - p_ij) - g_h p_ij
 //           (log p_ij + H_i)) / T with p_ij = exp(s_ij - lse_i) recomputed from the saved lse,
 //           written once; a grid over rows x column chunks, 16-byte loads and stores; the target
@@ -274,7 +275,8 @@ struct ForwardParams {
   const acc_t* topk_lp;       // [N, K] contiguous, or nullptr
   int64_t k;
   Mode mode;
-  acc_t inv_t, delta_low, delta_high, ratio_cap;
+  acc_t inv_t;                // 1 / T, applied to every logit as it is loaded
+  double delta_low, delta_high, ratio_cap;
   acc_t* out_loss;            // [N]
   acc_t* out_logp;            // [N]
   acc_t* out_div;             // [N]
@@ -292,46 +294,51 @@ __device__ __forceinline__ void write_zero_row(const ForwardParams<scalar_t, acc
 
 // Everything after the row reduction. `other` is the block-merged state of the non-target tokens
 // (in every thread), s_a the target's scaled logit. The top-K logits are gathered by all threads,
-// thread 0 runs the per-row formulas of dppo_math.h and writes the seven outputs.
+// thread 0 runs the per-row formulas of dppo_math.h and writes the seven outputs. These per-row
+// formulas run in double: once per row they cost nothing, and under --use_fast_math the float
+// log/exp are approximations (log has ~4e-7 absolute error near 1, i.e. a 0.4% relative error in
+// logp = -1e-4 as pi -> 1), while double math is exact to rounding.
 template <bool kEntropy, int kBlock, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, acc_t>& p, int64_t i,
-                                                 const scalar_t* row, EntState<acc_t> other, acc_t s_a) {
-  const EntState<acc_t> full = merge_state<kEntropy>(other, EntState<acc_t>{s_a, acc_t(1), acc_t(0)});
-  const acc_t log_total = std::log(full.sum);
-  const acc_t lse = full.mx + log_total;
-  TopkAcc<acc_t> acc = topk_init<acc_t>();
+                                                 const scalar_t* row, EntState<acc_t> other_acc, acc_t s_a_acc) {
+  using ep_t = double;
+  const EntState<ep_t> other{other_acc.mx, other_acc.sum, other_acc.wsum};
+  const ep_t s_a = s_a_acc;
+  const EntState<ep_t> full = merge_state<kEntropy>(other, EntState<ep_t>{s_a, ep_t(1), ep_t(0)});
+  const ep_t lse = full.mx + std::log(full.sum);
+  TopkAcc<ep_t> acc = topk_init<ep_t>();
   const bool topk = mode_is_topk(p.mode);
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
-      const acc_t lq = id >= 0 && id < p.v ? scale_logit(static_cast<acc_t>(row[id]), p.inv_t) - lse
-                                           : static_cast<acc_t>(-INFINITY);
-      topk_add(acc, p.topk_lp[i * p.k + c], lq);
+      const ep_t lq = id >= 0 && id < p.v ? ep_t(scale_logit(static_cast<acc_t>(row[id]), p.inv_t)) - lse
+                                          : static_cast<ep_t>(-INFINITY);
+      topk_add(acc, ep_t(p.topk_lp[i * p.k + c]), lq);
     }
     acc = block_sum_topk<kBlock>(acc);
   }
   if (threadIdx.x != 0) return;
-  const acc_t lp = s_a - lse;
-  const acc_t l1p = other.mx == static_cast<acc_t>(-INFINITY) ? static_cast<acc_t>(-INFINITY)
-                                                               : other.mx + std::log(other.sum) - lse;
-  const acc_t m = p.rollout_lp[i];
-  const acc_t adv = p.adv[i];
-  const acc_t la = p.anchor_lp != nullptr ? p.anchor_lp[i] : m;
-  acc_t div;
+  const ep_t lp = s_a - lse;
+  const ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
+                                                             : other.mx + std::log(other.sum) - lse;
+  const ep_t m = p.rollout_lp[i];
+  const ep_t adv = p.adv[i];
+  const ep_t la = p.anchor_lp != nullptr ? ep_t(p.anchor_lp[i]) : m;
+  ep_t div;
   if (topk) {
     div = p.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);
   } else {
     div = binary_divergence(p.mode, lp, l1p, la);
   }
-  const acc_t msk = trust_mask(p.mode, adv, lp, la, div, p.delta_low, p.delta_high);
-  const acc_t w = is_weight(lp, m, p.ratio_cap);
-  p.out_loss[i] = token_loss(loss_coef(adv, w, msk), lp);
-  p.out_logp[i] = lp;
-  p.out_div[i] = div;
-  p.out_mask[i] = msk;
-  p.out_weight[i] = w;
-  p.out_ent[i] = kEntropy ? entropy_from_state(full.sum, full.wsum) : acc_t(0);
-  p.out_lse[i] = lse;
+  const ep_t msk = trust_mask(p.mode, adv, lp, la, div, p.delta_low, p.delta_high);
+  const ep_t w = is_weight(lp, m, p.ratio_cap);
+  p.out_loss[i] = static_cast<acc_t>(token_loss(loss_coef(adv, w, msk), lp));
+  p.out_logp[i] = static_cast<acc_t>(lp);
+  p.out_div[i] = static_cast<acc_t>(div);
+  p.out_mask[i] = static_cast<acc_t>(msk);
+  p.out_weight[i] = static_cast<acc_t>(w);
+  p.out_ent[i] = kEntropy ? static_cast<acc_t>(entropy_from_state(full.sum, full.wsum)) : acc_t(0);
+  p.out_lse[i] = static_cast<acc_t>(lse);
 }
 
 // One block per row: grid (N).
@@ -634,9 +641,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     p.k = topk ? tid->size(1) : 0;
     p.mode = md;
     p.inv_t = static_cast<acc_t>(1.0 / temperature);
-    p.delta_low = static_cast<acc_t>(delta_low);
-    p.delta_high = static_cast<acc_t>(delta_high);
-    p.ratio_cap = static_cast<acc_t>(ratio_cap);
+    p.delta_low = delta_low;
+    p.delta_high = delta_high;
+    p.ratio_cap = ratio_cap;
     p.out_loss = out[0].data_ptr<acc_t>();
     p.out_logp = out[1].data_ptr<acc_t>();
     p.out_div = out[2].data_ptr<acc_t>();
