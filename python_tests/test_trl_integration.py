@@ -20,7 +20,13 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from dppo_ext.integrations import trl as dppo_trl  # noqa: E402
-from dppo_ext.integrations.trl import DPPOGRPOConfig, DPPOGRPOTrainer, check_trl_version  # noqa: E402
+from dppo_ext.integrations.trl import (  # noqa: E402
+    DPPOGRPOConfig,
+    DPPOGRPOTrainer,
+    add_dppo_head,
+    check_trl_version,
+    split_vllm_logprobs,
+)
 from dppo_ext.loss import DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
 from dppo_ext.reference import dppo_loss_reference  # noqa: E402
@@ -137,9 +143,62 @@ def test_vllm_logprobs_anchor_and_nan_fallback(tiny_model, tmp_path):
     assert recompute and torch.equal(rollout, old)
 
 
+def test_split_vllm_logprobs():
+    # position 0: sampled token 7 is in the top-2; position 1: sampled 9 is outside, vLLM appends it third.
+    sampled, ids, lps = split_vllm_logprobs(
+        [[7, 9]], [[[-0.1, -2.5], [-0.3, None, -4.0]]], [[[3, 7], [5, 6, 9]]], k=2
+    )
+    assert sampled == [[-2.5, -4.0]]
+    assert ids == [[[3, 7], [5, 6]]]
+    assert lps == [[[-0.1, -2.5], [-0.3, -math.inf]]]
+    with pytest.raises(ValueError, match=r"no log-prob for the sampled token 4"):
+        split_vllm_logprobs([[4]], [[[-0.1]]], [[[3]]], k=1)
+    with pytest.raises(ValueError, match=r"returned 1 log-probs per position, expected at least dppo_topk=2"):
+        split_vllm_logprobs([[3]], [[[-0.1]]], [[[3]]], k=2)
+
+
+@pytest.mark.parametrize("mode", ("topk_tv", "topk_kl"))
+def test_topk_loss_matches_reference(tiny_model, tmp_path, mode):
+    """The top-K inputs flow from the batch through the patched forward into the op."""
+    # A top-K config needs vLLM, which these CPU tests do not start: install the top-K head on the same model.
+    # (Built before the trainer: building a TrainingArguments resets accelerate's state.)
+    topk_args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, dppo_chunk_size=4)
+    topk_args.dppo_mode = mode
+    trainer = make_trainer(tiny_model, tmp_path, bf16=False, temperature=0.9, dppo_chunk_size=4)
+    add_dppo_head(trainer.model, topk_args, 0.9)
+    inputs = _fixed_batch(trainer)
+    g = torch.Generator().manual_seed(3)
+    vocab = trainer.model.config.vocab_size
+    rollout = torch.log_softmax(torch.randn(3, 6, vocab, generator=g) * 2, -1)
+    topk_logprobs, topk_ids = rollout.topk(3, dim=-1)
+    inputs["dppo_topk_ids"], inputs["dppo_topk_logprobs"] = topk_ids, topk_logprobs
+    inputs["old_per_token_logps"] = rollout.gather(2, inputs["completion_ids"][..., None]).squeeze(-1)
+    trainer.model.eval()
+    loss = trainer._compute_loss(trainer.model, inputs)
+
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+    mask = inputs["completion_mask"].bool()
+    low, high = DEFAULT_DELTAS[mode]
+    ref = dppo_loss_reference(
+        logits.reshape(18, -1).double(), inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        inputs["old_per_token_logps"].reshape(-1).double(),
+        inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
+        topk_ids=topk_ids.reshape(18, 3), topk_logprobs=topk_logprobs.reshape(18, 3).double(),
+        mode=mode, temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
+    )
+    torch.testing.assert_close(loss.double(), ref["loss"].sum() / mask.sum(), rtol=1e-4, atol=1e-6)
+    assert trainer._metrics["eval"]["dppo/divergence_mean"][-1] > 0
+
+
 def test_config_errors(tmp_path, tiny_model):
-    with pytest.raises(ValueError, match=r"dppo_mode='topk_tv' needs the rollout's top-K log-probs"):
+    with pytest.raises(ValueError, match=r"dppo_mode='topk_tv' needs the rollout's top-K log-probs: set "
+                                         r"use_vllm=True and dppo_topk=K >= 1 \(got use_vllm=False, dppo_topk=0\)"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="topk_tv", use_cpu=True)
+    with pytest.raises(ValueError, match=r"dppo_topk must be >= 0, got -1"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_topk=-1, use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_mode must be one of .*got 'tv'"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="tv", use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_loss_agg_mode must be one of"):

@@ -20,16 +20,21 @@ What changes against ``trl.GRPOTrainer`` (everything else, generation, rewards, 
 * The DPPO settings are config fields (``dppo_*``, below); our metrics are logged as ``dppo/<name>`` through
   TRL's logger, with ``entropy`` and ``policy_loss`` as TRL names them.
 
+* Top-K modes (``topk_tv``/``topk_kl``, ``dppo_topk=K``) ask vLLM for the top-K log-probs of every sampled
+  position (TRL itself asks for the sampled token's only) and keep them next to the completions.
+
 Supported: text models, ``beta`` (KL to the reference model, TRL's k3 estimator on our log-probs), tools /
-environment masks, gradient accumulation, ``num_iterations``. Rejected with a clear error: the top-K modes (TRL
-1.16 asks vLLM for the sampled token's log-prob only), the entropy bonus, ``top_entropy_quantile < 1`` and
-``off_policy_mask_threshold`` (TRL loss variants of their own), multimodal inputs.
+environment masks (not with the top-K modes), gradient accumulation, ``num_iterations``. Rejected with a clear
+error: top-K modes without vLLM (there is no sampler top-K to compare with), the entropy bonus,
+``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` (TRL loss variants of their own), multimodal
+inputs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -73,9 +78,12 @@ check_trl_version(trl.__version__)
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.utils import ModelOutput  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.extras.profiling import profiling_context  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
 
-__all__ = ["DPPOGRPOConfig", "DPPOGRPOTrainer", "SUPPORTED_TRL", "add_dppo_head", "check_trl_version"]
+__all__ = [
+    "DPPOGRPOConfig", "DPPOGRPOTrainer", "SUPPORTED_TRL", "add_dppo_head", "check_trl_version", "split_vllm_logprobs",
+]
 
 
 @dataclass
@@ -83,7 +91,9 @@ class DPPOGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the DPPO settings (TRL's ``loss_type``/``epsilon`` fields are not used).
 
     Attributes:
-        dppo_mode: ``binary_tv`` | ``binary_kl`` | ``ratio`` | ``none`` (see docs/contract.md).
+        dppo_mode: ``binary_tv`` | ``binary_kl`` | ``topk_tv`` | ``topk_kl`` | ``ratio`` | ``none``
+            (docs/contract.md). The top-K modes need ``use_vllm=True`` and ``dppo_topk > 0``.
+        dppo_topk: K, the number of rollout top-K log-probs per token requested from vLLM (top-K modes).
         dppo_delta_low, dppo_delta_high: trust-region thresholds; ``None`` -> ``dppo_ext.DEFAULT_DELTAS[mode]``.
         dppo_ratio_cap: cap C of the importance weight ``min(pi / mu, C)``.
         dppo_loss_agg_mode: ``token-mean`` (over all completion tokens of the generation batch on all processes,
@@ -92,7 +102,10 @@ class DPPOGRPOConfig(GRPOConfig):
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
     """
 
-    dppo_mode: str = field(default="binary_tv", metadata={"help": "DPPO mode: binary_tv, binary_kl, ratio, none."})
+    dppo_mode: str = field(
+        default="binary_tv", metadata={"help": "DPPO mode: binary_tv, binary_kl, topk_tv, topk_kl, ratio, none."}
+    )
+    dppo_topk: int = field(default=0, metadata={"help": "K: rollout top-K log-probs per token (top-K modes)."})
     dppo_delta_low: Optional[float] = field(
         default=None, metadata={"help": "Lower threshold (A <= 0 side); None: the mode's default."}
     )
@@ -110,15 +123,15 @@ class DPPOGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dppo_mode in TOPK_MODES:
-            raise ValueError(
-                f"dppo_mode={self.dppo_mode!r} needs the rollout's top-K log-probs, which TRL {trl.__version__}'s "
-                "generation does not keep (it asks vLLM for the sampled token's log-prob only); use binary_tv or "
-                "binary_kl, or the dppo_ext trainer (dppo-train) for the top-K modes"
-            )
         if self.dppo_mode not in MODES:
-            raise ValueError(f"dppo_mode must be one of {tuple(m for m in MODES if m not in TOPK_MODES)}, "
-                             f"got {self.dppo_mode!r}")
+            raise ValueError(f"dppo_mode must be one of {MODES}, got {self.dppo_mode!r}")
+        if self.dppo_topk < 0:
+            raise ValueError(f"dppo_topk must be >= 0, got {self.dppo_topk}")
+        if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
+            raise ValueError(
+                f"dppo_mode={self.dppo_mode!r} needs the rollout's top-K log-probs: set use_vllm=True and "
+                f"dppo_topk=K >= 1 (got use_vllm={self.use_vllm}, dppo_topk={self.dppo_topk})"
+            )
         if self.dppo_loss_agg_mode not in AGG_MODES:
             raise ValueError(f"dppo_loss_agg_mode must be one of {AGG_MODES}, got {self.dppo_loss_agg_mode!r}")
         for name in ("dppo_delta_low", "dppo_delta_high"):
@@ -157,7 +170,8 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
     """Wrap ``model.forward`` so that ``model(input_ids, attention_mask, dppo_batch=batch)`` returns DPPO outputs.
 
     ``batch`` is a dict of ``[B, T]`` tensors for the last ``T`` positions (the completion): ``tokens`` (int64,
-    -100 at padding), ``rollout_logprobs``, ``advantages`` (float32) and optionally ``anchor_logprobs``. The
+    -100 at padding), ``rollout_logprobs``, ``advantages`` (float32), optionally ``anchor_logprobs`` and, for
+    the top-K modes, ``topk_ids`` / ``topk_logprobs`` ``[B, T, K]``. The
     backbone runs on the whole sequence; the hidden states that predict the completion tokens go through the LM
     head and the DPPO op (fused, or via logits with ``args.dppo_fused_linear=False``). Without ``dppo_batch``
     the previous forward runs unchanged (generation, TRL's own log-prob passes).
@@ -175,7 +189,11 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
         batch, length = tokens.shape
         hidden = hidden[:, -length - 1 : -1]
         head = self.get_output_embeddings()
+        topk_ids = dppo_batch.get("topk_ids")
+        topk_logprobs = dppo_batch.get("topk_logprobs")
         op_kwargs = dict(
+            topk_ids=None if topk_ids is None else topk_ids.reshape(batch * length, -1),
+            topk_logprobs=None if topk_logprobs is None else topk_logprobs.reshape(batch * length, -1).float(),
             anchor_logprobs=_flat(dppo_batch.get("anchor_logprobs")),
             mode=args.dppo_mode,
             temperature=temperature,
@@ -217,6 +235,44 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
     model.forward = types.MethodType(_forward, model)
 
 
+def split_vllm_logprobs(
+    completion_ids: list[list[int]],
+    logprobs: list[list[list[Optional[float]]]],
+    logprob_token_ids: list[list[list[int]]],
+    k: int,
+) -> tuple[list[list[Optional[float]]], list[list[list[int]]], list[list[list[float]]]]:
+    """Split vLLM's per-position log-probs (``logprobs=k``) into the sampled token's and the top-K.
+
+    vLLM returns, per position, the top-``k`` entries sorted by rank plus the sampled token when it is not among
+    them. Returns ``(sampled [B][T], topk_ids [B][T][k], topk_logprobs [B][T][k])``; a log-prob vLLM could not
+    compute (``None``) stays ``None`` for the sampled token and becomes ``-inf`` (no mass) in the top-K.
+    """
+    sampled, topk_ids, topk_logprobs = [], [], []
+    for seq, seq_lps, seq_ids in zip(completion_ids, logprobs, logprob_token_ids, strict=True):
+        s_sampled, s_ids, s_lps = [], [], []
+        for token, lps, ids in zip(seq, seq_lps, seq_ids, strict=True):
+            if token not in ids:
+                raise ValueError(f"vLLM returned no log-prob for the sampled token {token} (got ids {ids})")
+            if len(ids) < k:
+                raise ValueError(f"vLLM returned {len(ids)} log-probs per position, expected at least dppo_topk={k}")
+            s_sampled.append(lps[ids.index(token)])
+            s_ids.append(list(ids[:k]))
+            s_lps.append([-math.inf if lp is None else lp for lp in lps[:k]])
+        sampled.append(s_sampled)
+        topk_ids.append(s_ids)
+        topk_logprobs.append(s_lps)
+    return sampled, topk_ids, topk_logprobs
+
+
+def _pad_topk(rows: list[list[list[float]]], length: int, k: int, fill: float, dtype, device) -> torch.Tensor:
+    """``[B, length, k]`` tensor from ragged ``[B][T_b][k]`` lists, right-padded with ``fill``."""
+    out = torch.full((len(rows), length, k), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out.to(device)
+
+
 def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.reshape(-1).float().contiguous()
 
@@ -240,12 +296,49 @@ class DPPOGRPOTrainer(GRPOTrainer):
                 "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._dppo_topk = args.dppo_topk if args.dppo_mode in TOPK_MODES else 0
+        if self._dppo_topk:
+            if self.tools or self.rollout_func is not None:
+                raise ValueError("the top-K DPPO modes do not support tools or rollout_func (the sampler's top-K is "
+                                 "kept per generated position of a single turn); use binary_tv or binary_kl")
+            self.vllm_generation.logprobs = self._dppo_topk  # TRL asks for 0 (the sampled token only)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_dppo_head(target, args, self.temperature)
         self._dppo_recompute_noted = False
+        self._dppo_topk_pending: Optional[tuple[list, list]] = None
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's vLLM branch, keeping the top-K log-probs (top-K modes); otherwise TRL's method unchanged."""
+        if not self._dppo_topk:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        if self.state.global_step != self._last_loaded_step:
+            with profiling_context(self, "sync_weights"):
+                self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, logprob_token_ids = self.vllm_generation.generate(
+            prompts=prompt_ids,
+            images=images,
+            num_generations=num_generations,
+            profiler=profiling_context(self, "vLLM.generate"),
+        )
+        sampled, topk_ids, topk_logprobs = split_vllm_logprobs(
+            completion_ids, logprobs, logprob_token_ids, self._dppo_topk
+        )
+        self._dppo_topk_pending = (topk_ids, topk_logprobs)
+        return completion_ids, sampled
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
+        if self._dppo_topk_pending is not None:
+            topk_ids, topk_logprobs = self._dppo_topk_pending
+            self._dppo_topk_pending = None
+            length, device = output["completion_ids"].size(1), output["completion_ids"].device
+            output["dppo_topk_ids"] = _pad_topk(topk_ids, length, self._dppo_topk, 0, torch.long, device)
+            output["dppo_topk_logprobs"] = _pad_topk(
+                topk_logprobs, length, self._dppo_topk, -math.inf, torch.float32, device
+            )
         if output.get("sampling_per_token_logps") is not None:
             return output
         if not self._dppo_recompute_noted:
@@ -303,6 +396,9 @@ class DPPOGRPOTrainer(GRPOTrainer):
             "rollout_logprobs": torch.where(mask, rollout, torch.zeros_like(rollout)),
             "advantages": torch.where(mask, advantages, torch.zeros_like(advantages)),
         }
+        if "dppo_topk_ids" in inputs:
+            batch["topk_ids"] = inputs["dppo_topk_ids"]
+            batch["topk_logprobs"] = inputs["dppo_topk_logprobs"]
         with self.accelerator.autocast():
             out = model(
                 input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
