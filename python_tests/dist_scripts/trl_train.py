@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None, help="trainer output_dir (default: next to --out)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--path", choices=("fused", "logits"), default="fused")
+    parser.add_argument("--mode", default="binary_tv", help="dppo_mode")
+    parser.add_argument("--topk", type=int, default=0, help="dppo_topk (top-K modes)")
+    parser.add_argument("--vllm", action="store_true", help="generate with vLLM in colocate mode")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -50,6 +53,12 @@ def main() -> None:
         use_cpu=True,
         seed=0,
         dppo_fused_linear=args.path == "fused",
+        dppo_mode=args.mode,
+        dppo_topk=args.topk,
+        use_vllm=args.vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        vllm_enable_sleep_mode=False,
     )
     trainer = DPPOGRPOTrainer(
         model=args.model, reward_funcs=count_ones, args=config, train_dataset=dataset, processing_class=tokenizer
