@@ -31,6 +31,7 @@ cd "$REPO"
 OUT="${OUT:-$REPO/artifacts/gpu_check}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+export OUT PY
 BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
@@ -54,7 +55,12 @@ run_step() {
   fi
   log "== $name (limit ${limit}s)"
   local s=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  if declare -F "$1" >/dev/null; then  # a shell function: timeout needs a program, so run it in bash
+    export -f "$1"
+    timeout --kill-after=10 "$limit" bash -c "$*" 2>&1 | tee "$OUT/$name.log"
+  else
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  fi
   local rc=${PIPESTATUS[0]}
   SECS[$name]=$(( $(date +%s) - s ))
   if (( rc == 0 )); then STATUS[$name]=passed
