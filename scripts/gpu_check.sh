@@ -206,8 +206,12 @@ def reference(c, mode, entropy, anchor, temperature):
 
 
 def reference_grad(logits, tokens, gt, gh, lse, ent, temperature):
-    """[N, V] float64 gradient from the contract, given the lse and entropy fed to the kernel."""
-    z = logits.double().cpu() / temperature
+    """[N, V] float64 gradient from the contract, given the lse and entropy fed to the kernel. s = z / T
+    is formed as the kernel forms it, z * (1 / T) rounded to the accumulation dtype (the dtype of
+    lse), so that s - lse is exactly 0 where the kernel's is (a float64 z / T minus a float lse would
+    leave a rounding residual of ~1e22 for logits of 1e30); everything after it is float64."""
+    acc = lse.dtype
+    z = (logits.cpu().to(acc) * torch.tensor(1.0 / temperature, dtype=torch.float64).to(acc)).double()
     logp = z - lse.double().cpu()[:, None]
     p = torch.exp(logp)
     tokens = tokens.cpu()
