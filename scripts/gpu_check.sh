@@ -11,7 +11,8 @@
 # except the build):
 #   1. build     pip install --no-build-isolation --no-deps -e . (DPPO_FORCE_CUDA=1), build summary
 #   2. import    dppo_ext._C.cuda_compiled is True, the GPU is visible
-#   3. selfcheck CUDA vs CPU kernels, every mode x fp32/bf16/fp16/fp64, entropy on/off, padding rows,
+#   3. selfcheck CUDA outputs vs dppo_ext.reference in float64, gradients vs the contract's formula in
+#                float64; every mode x fp32/bf16/fp16/fp64, entropy on/off, anchor, padding rows,
 #                non-contiguous and misaligned rows, split vocabulary, K = 1 and 64, huge / -inf
 #                logits, backward with and without the entropy grad, in-place backward; plus one
 #                N * V > 2^31 case (int64 offsets) checked on its last rows
@@ -121,7 +122,7 @@ assert torch.cuda.is_available(), "torch sees no GPU"
 print("dppo_ext", dppo_ext.__version__, "cuda archs", dppo_ext._C.cuda_arch_list, "on", torch.cuda.get_device_name())
 ' || finish
 
-# ---- the self-check script (CUDA kernels vs CPU kernels) --------------------------------------
+# ---- the self-check script (CUDA kernels vs float64 PyTorch) ----------------------------------
 cat > "$OUT/cuda_selfcheck.py" <<'PYEOF'
 """CUDA kernels of torch.ops.dppo.* vs float64 PyTorch (written by scripts/gpu_check.sh).
 
