@@ -69,7 +69,12 @@ def build_extensions():
     from torch.utils import cpp_extension
 
     cpu_cap = _cpu_capability()
-    cxx = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", "-std=c++17", "-fopenmp",
+    # torch >= 2.14's headers require C++20; older ones build as C++17.
+    torch_minor = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    std = "-std=c++20" if torch_minor >= (2, 14) else "-std=c++17"
+    # -ffp-contract=off: z * (1/T) - max must round the product on its own; an FMA keeps the
+    # product's residual, which for |z| ~ 1e30 is itself huge and overflows exp().
+    cxx = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", std, "-fopenmp", "-ffp-contract=off",
            f"-DDPPO_VERSION=\"{VERSION}\"", f"-DDPPO_TORCH_VERSION=\"{torch.__version__}\""]
     if _env_flag("DPPO_DEBUG"):
         cxx.append("-g")
@@ -105,7 +110,7 @@ def build_extensions():
         sys.exit(f"DPPO_FORCE_CUDA=1 but the CUDA kernels cannot be built: {reason}")
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
-    nvcc = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", "-std=c++17", "--use_fast_math",
+    nvcc = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", std, "--use_fast_math",
             "--expt-relaxed-constexpr", "-lineinfo", f"-DDPPO_VERSION=\"{VERSION}\""]
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs

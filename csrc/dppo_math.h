@@ -255,7 +255,7 @@ template <typename T>
 DPPO_HOST_DEVICE T grad_target(T logp_a, T g_t, T g_h, T entropy, T inv_t) {
   const T p = std::exp(logp_a);
   const T one_minus_p = -std::expm1(logp_a);
-  const T ent = g_h == T(0) ? T(0) : g_h * p * (logp_a + entropy);
+  const T ent = (g_h == T(0) || p == T(0)) ? T(0) : g_h * p * (logp_a + entropy);  // 0 * -inf -> 0
   return (g_t * one_minus_p - ent) * inv_t;
 }
 

@@ -181,13 +181,16 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       acc_t other = 0, wsum = 0;
       row_sums(z, 0, a, inv_t, mx, args.compute_entropy, other, wsum);
       row_sums(z, a + 1, v, inv_t, mx, args.compute_entropy, other, wsum);
-      const acc_t xa = std::max(static_cast<acc_t>(z[a]) * inv_t - mx, shift_floor<acc_t>());
+      // Log-probabilities are formed relative to the row max ((s - mx) - log(sum)), never as
+      // s - lse: for huge |s| the absolute lse has lost log(sum) to rounding.
+      const acc_t xa_raw = static_cast<acc_t>(z[a]) * inv_t - mx;
+      const acc_t xa = std::max(xa_raw, shift_floor<acc_t>());
       const acc_t ea = std::exp(xa);
       const acc_t total = other + ea;
       if (args.compute_entropy) wsum += ea * xa;
       const acc_t log_total = std::log(total);
       const acc_t lse = mx + log_total;
-      const acc_t lp = xa - log_total;
+      const acc_t lp = xa_raw - log_total;
       const acc_t l1p = std::log(other) - log_total;
       const acc_t m = rollout_lp[i];
       const acc_t la = anchor_lp ? anchor_lp[i] : m;
@@ -195,7 +198,7 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       if (topk) {
         TopkAcc<acc_t> acc = topk_init<acc_t>();
         for (int64_t c = 0; c < k; ++c) {
-          const acc_t lq = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t - lse;
+          const acc_t lq = (static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t - mx) - log_total;
           topk_add(acc, topk_lp[i * k + c], lq);
         }
         div = args.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);

@@ -305,22 +305,25 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   const EntState<ep_t> other{other_acc.mx, other_acc.sum, other_acc.wsum};
   const ep_t s_a = s_a_acc;
   const EntState<ep_t> full = merge_state<kEntropy>(other, EntState<ep_t>{s_a, ep_t(1), ep_t(0)});
-  const ep_t lse = full.mx + std::log(full.sum);
+  // Log-probabilities are formed relative to the row max ((s - mx) - log(sum)), never as s - lse:
+  // for huge |s| the absolute lse has lost log(sum) to rounding.
+  const ep_t log_sum = std::log(full.sum);
+  const ep_t lse = full.mx + log_sum;
   TopkAcc<ep_t> acc = topk_init<ep_t>();
   const bool topk = mode_is_topk(p.mode);
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
-      const ep_t lq = id >= 0 && id < p.v ? ep_t(scale_logit(static_cast<acc_t>(row[id]), p.inv_t)) - lse
+      const ep_t lq = id >= 0 && id < p.v ? (ep_t(scale_logit(static_cast<acc_t>(row[id]), p.inv_t)) - full.mx) - log_sum
                                           : static_cast<ep_t>(-INFINITY);
       topk_add(acc, ep_t(p.topk_lp[i * p.k + c]), lq);
     }
     acc = block_sum_topk<kBlock>(acc);
   }
   if (threadIdx.x != 0) return;
-  const ep_t lp = s_a - lse;
+  const ep_t lp = (s_a - full.mx) - log_sum;
   const ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
-                                                             : other.mx + std::log(other.sum) - lse;
+                                                             : (other.mx - full.mx) + std::log(other.sum) - log_sum;
   const ep_t m = p.rollout_lp[i];
   const ep_t adv = p.adv[i];
   const ep_t la = p.anchor_lp != nullptr ? ep_t(p.anchor_lp[i]) : m;
