@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, DTYPES, TOL, ambiguous_rows, as_dtype, reference_outputs, sample_inputs
+from dppo_testing import DEVICES, DTYPES, TOL, ambiguous_rows, as_dtype, reference_outputs, sample_inputs
 
 import dppo_ext
 from dppo_ext import DPPOLoss, dppo_loss

@@ -8,7 +8,7 @@ a torch.compile(fullgraph=True) smoke test and finiteness under extreme inputs.
 For float16/bfloat16 (and float32) the op is compared with the float64 reference evaluated on the
 same (already rounded) logits, and its worst error must be at most twice the worst error of the
 same-precision PyTorch path (the reference run in the logits' own dtype) plus the dtype's
-tolerance from conftest.TOL.
+tolerance from dppo_testing.TOL.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import (
+from dppo_testing import (
     CASES,
     DEVICES,
     DTYPES,

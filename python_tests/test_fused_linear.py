@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from conftest import TOL, ambiguous_rows
+from dppo_testing import TOL, ambiguous_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dppo_ext import dppo_loss

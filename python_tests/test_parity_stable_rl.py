@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ambiguous_rows, reference_outputs
+from dppo_testing import ambiguous_rows, reference_outputs
 
 from dppo_ext import dppo_loss
 from dppo_ext.ops import dppo_loss_forward
