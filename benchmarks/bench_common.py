@@ -96,7 +96,11 @@ def make_inputs(n: int, v: int, k: int, mode: str, dtype: torch.dtype, device: s
         z.scatter_add_(1, preferred, boost)
         z = z.to(dtype).float()  # the logits the contenders see, so "true" log-probs match them
         logp = torch.log_softmax(z, dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen)
+        # Inverse-CDF sampling (several times faster than torch.multinomial over a large V).
+        cdf = logp.exp().cumsum_(dim=-1)
+        u = torch.rand(rows, 1, generator=gen, device=device) * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u).clamp_(max=v - 1)
+        del cdf
         noise = 0.3 * torch.randn(rows, 1, generator=gen, device=device)
         rollout[start:stop] = (logp.gather(1, tok) + noise).clamp(max=0.0).squeeze(1)
         tokens[start:stop] = tok.squeeze(1)
@@ -143,10 +147,13 @@ class ContenderUnavailable(RuntimeError):
     """The contender cannot run here (missing package, wrong device); the reason is the message."""
 
 
-def build_contender(name: str, mode: str, device: str) -> Contender:
-    """Construct contender ``name`` for ``mode`` (raises ContenderUnavailable when it cannot run)."""
+def build_contender(name: str, mode: str, device: str, compute_entropy: bool = True) -> Contender:
+    """Construct contender ``name`` for ``mode`` (raises ContenderUnavailable when it cannot run).
+
+    ``compute_entropy`` is passed to every DPPO contender (the API's default is True).
+    """
     low, high = deltas_for(mode)
-    common = {"mode": mode, "delta_low": low, "delta_high": high}
+    common = {"mode": mode, "delta_low": low, "delta_high": high, "compute_entropy": compute_entropy}
 
     def topk_kwargs(inp: LossInputs) -> dict:
         return {"topk_ids": inp.topk_ids, "topk_logprobs": inp.topk_logprobs}

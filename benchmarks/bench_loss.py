@@ -7,7 +7,8 @@ the eager full-vocabulary reference, ``torch.compile`` of that reference and, on
 - ``validate``: the CPU peak-memory method measures known allocations (1 GiB in one block and in
   64 blocks of 16 MiB) correctly.
 - ``speed``: every mode x dtype at one size (default N=2048, V=32768, K=20): forward, backward
-  and forward+backward timed separately, warm-up then the median of ``--repeats`` steps.
+  and forward+backward timed separately, warm-up then the median of ``--repeats`` steps (fused)
+  or ``--baseline-repeats`` steps (eager, compile, Liger).
 - ``memory``: the acceptance point (default N=4096, V=151936, bf16, topk_kl): each contender in
   a fresh process, its step's measured peak beyond the inputs and the returned gradient, and time.
 - ``scaling``: extra memory and time as N grows (V fixed) and as V grows (N fixed), each point in
@@ -55,7 +56,10 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """Keeps the module docstring's layout and shows every default."""
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--sections", type=_names, default=list(SECTIONS), help=f"comma list of {SECTIONS}")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -64,6 +68,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="larger scaling sizes (N up to 32768; compile in every scaling point); needs ~40 GiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topk", type=int, default=20, help="K of the top-K modes (default 20, vLLM's default)")
+    p.add_argument("--no-entropy", dest="entropy", action="store_false",
+                   help="compute_entropy=False for every contender (default: True, the API's default)")
     g = p.add_argument_group("speed section")
     g.add_argument("--modes", type=_names, default=list(bc.MODES))
     g.add_argument("--dtypes", type=_names, default=["float32", "bfloat16"])
@@ -72,12 +78,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--speed-n", type=int, default=2048)
     g.add_argument("--speed-v", type=int, default=32768)
     g.add_argument("--warmup", type=int, default=1)
-    g.add_argument("--repeats", type=int, default=5)
+    g.add_argument("--repeats", type=int, default=5, help="timed steps of the fused contenders")
+    g.add_argument("--baseline-repeats", type=int, default=3,
+                   help="timed steps of the slow baselines (eager, compile, Liger)")
     g = p.add_argument_group("memory section (the acceptance point)")
     g.add_argument("--memory-n", type=int, default=4096)
     g.add_argument("--memory-v", type=int, default=151936)
     g.add_argument("--memory-dtype", default="bfloat16")
     g.add_argument("--memory-modes", type=_names, default=["topk_kl"])
+    g.add_argument("--memory-repeats", type=int, default=2,
+                   help="warm timed steps after the measured (cold) one, per process")
     g = p.add_argument_group("scaling section")
     g.add_argument("--scaling-n", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
     g.add_argument("--scaling-fixed-v", type=int, default=32768, help="V while N varies")
@@ -86,9 +96,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--scaling-mode", default="topk_kl")
     g.add_argument("--scaling-dtype", default="bfloat16")
     g.add_argument("--scaling-contenders", type=_names, default=["fused", "fused_inplace", "eager"])
-    g.add_argument("--child-repeats", type=int, default=2, help="timed steps after the measured one, per process")
-    g.add_argument("--child-timeout", type=float, default=900.0)
-    g.add_argument("--mem-guard", type=float, default=1.0,
+    g.add_argument("--scaling-repeats", type=int, default=1,
+                   help="warm timed steps after the measured (cold) one, per process")
+    p.add_argument("--child-timeout", type=float, default=900.0, help="seconds allowed to one child process")
+    p.add_argument("--mem-guard", type=float, default=1.0,
                    help="skip a case when MemAvailable < guard x a rough need (protects a shared machine)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -105,11 +116,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if name not in bc.ALL_CONTENDERS:
             p.error(f"contender {name!r} is not one of {bc.ALL_CONTENDERS}")
     if args.quick:
-        args.speed_n, args.speed_v, args.repeats = 256, 4096, 3
+        args.speed_n, args.speed_v, args.repeats, args.baseline_repeats = 256, 4096, 3, 2
         args.memory_n, args.memory_v = 512, 16384
         args.scaling_n, args.scaling_fixed_v = [256, 512, 1024], 8192
         args.scaling_v, args.scaling_fixed_n = [4096, 16384], 512
-        args.child_repeats = 1
+        args.memory_repeats = 1
     if args.large:
         args.scaling_n = sorted(set(args.scaling_n) | {32768})
         args.scaling_contenders = sorted(set(args.scaling_contenders) | {"compile"})
@@ -143,7 +154,7 @@ def child_main(case: dict) -> dict:
     if case["kind"] == "calibrate":
         return _calibrate(case["pattern"], device)
     dtype = bc.DTYPES[case["dtype"]]
-    contender = bc.build_contender(case["contender"], case["mode"], device)
+    contender = bc.build_contender(case["contender"], case["mode"], device, case.get("compute_entropy", True))
     if case["contender"] != "compile":
         small = bc.make_inputs(min(case["n"], 64), case["v"], case["k"], case["mode"], dtype, device, case["seed"])
         small_leaf = contender.make_leaf(small)
@@ -160,7 +171,10 @@ def child_main(case: dict) -> dict:
         res = bc.step(contender, inp, leaf, device)
     grad_aliases_leaf = res.grad.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()
     grad_bytes = 0 if grad_aliases_leaf else res.grad.numel() * res.grad.element_size()
-    timing = bc.Timing([res.fwd_s], [res.bwd_s])
+    # The measured step is this process's first at full size (cold: first-touch of pools and
+    # thread start-up), so it is timed only when no warm step follows.
+    cold = bc.Timing([res.fwd_s], [res.bwd_s])
+    timing = bc.Timing([], [])
     del res
     for _ in range(repeats):
         if contender.consumes_logits:
@@ -180,7 +194,8 @@ def child_main(case: dict) -> dict:
         "memory_method": "cuda max_memory_allocated" if device.startswith("cuda") else "VmHWM-VmRSS (clear_refs)",
         "contender_note": contender.note,
     }
-    out.update(timing.summary())
+    out.update((timing if repeats else cold).summary())
+    out["cold_total_ms"] = 1e3 * cold.total[0]
     return out
 
 
@@ -239,9 +254,10 @@ def run_speed(args: argparse.Namespace, progress) -> list[dict]:
                 progress.set_postfix_str(f"speed {mode} {dtype_name} {name}")
                 rec = _base_record("speed", name, mode, dtype_name, n, v, k)
                 try:
-                    contender = bc.build_contender(name, mode, args.device)
+                    contender = bc.build_contender(name, mode, args.device, args.entropy)
                     leaf = contender.make_leaf(inp)
-                    timing, first = bc.time_contender(contender, inp, leaf, args.device, args.warmup, args.repeats,
+                    repeats = args.repeats if name.startswith("fused") else args.baseline_repeats
+                    timing, first = bc.time_contender(contender, inp, leaf, args.device, args.warmup, repeats,
                                                       pristine)
                 except bc.ContenderUnavailable as exc:
                     rec["status"] = f"skipped: {exc}"
@@ -299,9 +315,10 @@ def run_children(args: argparse.Namespace, cases: list[dict], progress) -> dict[
     return results
 
 
-def _child_case(args: argparse.Namespace, contender: str, mode: str, dtype: str, n: int, v: int) -> dict:
+def _child_case(args: argparse.Namespace, contender: str, mode: str, dtype: str, n: int, v: int,
+                repeats: int) -> dict:
     return {"kind": "loss", "device": args.device, "contender": contender, "mode": mode, "dtype": dtype, "n": n,
-            "v": v, "k": args.topk, "seed": args.seed, "repeats": args.child_repeats}
+            "v": v, "k": args.topk, "seed": args.seed, "repeats": repeats, "compute_entropy": args.entropy}
 
 
 def plan_children(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -311,13 +328,16 @@ def plan_children(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     if "memory" in args.sections:
         for mode in args.memory_modes:
             for name in cpu_like:
-                memory.append(_child_case(args, name, mode, args.memory_dtype, args.memory_n, args.memory_v))
+                memory.append(_child_case(args, name, mode, args.memory_dtype, args.memory_n, args.memory_v,
+                                          args.memory_repeats))
     if "scaling" in args.sections:
         for name in args.scaling_contenders:
             for n in args.scaling_n:
-                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, n, args.scaling_fixed_v))
+                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, n, args.scaling_fixed_v,
+                                           args.scaling_repeats))
             for v in args.scaling_v:
-                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, args.scaling_fixed_n, v))
+                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, args.scaling_fixed_n, v,
+                                           args.scaling_repeats))
     return memory, scaling
 
 

@@ -113,7 +113,8 @@ def markdown(results: dict) -> str:
         f"Taken on **{dev}**, {m['mem_total_gib']} GiB RAM, torch {m['torch']}, Python {m['python']}, "
         f"dppo_ext {m.get('dppo_ext')} (commit {m.get('git_commit') or 'uncommitted'}), {m['date_utc']}; "
         f"load average {load} at start, {load_end} at end.",
-        f"Command: `{m['command']}` (wall time {m.get('wall_s', '?')} s). Every figure below is in "
+        f"Command: `{m['command']}` (wall time {m.get('wall_s', '?')} s); token-mean loss, "
+        f"compute_entropy={cfg.get('entropy', True)}, thresholds = the API's per-mode defaults. Every figure below is in "
         "`benchmarks/results/bench_loss.json` / `.csv`; method in `docs/benchmarks.md`.",
         "",
     ]
@@ -122,7 +123,8 @@ def markdown(results: dict) -> str:
         n, v, k = speed[0]["N"], speed[0]["V"], cfg["topk"]
         lines += [
             f"### Speed: N={n} rows, V={v}, K={k} (top-K modes), milliseconds, median of {cfg['repeats']} steps "
-            f"after {cfg['warmup']} warm-up",
+            f"(fused) or {cfg.get('baseline_repeats', cfg['repeats'])} steps (eager, compile) after {cfg['warmup']} "
+            "warm-up",
             "",
             "| mode | dtype | fused fwd | fused bwd | fused fwd+bwd | fused in-place fwd+bwd | eager fwd+bwd "
             "| compile fwd+bwd | speedup vs eager | speedup vs compile | max abs grad diff vs eager |",
@@ -172,7 +174,8 @@ def markdown(results: dict) -> str:
         contenders = [c for c in STYLE if any(r["contender"] == c for r in rows)]
         lines += [
             f"### Scaling with {axis} ({fixed_name}={fixed}, {cfg['scaling_dtype']}, {cfg['scaling_mode']}): "
-            "extra memory beyond inputs + returned grad (MiB) / fwd+bwd (ms)",
+            "extra memory beyond inputs + returned grad (MiB) / fwd+bwd (ms; "
+            f"{cfg.get('scaling_repeats', 1)} warm step(s) after the measured one)",
             "",
             f"| {axis} | " + " | ".join(contenders) + " |",
             "|--:|" + "--:|" * len(contenders),
