@@ -67,6 +67,7 @@ def build_task(config: TrainConfig) -> Task:
         )
     return make_arithmetic_task(
         max_operand=config.max_operand,
+        max_second_operand=config.max_second_operand,
         num_eval=config.num_eval,
         num_sft=config.warm_start_problems,
         seed=config.seed,
@@ -88,6 +89,7 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
         "warm_start_problems": config.warm_start_problems,
         "warm_start_lr": config.warm_start_lr,
         "max_operand": config.max_operand,
+        "max_second_operand": config.max_second_operand,
         "num_eval": config.num_eval,
         "seed": config.seed,
     }
@@ -174,6 +176,8 @@ def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     engine = make_rollout_engine(config, policy_path, device)
+    # vLLM logs two INFO lines per weight sync (every step); keep its warnings, drop the chatter.
+    logging.getLogger("vllm").setLevel(logging.WARNING)
     try:
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)

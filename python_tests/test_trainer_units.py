@@ -237,6 +237,8 @@ def test_hf_engine_training_steps_change_weights_and_stay_in_sync(tmp_path: Path
     assert any(not torch.equal(before[name], after[name]) for name in before)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert len(records) == 2
+    # linear warm-up: step s (1-based) trains at lr * s / warmup_steps
+    assert [r["lr"] for r in records] == pytest.approx([config.lr / config.warmup_steps, 2 * config.lr / config.warmup_steps])
     for record in records:
         assert record["optimizer_steps"] > 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
         # fp32 HF rollouts of synced weights: the trainer's pi equals the rollout's mu up to rounding

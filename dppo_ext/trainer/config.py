@@ -50,17 +50,18 @@ class TrainConfig:
     verifier: str = _opt("auto", "answer check: numeric, exact, or auto (numeric when the answer is a number)", VERIFIERS)
     prompt_format: str = _opt("auto", "plain text prompts, the tokenizer's chat template, or auto (chat when it has one)", PROMPT_FORMATS)
     # embedded task and its tiny model
-    max_operand: int = _opt(30, "embedded task: operands are integers in [0, max_operand]")
+    max_operand: int = _opt(999, "embedded task: the first operand is an integer in [0, max_operand]")
+    max_second_operand: int = _opt(9, "embedded task: the second operand is an integer in [0, max_second_operand]")
     tiny_layers: int = _opt(2, "embedded model: decoder layers")
     tiny_hidden: int = _opt(128, "embedded model: hidden size (head_dim = hidden / 2)")
-    warm_start_steps: int = _opt(400, "embedded model: supervised warm-start steps")
-    warm_start_problems: int = _opt(800, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
+    warm_start_steps: int = _opt(600, "embedded model: supervised warm-start steps")
+    warm_start_problems: int = _opt(4000, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
     warm_start_lr: float = _opt(3e-3, "embedded model: warm-start learning rate")
     # RL
     loss: str = _opt("dppo_binary_tv", "policy loss", tuple(LOSS_MODES))
-    steps: int = _opt(150, "RL steps (one rollout batch each)")
+    steps: int = _opt(400, "RL steps (one rollout batch each)")
     prompts_per_step: int = _opt(32, "prompts per rollout batch")
-    group_size: int = _opt(8, "samples per prompt (GRPO group)")
+    group_size: int = _opt(16, "samples per prompt (GRPO group)")
     temperature: float = _opt(1.0, "rollout temperature (the trainer scores logits / temperature)")
     max_new_tokens: int = _opt(6, "maximum response tokens")
     top_k: int = _opt(0, "rollout top-K log-probs per token (>= 1 for the top-K losses)")
@@ -69,11 +70,12 @@ class TrainConfig:
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the mode's)")
     ratio_cap: float = _opt(10.0, "cap on the importance weight")
     loss_agg_mode: str = _opt("token-mean", "loss aggregation", LOSS_AGG_MODES)
-    lr: float = _opt(2e-4, "AdamW learning rate")
+    lr: float = _opt(1e-4, "AdamW learning rate")
+    warmup_steps: int = _opt(20, "linear learning-rate warm-up over the first k RL steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm")
-    num_minibatches: int = _opt(2, "optimizer steps per epoch over a rollout batch")
-    ppo_epochs: int = _opt(1, "passes over each rollout batch")
+    num_minibatches: int = _opt(4, "optimizer steps per epoch over a rollout batch")
+    ppo_epochs: int = _opt(2, "passes over each rollout batch")
     micro_batch_size: int = _opt(0, "sequences per forward/backward (gradient accumulation); 0 = whole mini-batch")
     drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
     # evaluation
@@ -87,7 +89,7 @@ class TrainConfig:
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
-    threads: int = _opt(0, "torch CPU threads (0 = torch's default)")
+    threads: int = _opt(1, "torch CPU threads (0 = torch's default; 1 suits the tiny model on a small shared CPU)")
     # run management
     out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoints, summary.json)")
     save_every: int = _opt(50, "checkpoint every k steps (and at the end); 0 = only at the end")
@@ -111,14 +113,14 @@ class TrainConfig:
             if choices and getattr(self, name) not in choices:
                 raise ValueError(f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}")
         positive = (
-            "num_eval", "max_operand", "tiny_layers", "tiny_hidden", "warm_start_problems", "steps",
+            "num_eval", "max_operand", "max_second_operand", "tiny_layers", "tiny_hidden", "warm_start_problems", "steps",
             "prompts_per_step", "max_new_tokens", "num_minibatches", "ppo_epochs", "eval_every",
             "eval_samples", "max_model_len",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("warm_start_steps", "micro_batch_size", "save_every", "threads", "top_k"):
+        for name in ("warm_start_steps", "warmup_steps", "micro_batch_size", "save_every", "threads", "top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm", "ratio_cap"):

@@ -186,6 +186,9 @@ class Trainer:
         before this step's first optimizer step (the engine's and the trainer's weights agree).
         """
         cfg = self.config
+        lr = cfg.lr * min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.model.train()
         generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
         sums: dict[str, float] = {}
@@ -246,6 +249,7 @@ class Trainer:
             mismatch_mean=mismatch_sum / max(mismatch_tokens, 1.0),
             mismatch_max=mismatch_max,
             optimizer_steps=len(losses),
+            lr=lr,
         )
         return out
 

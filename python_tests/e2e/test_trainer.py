@@ -70,7 +70,7 @@ def test_vllm_training_steps_change_weights_and_stay_in_sync(tmp_path, tiny_mode
     records = [trainer.train_step() for _ in range(config.steps)]
     assert any(not torch.equal(before[name], p) for name, p in tiny_model.named_parameters())
     for record in records:
-        assert record["optimizer_steps"] == config.num_minibatches
+        assert record["optimizer_steps"] == config.num_minibatches * config.ppo_epochs
         assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
         assert 0.0 < record["reward"] < 1.0
         # steps 2 and 3 roll out with weights synced after an update
