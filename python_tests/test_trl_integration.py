@@ -262,3 +262,14 @@ def test_vllm_colocate_topk_step(tiny_model, tmp_path, monkeypatch):
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def test_models_with_logit_transforms_are_rejected(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    config.final_logit_softcapping = 30.0
+    args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    with pytest.raises(ValueError, match=r"transform the LM head's logits .*'final_logit_softcapping': 30.0"):
+        add_dppo_head(LlamaForCausalLM(config), args, 1.0)

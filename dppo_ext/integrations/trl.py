@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 TESTED_TRL = "1.16.0"
 TOPK_MODES = ("topk_tv", "topk_kl")
+# Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
 # Metrics aggregated across processes by max instead of mean.
 _MAX_METRICS = ("mismatch_max", "ratio_max")
 
@@ -171,11 +174,20 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
 
     ``batch`` is a dict of ``[B, T]`` tensors for the last ``T`` positions (the completion): ``tokens`` (int64,
     -100 at padding), ``rollout_logprobs``, ``advantages`` (float32), optionally ``anchor_logprobs`` and, for
-    the top-K modes, ``topk_ids`` / ``topk_logprobs`` ``[B, T, K]``. The
-    backbone runs on the whole sequence; the hidden states that predict the completion tokens go through the LM
-    head and the DPPO op (fused, or via logits with ``args.dppo_fused_linear=False``). Without ``dppo_batch``
-    the previous forward runs unchanged (generation, TRL's own log-prob passes).
+    the top-K modes, ``topk_ids`` / ``topk_logprobs`` ``[B, T, K]``. The backbone runs on the whole sequence; the
+    hidden states that predict the completion tokens go through the LM head and the DPPO op (fused, or via
+    logits with ``args.dppo_fused_linear=False``). Without ``dppo_batch`` the previous forward runs unchanged
+    (generation, TRL's own log-prob passes). Models that transform the LM head's output (logit soft-capping or
+    scaling in their forward) are rejected: the loss would see different logits than the model's.
     """
+    text_config = model.config.get_text_config()
+    transforms = {name: getattr(text_config, name, None) for name in _LOGIT_TRANSFORMS}
+    transforms = {name: value for name, value in transforms.items() if value is not None and value != 1.0}
+    if transforms:
+        raise ValueError(
+            f"DPPOGRPOTrainer does not support models that transform the LM head's logits in their forward "
+            f"(config has {transforms}); the DPPO loss is computed from the plain LM-head output"
+        )
     previous_forward = model.forward
     delta_low, delta_high = args.dppo_deltas
 
