@@ -17,6 +17,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$REPO/.venv-cuda}"
+[[ -d "$VENV" ]] && VENV="$(cd "$VENV" && pwd)"  # absolute: the build runs from a copy elsewhere
 PY="$VENV/bin/python"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda-13.0}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}"
