@@ -24,6 +24,7 @@ so ``VmHWM - VmRSS(before)`` is the step's true physical peak (see docs/benchmar
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import shlex
@@ -48,6 +49,7 @@ CONSUMES_LOGITS = ("fused_inplace", "liger_grpo_inplace")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
 GIB = 1024**3
 MIB = 1024**2
+SAMPLE_TOP = 64  # tokens are sampled among each row's top SAMPLE_TOP logits
 
 
 @dataclass
@@ -74,41 +76,47 @@ class LossInputs:
 def make_inputs(n: int, v: int, k: int, mode: str, dtype: torch.dtype, device: str, seed: int = 0) -> LossInputs:
     """Realistic random inputs, generated chunk by chunk so setup never holds an fp32 [N, V] copy.
 
-    Logits are ``2 * randn`` plus a boost of U(0, 12) on one preferred token per row (LLM-like
-    peaked rows: pi spans ~0 to ~1); tokens are sampled from softmax(logits); the rollout log-probs
-    are the true ones plus N(0, 0.3) noise (a train/inference mismatch, so some rows get masked);
-    advantages are N(0, 1); top-K ids/log-probs are the row's top-K with the same noise.
+    Logits: each chunk of rows is a random window of a block of ``2 * randn`` rows (twice a chunk
+    tall), rolled along V by a random shift (torch's CPU generator is sequential: drawing N*V ~ 6e8
+    normals would dominate the setup, and the loss's cost does not depend on which values a row
+    holds), plus a boost of ``log(V) + 2 + U(-6, 6)`` on one random token per row, so the boosted
+    token's probability spans ~0.002 to ~0.998 (peaked, LLM-like rows). Tokens are sampled from
+    the softmax restricted to the row's top ``SAMPLE_TOP`` logits; the rollout log-probs are the
+    tokens' true log-probs plus N(0, 0.3) noise (a train/inference mismatch, so some rows get
+    masked); advantages are N(0, 1); top-K ids/log-probs are the row's top-K with the same noise.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
+    rows_per_chunk = max(1, (1 << 23) // v)
+    base = 2.0 * torch.randn(min(n, 2 * rows_per_chunk), v, generator=gen, device=device)
     logits = torch.empty(n, v, dtype=dtype, device=device)
     tokens = torch.empty(n, dtype=torch.long, device=device)
     rollout = torch.empty(n, dtype=torch.float32, device=device)
     topk = mode in TOPK_MODES
     topk_ids = torch.empty(n, k, dtype=torch.long, device=device) if topk else None
     topk_lp = torch.empty(n, k, dtype=torch.float32, device=device) if topk else None
-    rows_per_chunk = max(1, (1 << 23) // v)
     for start in range(0, n, rows_per_chunk):
         stop = min(n, start + rows_per_chunk)
         rows = stop - start
-        z = 2.0 * torch.randn(rows, v, generator=gen, device=device)
+        first = int(torch.randint(0, base.shape[0] - rows + 1, (1,), generator=gen))
+        shift = int(torch.randint(0, v, (1,), generator=gen))
+        window = base[first:first + rows]
+        z = torch.empty(rows, v, device=device)
+        z[:, : v - shift] = window[:, shift:]
+        z[:, v - shift:] = window[:, :shift]
         preferred = torch.randint(0, v, (rows, 1), generator=gen, device=device)
-        boost = 12.0 * torch.rand(rows, 1, generator=gen, device=device)
+        boost = math.log(v) + 2.0 + 12.0 * torch.rand(rows, 1, generator=gen, device=device) - 6.0
         z.scatter_add_(1, preferred, boost)
-        z = z.to(dtype).float()  # the logits the contenders see, so "true" log-probs match them
-        logp = torch.log_softmax(z, dim=-1)
-        # Inverse-CDF sampling (several times faster than torch.multinomial over a large V).
-        cdf = logp.exp().cumsum_(dim=-1)
-        u = torch.rand(rows, 1, generator=gen, device=device) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u).clamp_(max=v - 1)
-        del cdf
-        noise = 0.3 * torch.randn(rows, 1, generator=gen, device=device)
-        rollout[start:stop] = (logp.gather(1, tok) + noise).clamp(max=0.0).squeeze(1)
-        tokens[start:stop] = tok.squeeze(1)
-        if topk:
-            lp_top, ids = logp.topk(k, dim=-1)
-            topk_ids[start:stop] = ids
-            topk_lp[start:stop] = (lp_top + 0.3 * torch.randn(rows, k, generator=gen, device=device)).clamp(max=0.0)
         logits[start:stop] = z.to(dtype)
+        logp = torch.log_softmax(z, dim=-1)
+        top_lp, top_ids = logp.topk(max(k, SAMPLE_TOP), dim=-1)
+        pick = torch.multinomial(top_lp.exp(), 1, generator=gen)
+        noise = 0.3 * torch.randn(rows, 1, generator=gen, device=device)
+        rollout[start:stop] = (top_lp.gather(1, pick) + noise).clamp(max=0.0).squeeze(1)
+        tokens[start:stop] = top_ids.gather(1, pick).squeeze(1)
+        if topk:
+            topk_ids[start:stop] = top_ids[:, :k]
+            topk_lp[start:stop] = (top_lp[:, :k] + 0.3 * torch.randn(rows, k, generator=gen, device=device)).clamp(
+                max=0.0)
         del z, logp
     advantages = torch.randn(n, generator=gen, device=device)
     return LossInputs(logits.requires_grad_(), tokens, rollout, advantages, topk_ids, topk_lp)
