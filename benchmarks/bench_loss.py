@@ -96,7 +96,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--scaling-mode", default="topk_kl")
     g.add_argument("--scaling-dtype", default="bfloat16")
     g.add_argument("--scaling-contenders", type=_names, default=["fused", "fused_inplace", "eager"])
-    g.add_argument("--scaling-repeats", type=int, default=1,
+    g.add_argument("--scaling-repeats", type=int, default=2,
                    help="warm timed steps after the measured (cold) one, per process")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds allowed to one child process")
     p.add_argument("--mem-guard", type=float, default=1.0,
