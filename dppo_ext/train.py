@@ -88,6 +88,7 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
         "warm_start_steps": config.warm_start_steps,
         "warm_start_problems": config.warm_start_problems,
         "warm_start_lr": config.warm_start_lr,
+        "warm_start_label_smoothing": config.warm_start_label_smoothing,
         "max_operand": config.max_operand,
         "max_second_operand": config.max_second_operand,
         "num_eval": config.num_eval,
@@ -108,7 +109,8 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
     start = time.perf_counter()
     logger.info("supervised warm start: %d steps on %d problems", config.warm_start_steps, len(task.sft))
     losses = supervised_warm_start(
-        model, tokenizer, task.sft, WarmStartConfig(steps=config.warm_start_steps, lr=config.warm_start_lr, seed=config.seed)
+        model, tokenizer, task.sft, WarmStartConfig(steps=config.warm_start_steps, lr=config.warm_start_lr,
+                                         label_smoothing=config.warm_start_label_smoothing, seed=config.seed)
     )
     model.save_pretrained(folder)
     seconds = time.perf_counter() - start

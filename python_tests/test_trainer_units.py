@@ -206,7 +206,7 @@ def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
     settings = dict(
         out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=30,
         steps=4, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
-        save_every=2, max_new_tokens=4, lr=1e-3, threads=1, seed=5,
+        save_every=2, max_new_tokens=4, lr=1e-3, threads=1, seed=5, warm_start_label_smoothing=0.0,
     )
     settings.update(overrides)
     return TrainConfig(**settings).validate()

@@ -31,6 +31,7 @@ class WarmStartConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
+    label_smoothing: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,6 +41,8 @@ class WarmStartConfig:
             raise ValueError(f"warm-start batch_size must be >= 1, got {self.batch_size}")
         if self.lr <= 0:
             raise ValueError(f"warm-start lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"warm-start label_smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
 def encode_sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +98,8 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, problems: list[Prob
         del order[: config.batch_size]
         input_ids, attention_mask, labels = encode_sft_batch(tokenizer, batch)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                               label_smoothing=config.label_smoothing)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)

@@ -50,13 +50,15 @@ class TrainConfig:
     verifier: str = _opt("auto", "answer check: numeric, exact, or auto (numeric when the answer is a number)", VERIFIERS)
     prompt_format: str = _opt("auto", "plain text prompts, the tokenizer's chat template, or auto (chat when it has one)", PROMPT_FORMATS)
     # embedded task and its tiny model
-    max_operand: int = _opt(999, "embedded task: the first operand is an integer in [0, max_operand]")
+    max_operand: int = _opt(99, "embedded task: the first operand is an integer in [0, max_operand]")
     max_second_operand: int = _opt(9, "embedded task: the second operand is an integer in [0, max_second_operand]")
     tiny_layers: int = _opt(2, "embedded model: decoder layers")
     tiny_hidden: int = _opt(128, "embedded model: hidden size (head_dim = hidden / 2)")
-    warm_start_steps: int = _opt(600, "embedded model: supervised warm-start steps")
-    warm_start_problems: int = _opt(4000, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
+    warm_start_steps: int = _opt(1000, "embedded model: supervised warm-start steps")
+    warm_start_problems: int = _opt(600, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
     warm_start_lr: float = _opt(3e-3, "embedded model: warm-start learning rate")
+    warm_start_label_smoothing: float = _opt(
+        0.3, "embedded model: warm-start label smoothing (a policy that ranks the answer first but samples it rarely)")
     # RL
     loss: str = _opt("dppo_binary_tv", "policy loss", tuple(LOSS_MODES))
     steps: int = _opt(400, "RL steps (one rollout batch each)")
