@@ -79,30 +79,77 @@ inline void check_scalars(double temperature, double delta_low, double delta_hig
   TORCH_CHECK_VALUE(!std::isnan(ratio_cap) && ratio_cap > 0.0, "ratio_cap must be > 0, got ", ratio_cap);
 }
 
-// Value checks that read the data (one fused reduction each; a host sync on CUDA).
-inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const char* name, bool allow_ignore) {
-  if (tokens.numel() == 0) return;
-  const at::Tensor valid = allow_ignore ? tokens.ne(kIgnoreIndex) : at::ones_like(tokens, at::kBool);
-  const at::Tensor bad = valid.logical_and(tokens.lt(0).logical_or(tokens.ge(vocab)));
-  if (bad.any().item<bool>()) {
-    const int64_t first = bad.nonzero().select(1, 0).min().item<int64_t>();
-    const at::Tensor flat = tokens.reshape(-1);
-    TORCH_CHECK_INDEX(false, name, " must hold ids in [0, V=", vocab, ")",
-                      allow_ignore ? " or the ignore index -100" : "", ", got ",
-                      flat[first].item<int64_t>(), " at flat position ", first);
+// Value checks that read the data. On CPU a plain loop over the values (no temporaries: these run
+// on every call); on CUDA one fused reduction each and a host sync, the price of never launching a
+// kernel that would index out of bounds. Each returns the flat position of the first bad value, or
+// -1 when every value is fine.
+inline int64_t first_bad_token(const at::Tensor& tokens, int64_t vocab, bool allow_ignore) {
+  if (tokens.numel() == 0) return -1;
+  if (tokens.is_cpu()) {
+    const at::Tensor t = tokens.contiguous();
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if ((p[i] < 0 || p[i] >= vocab) && !(allow_ignore && p[i] == kIgnoreIndex)) return i;
+    }
+    return -1;
   }
+  const at::Tensor flat = tokens.reshape(-1);
+  at::Tensor bad = flat.lt(0).logical_or(flat.ge(vocab));
+  if (allow_ignore) bad = bad.logical_and(flat.ne(kIgnoreIndex));
+  if (!bad.any().item<bool>()) return -1;
+  return bad.nonzero().min().item<int64_t>();
+}
+
+inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const char* name, bool allow_ignore) {
+  const int64_t first = first_bad_token(tokens, vocab, allow_ignore);
+  if (first < 0) return;
+  TORCH_CHECK_INDEX(false, name, " must hold ids in [0, V=", vocab, ")",
+                    allow_ignore ? " or the ignore index -100" : "", ", got ",
+                    tokens.reshape(-1)[first].item<int64_t>(), " at flat position ", first);
+}
+
+// Log-probabilities must be <= 0 (or -inf) and not NaN: `x > 0 || x != x`.
+template <typename T>
+int64_t first_bad_logprob_cpu(const at::Tensor& t) {
+  const T* p = t.const_data_ptr<T>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (p[i] > T(0) || p[i] != p[i]) return i;
+  }
+  return -1;
 }
 
 inline void check_logprob_values(const at::Tensor& lp, const char* name) {
   if (lp.numel() == 0) return;
-  const at::Tensor bad = lp.gt(0).logical_or(lp.isnan());
-  if (bad.any().item<bool>()) {
-    const at::Tensor flat = lp.reshape(-1);
-    const int64_t first = bad.reshape(-1).nonzero().select(1, 0).min().item<int64_t>();
-    TORCH_CHECK_VALUE(false, name, " must be log-probabilities (<= 0, -inf allowed, not NaN), got ",
-                      flat[first].item<double>(), " at flat position ", first,
-                      "; pass log-probs, not probabilities or logits");
+  int64_t first = -1;
+  if (lp.is_cpu()) {
+    const at::Tensor t = lp.contiguous();
+    first = t.scalar_type() == at::kDouble ? first_bad_logprob_cpu<double>(t) : first_bad_logprob_cpu<float>(t);
+  } else {
+    const at::Tensor bad = lp.reshape(-1).gt(0).logical_or(lp.reshape(-1).isnan());
+    if (bad.any().item<bool>()) first = bad.nonzero().min().item<int64_t>();
   }
+  if (first < 0) return;
+  TORCH_CHECK_VALUE(false, name, " must be log-probabilities (<= 0, -inf allowed, not NaN), got ",
+                    lp.reshape(-1)[first].item<double>(), " at flat position ", first,
+                    "; pass log-probs, not probabilities or logits");
+}
+
+inline void check_finite_values(const at::Tensor& t, const char* name) {
+  if (t.numel() == 0) return;
+  bool ok = true;
+  if (t.is_cpu()) {
+    const at::Tensor c = t.contiguous();
+    if (c.scalar_type() == at::kDouble) {
+      const double* p = c.const_data_ptr<double>();
+      for (int64_t i = 0; i < c.numel() && ok; ++i) ok = std::isfinite(p[i]);
+    } else {
+      const float* p = c.const_data_ptr<float>();
+      for (int64_t i = 0; i < c.numel() && ok; ++i) ok = std::isfinite(p[i]);
+    }
+  } else {
+    ok = t.isfinite().all().item<bool>();
+  }
+  TORCH_CHECK_VALUE(ok, name, " must be finite, got a NaN or inf value");
 }
 
 // Everything the forward entry point validates, for both backends.
@@ -141,8 +188,7 @@ inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tok
     check_token_values(*topk_ids, v, "topk_ids", /*allow_ignore=*/false);
     check_logprob_values(*topk_logprobs, "topk_logprobs");
   }
-  const at::Tensor adv_bad = advantages.isfinite().logical_not();
-  TORCH_CHECK_VALUE(!adv_bad.any().item<bool>(), "advantages must be finite, got a NaN or inf value");
+  check_finite_values(advantages, "advantages");
   return mode;
 }
 
