@@ -25,8 +25,8 @@
 #include <sys/mman.h>
 #endif
 
-#include "../checks.h"
 #include "../dppo_math.h"
+#include "../op_inputs.h"
 
 namespace dppo {
 namespace {
@@ -317,70 +317,40 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-template <typename T>
-const T* opt_ptr(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->data_ptr<T>() : nullptr;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dppo_loss_forward_cpu(
-    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-    const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
-    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
-    c10::string_view mode, double temperature, double delta_low, double delta_high, double ratio_cap,
-    bool compute_entropy) {
-  const Mode m = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                      anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
-  const int64_t n = logits.size(0), v = logits.size(1);
-  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
-  std::array<at::Tensor, 7> out;
-  for (auto& t : out) t = at::empty({n}, opts);
-  if (n == 0) return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
-
-  const at::Tensor tok = tokens.contiguous();
-  const at::Tensor rlp = rollout_logprobs.contiguous();
-  const at::Tensor adv = advantages.contiguous();
-  const bool topk = mode_is_topk(m);
-  c10::optional<at::Tensor> tid, tlp, anc;
-  if (topk) {
-    tid = topk_ids->contiguous();
-    tlp = topk_logprobs->contiguous();
-  }
-  if (anchor_logprobs.has_value()) anc = anchor_logprobs->contiguous();
-  const int64_t k = topk ? tid->size(1) : 0;
-  const ForwardArgs args{m, temperature, delta_low, delta_high, ratio_cap, compute_entropy};
-  const int64_t ld = n > 1 ? logits.stride(0) : v;
-
+ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor& tokens,
+                                     const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                     const c10::optional<at::Tensor>& topk_ids,
+                                     const c10::optional<at::Tensor>& topk_logprobs,
+                                     const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                     double temperature, double delta_low, double delta_high, double ratio_cap,
+                                     bool compute_entropy) {
+  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+  if (in.n == 0) return in.outputs();
+  const ForwardArgs args{in.mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), n, v, ld, tok.data_ptr<int64_t>(),
-                             rlp.data_ptr<acc_t>(), adv.data_ptr<acc_t>(), opt_ptr<int64_t>(tid),
-                             opt_ptr<acc_t>(tlp), k, opt_ptr<acc_t>(anc), args, out[0].data_ptr<acc_t>(),
-                             out[1].data_ptr<acc_t>(), out[2].data_ptr<acc_t>(), out[3].data_ptr<acc_t>(),
-                             out[4].data_ptr<acc_t>(), out[5].data_ptr<acc_t>(), out[6].data_ptr<acc_t>());
+    forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.n, in.v, in.ld, in.tokens.data_ptr<int64_t>(),
+                             in.rollout_lp.data_ptr<acc_t>(), in.adv.data_ptr<acc_t>(), opt_ptr<int64_t>(in.topk_ids),
+                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), args,
+                             in.out[0].data_ptr<acc_t>(), in.out[1].data_ptr<acc_t>(), in.out[2].data_ptr<acc_t>(),
+                             in.out[3].data_ptr<acc_t>(), in.out[4].data_ptr<acc_t>(), in.out[5].data_ptr<acc_t>(),
+                             in.out[6].data_ptr<acc_t>());
   });
-  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+  return in.outputs();
 }
 
 void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                   const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens, const at::Tensor& lse,
                   const c10::optional<at::Tensor>& entropy, double temperature) {
-  const int64_t n = logits.size(0), v = logits.size(1);
-  if (n == 0) return;
-  const at::Tensor tok = tokens.contiguous();
-  const at::Tensor l = lse.contiguous();
-  const at::Tensor gt = grad_target.contiguous();
-  c10::optional<at::Tensor> gh, ent;
-  if (grad_entropy.has_value()) {
-    gh = grad_entropy->contiguous();
-    ent = entropy->contiguous();
-  }
-  const int64_t ld_in = n > 1 ? logits.stride(0) : v;
-  const int64_t ld_out = n > 1 ? grad.stride(0) : v;
+  if (logits.size(0) == 0) return;
+  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), ld_in, grad.data_ptr<scalar_t>(), ld_out, n, v,
-                              tok.data_ptr<int64_t>(), l.data_ptr<acc_t>(), gt.data_ptr<acc_t>(),
-                              opt_ptr<acc_t>(gh), opt_ptr<acc_t>(ent), temperature);
+    backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n,
+                              in.v, in.tokens.data_ptr<int64_t>(), in.lse.data_ptr<acc_t>(),
+                              in.grad_target.data_ptr<acc_t>(), opt_ptr<acc_t>(in.grad_entropy),
+                              opt_ptr<acc_t>(in.entropy), temperature);
   });
 }
 

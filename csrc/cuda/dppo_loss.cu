@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../checks.h"
 #include "../dppo_math.h"
+#include "../op_inputs.h"
 
 namespace dppo {
 namespace {
@@ -572,11 +572,6 @@ int64_t split_count(int64_t n, int64_t v, int64_t vec, int64_t target_blocks) {
   return s < 1 ? 1 : s;
 }
 
-template <typename T>
-const T* opt_ptr(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->data_ptr<T>() : nullptr;
-}
-
 template <typename scalar_t, bool kEntropy>
 void launch_forward(const ForwardParams<scalar_t, acc_type_t<scalar_t>>& p, int64_t n_split, const at::Tensor& logits,
                     cudaStream_t stream) {
@@ -597,34 +592,20 @@ void launch_forward(const ForwardParams<scalar_t, acc_type_t<scalar_t>>& p, int6
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dppo_loss_forward_cuda(
-    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-    const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
-    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
-    c10::string_view mode, double temperature, double delta_low, double delta_high, double ratio_cap,
-    bool compute_entropy) {
-  const Mode md = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                       anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+ForwardOutputs dppo_loss_forward_cuda(const at::Tensor& logits, const at::Tensor& tokens,
+                                      const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                      const c10::optional<at::Tensor>& topk_ids,
+                                      const c10::optional<at::Tensor>& topk_logprobs,
+                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                      double temperature, double delta_low, double delta_high, double ratio_cap,
+                                      bool compute_entropy) {
   TORCH_CHECK_VALUE(logits.is_cuda(), "logits must be a CUDA tensor for the CUDA kernel, got ", logits.device());
   const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t n = logits.size(0), v = logits.size(1);
+  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+  const int64_t n = in.n, v = in.v;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
-  std::array<at::Tensor, 7> out;
-  for (auto& t : out) t = at::empty({n}, opts);
-  if (n == 0) return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
-
-  const at::Tensor tok = tokens.contiguous();
-  const at::Tensor rlp = rollout_logprobs.contiguous();
-  const at::Tensor adv = advantages.contiguous();
-  const bool topk = mode_is_topk(md);
-  c10::optional<at::Tensor> tid, tlp, anc;
-  if (topk) {
-    tid = topk_ids->contiguous();
-    tlp = topk_logprobs->contiguous();
-  }
-  if (anchor_logprobs.has_value()) anc = anchor_logprobs->contiguous();
-  const int64_t ld = n > 1 ? logits.stride(0) : v;
+  if (n == 0) return in.outputs();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count(logits.device().index()));
 
@@ -634,26 +615,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     p.logits = logits.const_data_ptr<scalar_t>();
     p.n = n;
     p.v = v;
-    p.ld = ld;
-    p.tokens = tok.data_ptr<int64_t>();
-    p.rollout_lp = rlp.data_ptr<acc_t>();
-    p.adv = adv.data_ptr<acc_t>();
-    p.anchor_lp = opt_ptr<acc_t>(anc);
-    p.topk_ids = opt_ptr<int64_t>(tid);
-    p.topk_lp = opt_ptr<acc_t>(tlp);
-    p.k = topk ? tid->size(1) : 0;
-    p.mode = md;
+    p.ld = in.ld;
+    p.tokens = in.tokens.data_ptr<int64_t>();
+    p.rollout_lp = in.rollout_lp.data_ptr<acc_t>();
+    p.adv = in.adv.data_ptr<acc_t>();
+    p.anchor_lp = opt_ptr<acc_t>(in.anchor_lp);
+    p.topk_ids = opt_ptr<int64_t>(in.topk_ids);
+    p.topk_lp = opt_ptr<acc_t>(in.topk_lp);
+    p.k = in.k;
+    p.mode = in.mode;
     p.inv_t = static_cast<acc_t>(1.0 / temperature);
     p.delta_low = delta_low;
     p.delta_high = delta_high;
     p.ratio_cap = ratio_cap;
-    p.out_loss = out[0].data_ptr<acc_t>();
-    p.out_logp = out[1].data_ptr<acc_t>();
-    p.out_div = out[2].data_ptr<acc_t>();
-    p.out_mask = out[3].data_ptr<acc_t>();
-    p.out_weight = out[4].data_ptr<acc_t>();
-    p.out_ent = out[5].data_ptr<acc_t>();
-    p.out_lse = out[6].data_ptr<acc_t>();
+    p.out_loss = in.out[0].data_ptr<acc_t>();
+    p.out_logp = in.out[1].data_ptr<acc_t>();
+    p.out_div = in.out[2].data_ptr<acc_t>();
+    p.out_mask = in.out[3].data_ptr<acc_t>();
+    p.out_weight = in.out[4].data_ptr<acc_t>();
+    p.out_ent = in.out[5].data_ptr<acc_t>();
+    p.out_lse = in.out[6].data_ptr<acc_t>();
     const int64_t n_split = split_count(n, v, Pack<scalar_t>::kSize, target_blocks);
     if (compute_entropy) {
       launch_forward<scalar_t, true>(p, n_split, logits, stream);
@@ -661,7 +642,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       launch_forward<scalar_t, false>(p, n_split, logits, stream);
     }
   });
-  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+  return in.outputs();
 }
 
 namespace {
@@ -674,16 +655,7 @@ void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>
   const int64_t n = logits.size(0), v = logits.size(1);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const at::Tensor tok = tokens.contiguous();
-  const at::Tensor l = lse.contiguous();
-  const at::Tensor gt = grad_target.contiguous();
-  c10::optional<at::Tensor> gh, ent;
-  if (grad_entropy.has_value()) {
-    gh = grad_entropy->contiguous();
-    ent = entropy->contiguous();
-  }
-  const int64_t ld_in = n > 1 ? logits.stride(0) : v;
-  const int64_t ld_out = n > 1 ? grad.stride(0) : v;
+  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t target_blocks = 8 * static_cast<int64_t>(sm_count(logits.device().index()));
 
@@ -694,13 +666,13 @@ void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>
     p.grad = grad.data_ptr<scalar_t>();
     p.n = n;
     p.v = v;
-    p.ld_in = ld_in;
-    p.ld_out = ld_out;
-    p.tokens = tok.data_ptr<int64_t>();
-    p.lse = l.data_ptr<acc_t>();
-    p.grad_target = gt.data_ptr<acc_t>();
-    p.grad_entropy = opt_ptr<acc_t>(gh);
-    p.entropy = opt_ptr<acc_t>(ent);
+    p.ld_in = in.ld_in;
+    p.ld_out = in.ld_out;
+    p.tokens = in.tokens.data_ptr<int64_t>();
+    p.lse = in.lse.data_ptr<acc_t>();
+    p.grad_target = in.grad_target.data_ptr<acc_t>();
+    p.grad_entropy = opt_ptr<acc_t>(in.grad_entropy);
+    p.entropy = opt_ptr<acc_t>(in.entropy);
     p.inv_t = static_cast<acc_t>(1.0 / temperature);
     const int64_t n_split = split_count(n, v, Pack<scalar_t>::kSize, target_blocks);
     const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(n_split));
