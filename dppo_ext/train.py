@@ -6,14 +6,19 @@ with a short supervised fine-tune, then trains it with DPPO (binary TV) from vLL
 trains any Hugging Face causal LM on a JSONL task.
 
 Outputs in ``--out``: ``config.json``, ``metrics.jsonl``, ``metrics.png``, ``summary.json``,
-``checkpoint/`` (and ``base_model/`` for the embedded model).
+``checkpoint-<step>/`` (the newest ``--save-total-limit``) and ``base_model/`` for the embedded
+model. A non-empty ``--out`` is refused unless ``--resume`` (continue from the newest complete
+checkpoint) or ``--overwrite`` (delete the previous outputs); one trainer at a time holds the
+folder's lock (``dppo_ext.trainer.run_dir``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,12 +30,13 @@ import torch
 from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
 from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
 from dppo_ext.rollout import make_engine, vllm_available
-from dppo_ext.tasks import Task, load_jsonl_task, make_arithmetic_task
-from dppo_ext.trainer.checkpoint import MODEL_DIR, has_checkpoint
-from dppo_ext.trainer.config import TrainConfig, parse_config
+from dppo_ext.tasks import DataFormatError, Task, load_jsonl_task, make_arithmetic_task
+from dppo_ext.trainer.checkpoint import MODEL_DIR, check_model_folder, find_resume_checkpoint
+from dppo_ext.trainer.config import TrainConfig, parse_config, resume_config_changes, tiny_heads
 from dppo_ext.trainer.loop import Trainer
-from dppo_ext.trainer.metrics import read_metrics
+from dppo_ext.trainer.metrics import MetricsFormatError, read_metrics
 from dppo_ext.trainer.plotting import plot_metrics
+from dppo_ext.trainer.run_dir import RunError, atomic_write_text, fsync_dir, open_run_dir
 
 logger = logging.getLogger("dppo_ext.train")
 
@@ -78,7 +84,9 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
     """Build the tiny model and warm-start it on ``task.sft`` into ``folder`` (reused when present).
 
     The folder is a normal ``save_pretrained`` model + tokenizer; ``warm_start.json`` records the
-    settings it was built with, and a folder built with other settings is rebuilt.
+    settings it was built with, and a folder built with other settings is rebuilt. The build
+    happens in a temporary sibling that replaces ``folder`` only when complete, so an
+    interrupted build never leaves a folder that looks reusable.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,25 +106,39 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
     if marker.is_file() and json.loads(marker.read_text()).get("settings") == settings:
         logger.info("reusing the warm-started embedded model in %s", folder)
         return folder
-    heads = max(1, config.tiny_hidden // 64)
+    heads = tiny_heads(config.tiny_hidden)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
     build_tiny_model(
-        folder,
+        tmp,
         config=TinyModelConfig(hidden_size=config.tiny_hidden, num_layers=config.tiny_layers, num_heads=heads),
         seed=config.seed,
     )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     start = time.perf_counter()
     logger.info("supervised warm start: %d steps on %d problems", config.warm_start_steps, len(task.sft))
     losses = supervised_warm_start(
         model, tokenizer, task.sft, WarmStartConfig(steps=config.warm_start_steps, lr=config.warm_start_lr,
                                          label_smoothing=config.warm_start_label_smoothing, seed=config.seed)
     )
-    model.save_pretrained(folder)
+    model.save_pretrained(tmp)
     seconds = time.perf_counter() - start
-    marker.write_text(
-        json.dumps({"settings": settings, "final_loss": losses[-1] if losses else None, "seconds": seconds}, indent=2)
+    atomic_write_text(
+        tmp / WARM_START_MARKER,
+        json.dumps({"settings": settings, "final_loss": losses[-1] if losses else None, "seconds": seconds}, indent=2),
     )
+    fsync_dir(tmp)
+    if folder.exists():
+        logger.warning("rebuilding %s: it was built with other settings (%s)", folder, marker)
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        os.rename(folder, old)
+        os.rename(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, folder)
+    fsync_dir(folder.parent)
     logger.info("warm start done in %.1f s (final loss %s)", seconds, f"{losses[-1]:.4f}" if losses else "n/a")
     return folder
 
@@ -157,23 +179,60 @@ def summarize(out_dir: Path, config: TrainConfig, engine_name: str, wall_s: floa
     }
 
 
+def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
+    """Refuse to resume with settings that differ from the run's ``config.json`` (what it trains)."""
+    path = out_dir / "config.json"
+    if not path.is_file():
+        logger.warning("--resume: %s is missing; the settings cannot be compared with the original run's", path)
+        return
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(saved, dict):
+            raise ValueError(f"expected a JSON object, got {type(saved).__name__}")
+    except ValueError as err:
+        raise RunError(f"{path}: unreadable ({err}); the resumed run's settings cannot be checked") from None
+    changes = resume_config_changes(saved, config)
+    if changes:
+        raise RunError(
+            f"--resume: settings differ from the run's {path}: {'; '.join(changes)}. A resumed run continues with "
+            "its original settings: pass the same flags (only --steps, --save-every, --save-total-limit, --threads, "
+            "--device and --vllm-gpu-memory-utilization may change), or --overwrite to start over"
+        )
+
+
 def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
-    """Run a full training job for a validated ``config``; return the summary dict."""
+    """Run a full training job for a validated ``config``; return the summary dict.
+
+    Raises:
+        RunError: ``--out`` is not empty without ``--resume``/``--overwrite``, another trainer holds
+            it, ``--model`` holds no readable model, or (``CheckpointError``) ``--resume`` finds
+            no usable checkpoint; the message names the file and what to do.
+        DataFormatError: ``--data``/``--eval-data`` is malformed (file and line in the message).
+    """
     wall_start = time.perf_counter()
     out_dir = Path(config.out)
-    checkpoint_dir = out_dir / "checkpoint"
-    if config.resume and not has_checkpoint(checkpoint_dir):
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {checkpoint_dir}; run without --resume to start fresh")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    if config.model and Path(config.model).is_dir():
+        check_model_folder(config.model, what="--model")
+    with open_run_dir(out_dir, resume=config.resume, overwrite=config.overwrite):
+        return _run_locked(config, out_dir, wall_start, progress=progress)
+
+
+def _run_locked(config: TrainConfig, out_dir: Path, wall_start: float, *, progress: bool) -> dict[str, Any]:
+    checkpoint_dir = None
+    if config.resume:
+        checkpoint_dir = find_resume_checkpoint(out_dir)
+        check_resume_config(out_dir, config)
+    atomic_write_text(out_dir / "config.json", json.dumps(config.to_dict(), indent=2))
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
     seed_everything(config.seed)
     task = build_task(config)
     logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
-    base_path = config.model or str(prepare_embedded_model(out_dir / "base_model", config, task))
-    policy_path = str(checkpoint_dir / MODEL_DIR) if config.resume else base_path
+    if checkpoint_dir is not None:
+        policy_path = str(checkpoint_dir / MODEL_DIR)
+    else:
+        policy_path = config.model or str(prepare_embedded_model(out_dir / "base_model", config, task))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,7 +253,7 @@ def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
         engine.close()
     plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png", title=f"{task.name}: {config.loss} ({engine.name})")
     summary = summarize(out_dir, config, engine.name, time.perf_counter() - wall_start, result["elapsed_s"])
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -207,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dppo-train: error: {err}", file=sys.stderr)
         return 2
     print("dppo-train settings:\n" + config.describe(), flush=True)
-    summary = run(config)
+    try:
+        summary = run(config)
+    except (RunError, DataFormatError, MetricsFormatError) as err:
+        print(f"dppo-train: error: {err}", file=sys.stderr)
+        return 2
     acc = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print(
         f"dppo-train done: {summary['loss']} with {summary['engine']} rollouts, {summary['steps']} steps: "

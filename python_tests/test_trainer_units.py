@@ -233,7 +233,7 @@ def test_hf_engine_training_steps_change_weights_and_stay_in_sync(tmp_path: Path
     config = _tiny_run_config(tmp_path / "run", loss=loss, top_k=3 if "topk" in loss else 0, steps=2, save_every=0)
     summary = run(config, progress=False)
     before = _weights(tmp_path / "run" / "base_model")
-    after = _weights(tmp_path / "run" / "checkpoint" / "model")
+    after = _weights(tmp_path / "run" / "checkpoint-2" / "model")
     assert any(not torch.equal(before[name], after[name]) for name in before)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert len(records) == 2
@@ -254,13 +254,18 @@ def test_resume_continues_identically(tmp_path: Path):
 
     run(_tiny_run_config(tmp_path / "straight"), progress=False)
     run(_tiny_run_config(tmp_path / "split", steps=2), progress=False)
+    # a crash after step 3 was logged but before its checkpoint, in the middle of the next line
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "reward": 0.123}\n{"step": 4, "rew')
     run(_tiny_run_config(tmp_path / "split", steps=4, resume=True), progress=False)
 
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     split = read_metrics(tmp_path / "split" / "metrics.jsonl")
     assert [r["step"] for r in split] == [0, 1, 2, 3, 4]
     assert _comparable(split) == _comparable(straight)
-    a, b = _weights(tmp_path / "straight" / "checkpoint" / "model"), _weights(tmp_path / "split" / "checkpoint" / "model")
+    assert read_metrics(tmp_path / "split" / "metrics.dropped.jsonl") == [{"step": 3, "reward": 0.123}]
+    assert sorted(p.name for p in (tmp_path / "split").glob("checkpoint*")) == ["checkpoint-2", "checkpoint-4"]
+    a, b = _weights(tmp_path / "straight" / "checkpoint-4" / "model"), _weights(tmp_path / "split" / "checkpoint-4" / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -1,6 +1,7 @@
 """Load user problems from JSONL: one ``{"prompt": str, "answer": str|number}`` object per line.
 
-Blank lines are skipped; anything else that is not such an object fails fast with
+The file must be UTF-8 (a leading byte-order mark is accepted). Blank lines are skipped;
+anything else that is not such an object, or a line that is not UTF-8, fails fast with
 ``file:line`` and what was wrong. Extra keys are ignored.
 """
 
@@ -30,18 +31,25 @@ def load_jsonl_problems(path: str | Path) -> list[Problem]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        DataFormatError: a line is not valid JSON, not an object, or lacks / mistypes a field;
+        DataFormatError: a line is not UTF-8, not valid JSON, not an object, or lacks / mistypes a field;
             the message starts with ``path:line:``.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist (expected a JSONL file)")
     problems = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(
+                    f"{where}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:

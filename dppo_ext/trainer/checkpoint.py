@@ -1,18 +1,31 @@
 """Checkpoints: model + tokenizer (``save_pretrained``), optimizer, RNG states and step.
 
-Layout of ``<out>/checkpoint``::
+Layout in the run folder ``<out>``::
 
-    model/              save_pretrained folder (loads with from_pretrained and with vLLM)
-    trainer_state.pt    {"step", "optimizer", "rng", "sampler", "elapsed_s"}
+    checkpoint-<step>/      one per save, <step> = completed RL steps
+        model/              save_pretrained folder (loads with from_pretrained and with vLLM)
+        trainer_state.pt    {"step", "optimizer", "rng", "sampler", "elapsed_s"}
+        checkpoint.json     {"format", "step", "files": {relative path: {"bytes", "sha256"}}}
 
-A checkpoint is written to a temporary sibling folder and renamed into place, so an
-interrupted save never leaves a half-written checkpoint behind.
+A checkpoint is written into a hidden temporary folder (``.checkpoint-<step>.tmp-<pid>``),
+every file and folder is fsynced, ``checkpoint.json`` is written last, and only then is the
+folder renamed to ``checkpoint-<step>``: a folder with that name is complete. Older checkpoints
+are deleted (``save_total_limit``) only after the new one is in place. ``--resume`` takes the
+newest one and first checks every file against ``checkpoint.json`` (size, then SHA-256), so a
+truncated or corrupt file is reported by name instead of being loaded.
+
+Folders of the earlier single-checkpoint layout (``checkpoint/``, and ``checkpoint.old/`` /
+``checkpoint.tmp/`` left by a crash during its swap) are still found by ``--resume``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,10 +33,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from dppo_ext.trainer.run_dir import RunError, fsync_dir
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+MANIFEST_FILE = "checkpoint.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+MANIFEST_FORMAT = 1
+LEGACY_DIRS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
+STATE_KEYS = ("step", "optimizer", "rng", "sampler", "elapsed_s")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(RunError):
+    """A checkpoint (or model folder) cannot be used; the message names the file and the problem."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """``--resume`` found no checkpoint to continue from."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,8 +72,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    """``<out_dir>/checkpoint-<step>``."""
+    return Path(out_dir) / f"{CHECKPOINT_PREFIX}{step}"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``checkpoint-<step>`` folder in ``out_dir``, oldest first."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for path in out_dir.iterdir():
+        match = _CHECKPOINT_RE.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
 def save_checkpoint(
-    path: str | Path,
+    out_dir: str | Path,
     *,
     model: torch.nn.Module,
     tokenizer: Any,
@@ -52,10 +99,21 @@ def save_checkpoint(
     step: int,
     sampler: dict[str, Any],
     elapsed_s: float,
+    save_total_limit: int = 0,
 ) -> Path:
-    """Write a checkpoint of the state after ``step`` completed steps to ``path`` (replaced atomically)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``<out_dir>/checkpoint-<step>`` (the state after ``step`` completed steps) atomically.
+
+    Args:
+        out_dir: the run folder.
+        save_total_limit: keep only the newest N ``checkpoint-*`` folders (0 keeps all); older
+            ones are deleted only once the new one is complete.
+
+    Returns:
+        The new checkpoint folder.
+    """
+    out_dir = Path(out_dir)
+    final = checkpoint_path(out_dir, step)
+    tmp = out_dir / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -65,25 +123,178 @@ def save_checkpoint(
         {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "sampler": sampler, "elapsed_s": elapsed_s},
         tmp / STATE_FILE,
     )
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
-    logger.info("checkpoint at step %d written to %s", step, path)
-    return path
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+    with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    for folder in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+        fsync_dir(folder)
+    fsync_dir(tmp)
+    replaced = None
+    if final.exists():  # the same step saved again: keep the old copy until the new one is in place
+        replaced = out_dir / f".{final.name}.replaced-{os.getpid()}"
+        os.rename(final, replaced)
+    os.rename(tmp, final)
+    fsync_dir(out_dir)
+    if replaced is not None:
+        shutil.rmtree(replaced)
+    logger.info("checkpoint at step %d written to %s", step, final)
+    if save_total_limit:
+        for _, old in list_checkpoints(out_dir)[:-save_total_limit]:
+            if old != final:
+                _delete_checkpoint(old)
+    return final
+
+
+def _delete_checkpoint(path: Path) -> None:
+    """Rename out of the ``checkpoint-<step>`` namespace first, so a half-deleted folder is never found."""
+    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed)
+    logger.info("deleted old checkpoint %s", path)
+
+
+def _sha256(path: Path, *, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(handle.fileno())
+    return digest.hexdigest()
 
 
 def has_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` holds a complete checkpoint."""
+    """True when ``path`` looks like a complete checkpoint (manifest, or the earlier layout's files)."""
     path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return True
     return (path / STATE_FILE).is_file() and (path / MODEL_DIR / "config.json").is_file()
 
 
+def verify_checkpoint(path: str | Path, *, legacy: bool = False) -> None:
+    """Check a checkpoint folder's files; raise ``CheckpointError`` naming the first bad file.
+
+    Every file listed in ``checkpoint.json`` must exist with the recorded size and SHA-256. A
+    folder of the earlier layout (``legacy=True``) has no manifest: its model's safetensors files
+    must be readable and ``trainer_state.pt`` must load.
+    """
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        if not legacy or not has_checkpoint(path):
+            raise CheckpointError(
+                f"{str(path)!r} is not a complete checkpoint: it has no {MANIFEST_FILE} (its save did not finish)"
+            )
+        check_model_folder(path / MODEL_DIR)
+        load_trainer_state(path)
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{str(manifest_path)!r} is corrupt ({err}); the checkpoint cannot be verified") from None
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{str(file)!r} is missing from the checkpoint (listed in {MANIFEST_FILE})")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            problem = "truncated" if size < expected["bytes"] else "longer than saved"
+            raise CheckpointError(f"{str(file)!r} is {problem}: {size} bytes, the checkpoint recorded {expected['bytes']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(
+                f"{str(file)!r} is corrupt: its content differs from the SHA-256 recorded when the checkpoint was saved"
+            )
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.pt`` dict of a checkpoint (model weights load from ``path/model``)."""
+    """The ``trainer_state.pt`` dict of a checkpoint folder (model weights load from ``path/model``)."""
     path = Path(path)
     if not has_checkpoint(path):
-        raise FileNotFoundError(f"no complete checkpoint in {str(path)!r} (expected {MODEL_DIR}/ and {STATE_FILE})")
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        raise NoCheckpointError(f"no complete checkpoint in {str(path)!r} (expected {MODEL_DIR}/ and {STATE_FILE})")
+    file = path / STATE_FILE
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch.load raises RuntimeError, EOFError, UnpicklingError, ... on bad bytes
+        raise CheckpointError(
+            f"{str(file)!r} cannot be read: it is truncated or corrupt ({type(err).__name__}: {err})"
+        ) from None
+    missing = [key for key in STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"{str(file)!r} is not a dppo-train trainer state: missing {missing}")
+    return state
+
+
+def check_model_folder(folder: str | Path, *, what: str = "model folder") -> None:
+    """Raise ``CheckpointError`` unless ``folder`` holds a model whose safetensors files are readable.
+
+    A model folder needs ``config.json`` and weights (``*.safetensors`` or ``*.bin``, or their
+    ``.index.json``); every safetensors file must have a valid header that matches its size.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{what} {str(folder)!r} holds no model: no config.json (expected a save_pretrained folder)")
+    weights = [p for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))]
+    if not weights:
+        raise CheckpointError(
+            f"{what} {str(folder)!r} holds no model weights (no *.safetensors or *.bin file next to config.json)"
+        )
+    for file in sorted(p for p in weights if p.name.endswith(".safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:  # safetensors raises SafetensorError / OSError with the header problem
+            raise CheckpointError(f"{str(file)!r}: corrupt or truncated safetensors weights ({err})") from None
+
+
+def find_resume_checkpoint(out_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from: the newest ``checkpoint-<step>``, verified.
+
+    Falls back to the earlier layout (``checkpoint/``, ``checkpoint.tmp/``, ``checkpoint.old/``:
+    the one with the highest step that loads). Raises ``NoCheckpointError`` when there is none
+    and ``CheckpointError`` when the newest one is damaged (naming the file, and the previous
+    checkpoint to fall back to).
+    """
+    out_dir = Path(out_dir)
+    checkpoints = list_checkpoints(out_dir)
+    if checkpoints:
+        step, newest = checkpoints[-1]
+        try:
+            verify_checkpoint(newest)
+        except CheckpointError as err:
+            hint = (
+                f"move {newest.name} out of {str(out_dir)!r} to resume from {checkpoints[-2][1].name} instead"
+                if len(checkpoints) > 1
+                else "no older checkpoint is left; pass --overwrite to start over"
+            )
+            raise CheckpointError(f"--resume: the newest checkpoint is damaged: {err}; {hint}") from None
+        return newest
+    legacy = []
+    for name in LEGACY_DIRS:
+        path = out_dir / name
+        if has_checkpoint(path):
+            try:
+                verify_checkpoint(path, legacy=True)
+                legacy.append((int(load_trainer_state(path)["step"]), path))
+            except CheckpointError as err:
+                logger.warning("--resume: skipping %s of the earlier checkpoint layout: %s", path, err)
+    if legacy:
+        step, path = max(legacy, key=lambda item: item[0])
+        logger.warning(
+            "--resume: %s uses the earlier single-checkpoint layout (step %d); new checkpoints are written as "
+            "checkpoint-<step>/ and the old folder is left in place", path, step,
+        )
+        return path
+    raise NoCheckpointError(
+        f"--resume: no complete checkpoint in {str(out_dir)!r} (looked for {CHECKPOINT_PREFIX}<step>/ and "
+        f"{', '.join(n + '/' for n in LEGACY_DIRS)}); the run stopped before its first save. Pass --overwrite "
+        "to start over, or run without --resume into another --out"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,9 +94,14 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
     threads: int = _opt(1, "torch CPU threads (0 = torch's default; 1 suits the tiny model on a small shared CPU)")
     # run management
-    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoints, summary.json)")
+    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json); must be empty "
+                    "unless --resume or --overwrite")
+    overwrite: bool = _opt(False, "start over in a non-empty --out: delete its previous run's outputs first")
     save_every: int = _opt(50, "checkpoint every k steps (and at the end); 0 = only at the end")
-    resume: bool = _opt(False, "continue from <out>/checkpoint")
+    save_total_limit: int = _opt(2, "keep the newest N checkpoint-<step>/ folders (older ones are deleted once a new one "
+                                 "is complete); 0 = keep all")
+    resume: bool = _opt(False, "continue the run in --out from its newest complete checkpoint-<step>/ (same flags; "
+                        "--steps may grow)")
     seed: int = _opt(0, "seed for the task split, warm start, prompt order and rollouts")
 
     @property
@@ -110,6 +116,9 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Check every setting; raise ``ValueError`` naming the flag, its value and what is expected."""
+        hints = typing.get_type_hints(TrainConfig)
+        for name in _fields():
+            _check_type(name, hints[name], getattr(self, name))
         for name, f in _fields().items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:
@@ -122,7 +131,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("warm_start_steps", "warmup_steps", "micro_batch_size", "save_every", "threads", "top_k"):
+        for name in ("warm_start_steps", "warmup_steps", "micro_batch_size", "save_every", "save_total_limit", "threads",
+                     "top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm", "ratio_cap"):
@@ -132,6 +142,25 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
+        if not 0 <= self.warm_start_label_smoothing < 1:
+            raise ValueError(f"--warm-start-label-smoothing must be in [0, 1), got {self.warm_start_label_smoothing}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in [0, 2**32) (NumPy's seed range), got {self.seed}")
+        if self.max_new_tokens >= self.max_model_len:
+            raise ValueError(
+                f"--max-new-tokens={self.max_new_tokens} leaves no room for the prompt in --max-model-len="
+                f"{self.max_model_len}; expected max_new_tokens < max_model_len"
+            )
+        heads = tiny_heads(self.tiny_hidden)
+        if not self.model and (self.tiny_hidden % heads or (self.tiny_hidden // heads) % 2 or self.tiny_hidden // heads < 32):
+            raise ValueError(
+                f"--tiny-hidden={self.tiny_hidden} gives the embedded model {heads} head(s) of "
+                f"{self.tiny_hidden / heads:g} dims; expected whole, even heads of >= 32 dims "
+                "(heads = max(1, hidden // 64)): use a multiple of 64, or an even number in [32, 126]"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
+                             "--overwrite deletes it; pass one")
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be >= 2 (group advantages compare samples of the same prompt), got {self.group_size}"
@@ -168,6 +197,53 @@ class TrainConfig:
     def describe(self) -> str:
         """One ``name = value`` line per setting (printed at the start of a run)."""
         return "\n".join(f"  {_flag(name):<28} {value!r}" for name, value in self.to_dict().items())
+
+
+# Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
+RESUME_MAY_CHANGE = ("steps", "save_every", "save_total_limit", "threads", "device", "vllm_gpu_memory_utilization",
+                     "out", "resume", "overwrite")
+
+
+def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """``--flag old -> new`` for every setting of ``config`` that differs from the run's saved
+    ``config.json`` (``saved``) and may not change on resume (see ``RESUME_MAY_CHANGE``).
+
+    Keys that the saved config lacks (settings added since) or that this version does not know
+    are not compared.
+    """
+    current = config.to_dict()
+    return [
+        f"--{_flag(name)} {saved[name]!r} -> {current[name]!r}"
+        for name in current
+        if name in saved and name not in RESUME_MAY_CHANGE and saved[name] != current[name]
+    ]
+
+
+def tiny_heads(hidden: int) -> int:
+    """Attention heads of the embedded tiny model of width ``hidden`` (64-dim heads, at least one)."""
+    return max(1, hidden // 64)
+
+
+def _check_type(name: str, kind, value) -> None:
+    """Raise ``ValueError`` unless ``value`` fits the field's type (numbers: finite)."""
+    optional = typing.get_origin(kind) is typing.Union
+    if optional:
+        if value is None:
+            return
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = kind.__name__ + (" or None" if optional else "")
+        raise ValueError(f"--{_flag(name)} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 def _looks_like_hub_id(name: str) -> bool:

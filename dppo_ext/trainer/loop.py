@@ -90,7 +90,7 @@ class Trainer:
         tokenizer: its tokenizer (prompt encoding, response decoding).
         task: training and held-out problems with their verifier.
         engine: rollout engine loaded with the same weights as ``model``.
-        out_dir: run folder (metrics.jsonl, checkpoint/).
+        out_dir: run folder (metrics.jsonl, checkpoint-<step>/).
     """
 
     def __init__(
@@ -286,15 +286,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, elapsed_s: float) -> Path:
-        """Checkpoint the current state to ``<out>/checkpoint``."""
+        """Checkpoint the current state to ``<out>/checkpoint-<step>`` (keeping ``save_total_limit``)."""
         return save_checkpoint(
-            self.out_dir / "checkpoint",
+            self.out_dir,
             model=self.model,
             tokenizer=self.tokenizer,
             optimizer=self.optimizer,
             step=self.step,
             sampler=self.sampler.state_dict(),
             elapsed_s=elapsed_s,
+            save_total_limit=self.config.save_total_limit,
         )
 
     def restore(self, checkpoint_dir: str | Path) -> None:

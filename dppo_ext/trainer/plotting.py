@@ -1,10 +1,14 @@
-"""Plot a run's metrics.jsonl as a grid of curves (matplotlib, Agg backend: no display needed)."""
+"""Plot a run's metrics.jsonl as a grid of curves (matplotlib, Agg backend: no display needed).
+
+The PNG replaces the previous one atomically (a crash never leaves a half-written plot)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from dppo_ext.trainer.metrics import read_metrics
+from dppo_ext.trainer.run_dir import atomic_write_bytes
 
 PANELS = (
     ("accuracy / reward", (("eval_acc", "held-out accuracy"), ("reward", "train reward")), False),
@@ -51,6 +55,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str =
         fig.suptitle(title)
     fig.tight_layout()
     png_path = Path(png_path)
-    fig.savefig(png_path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=110, format="png")
     plt.close(fig)
-    return png_path
+    return atomic_write_bytes(png_path, buffer.getvalue())
