@@ -31,7 +31,7 @@ from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
 from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
 from dppo_ext.rollout import make_engine, vllm_available
 from dppo_ext.tasks import DataFormatError, Task, load_jsonl_task, make_arithmetic_task
-from dppo_ext.trainer.checkpoint import MODEL_DIR, check_model_folder, find_resume_checkpoint
+from dppo_ext.trainer.checkpoint import MODEL_DIR, NoCheckpointError, check_model_folder, find_resume_checkpoint
 from dppo_ext.trainer.config import TrainConfig, parse_config, resume_config_changes, tiny_heads
 from dppo_ext.trainer.loop import Trainer
 from dppo_ext.trainer.metrics import MetricsFormatError, read_metrics
@@ -213,26 +213,46 @@ def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     out_dir = Path(config.out)
     if config.model and Path(config.model).is_dir():
         check_model_folder(config.model, what="--model")
+    if config.resume and not out_dir.is_dir():
+        raise NoCheckpointError(f"--resume: no complete checkpoint in {str(out_dir)!r}: the folder does not exist")
+    device = resolve_device(config.device)
+    # Inputs are checked before --out is touched: a run refused for bad data leaves no folder behind.
+    task = build_task(config)
+    logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
     with open_run_dir(out_dir, resume=config.resume, overwrite=config.overwrite):
-        return _run_locked(config, out_dir, wall_start, progress=progress)
+        return _run_locked(config, task, device, out_dir, wall_start, progress=progress)
 
 
-def _run_locked(config: TrainConfig, out_dir: Path, wall_start: float, *, progress: bool) -> dict[str, Any]:
+def check_top_k(config: TrainConfig, model_path: str | None) -> None:
+    """Refuse a ``--top-k`` larger than the model's vocabulary (the engines cannot return it)."""
+    if not config.uses_topk or not model_path:
+        return
+    from transformers import AutoConfig
+
+    vocab = getattr(AutoConfig.from_pretrained(model_path), "vocab_size", None)
+    if vocab is not None and config.top_k > vocab:
+        raise RunError(f"--top-k={config.top_k} exceeds the vocabulary of {model_path!r} ({vocab} tokens); "
+                       f"expected 1 <= top_k <= {vocab}")
+
+
+def _run_locked(
+    config: TrainConfig, task: Task, device: torch.device, out_dir: Path, wall_start: float, *, progress: bool
+) -> dict[str, Any]:
     checkpoint_dir = None
     if config.resume:
         checkpoint_dir = find_resume_checkpoint(out_dir)
         check_resume_config(out_dir, config)
+    check_top_k(config, str(checkpoint_dir / MODEL_DIR) if checkpoint_dir is not None else config.model or None)
     atomic_write_text(out_dir / "config.json", json.dumps(config.to_dict(), indent=2))
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
     seed_everything(config.seed)
-    task = build_task(config)
-    logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
     if checkpoint_dir is not None:
         policy_path = str(checkpoint_dir / MODEL_DIR)
     else:
         policy_path = config.model or str(prepare_embedded_model(out_dir / "base_model", config, task))
+    if not config.model and checkpoint_dir is None:
+        check_top_k(config, policy_path)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

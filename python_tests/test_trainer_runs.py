@@ -363,6 +363,25 @@ def test_model_folder_without_a_model_is_named(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
+def test_bad_inputs_are_reported_before_out_is_touched(tmp_path: Path):
+    from dppo_ext.models.tiny import build_tiny_model
+    from dppo_ext.train import run
+    from dppo_ext.trainer.run_dir import RunError
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "\xff", "answer": 1}\n')
+    model = build_tiny_model(tmp_path / "m", seed=0)  # 17-token vocabulary
+    out = tmp_path / "out"
+    with pytest.raises(DataFormatError, match=r"d\.jsonl:2: not valid UTF-8"):
+        run(_tiny_run_config(out, model=str(model), data=str(data), num_eval=1), progress=False)
+    assert not out.exists()
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(20)))
+    config = _tiny_run_config(out, model=str(model), data=str(data), num_eval=4, loss="dppo_topk_kl", top_k=18)
+    with pytest.raises(RunError, match=r"--top-k=18 exceeds the vocabulary of .* \(17 tokens\)"):
+        run(config, progress=False)
+    assert [p.name for p in out.iterdir()] == [".dppo-train.lock"]  # nothing a rerun would be refused for
+
+
 _FLOAT_FLAGS = [
     name for name, kind in typing.get_type_hints(TrainConfig).items()
     if kind is float or kind == typing.Optional[float]

@@ -274,3 +274,4 @@ def test_resume_without_checkpoint_fails_fast(tmp_path: Path):
 
     with pytest.raises(FileNotFoundError, match="--resume: no complete checkpoint"):
         run(_tiny_run_config(tmp_path / "fresh", resume=True), progress=False)
+    assert not (tmp_path / "fresh").exists()

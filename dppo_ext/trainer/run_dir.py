@@ -177,12 +177,11 @@ def open_run_dir(folder: str | Path, *, resume: bool, overwrite: bool) -> RunLoc
     lock = RunLock(folder).acquire()
     try:
         _check_reusable(folder, resume=resume, overwrite=overwrite)
+        _remove_stale_temporaries(folder)
         if overwrite:
             removed = remove_run_outputs(folder)
             if removed:
                 logger.warning("--overwrite: deleted the previous run's outputs in %s: %s", folder, ", ".join(removed))
-        else:
-            _remove_stale_temporaries(folder)
     except BaseException:
         lock.release()
         raise
