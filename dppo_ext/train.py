@@ -5,15 +5,17 @@ with a short supervised fine-tune, then trains it with DPPO (binary TV) from vLL
 (transformers ``generate`` when vLLM is absent). With ``--model`` and ``--data`` the same code
 trains any Hugging Face causal LM on a JSONL task.
 
-Outputs in ``--out``: ``config.json``, ``metrics.jsonl``, ``metrics.png``, ``summary.json``,
-``checkpoint-<step>/`` (the newest ``--save-total-limit``) and ``base_model/`` for the embedded
-model. A non-empty ``--out`` is refused unless ``--resume`` (continue from the newest complete
-checkpoint) or ``--overwrite`` (delete the previous outputs); one trainer at a time holds the
-folder's lock (``dppo_ext.trainer.run_dir``).
+Outputs in ``--out``: ``config.json``, ``inputs.json`` (SHA-256 of the data files),
+``metrics.jsonl``, ``metrics.png``, ``summary.json``, ``checkpoint-<step>/`` (the newest
+``--save-total-limit``) and ``base_model/`` for the embedded model. A non-empty ``--out`` is
+refused unless ``--resume`` (continue from the newest complete checkpoint) or ``--overwrite``
+(delete the previous outputs); one trainer at a time holds the folder's lock
+(``dppo_ext.trainer.run_dir``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +44,7 @@ logger = logging.getLogger("dppo_ext.train")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARM_START_MARKER = "warm_start.json"
+INPUTS_FILE = "inputs.json"  # SHA-256 of --data / --eval-data, checked on --resume
 
 
 def seed_everything(seed: int) -> None:
@@ -185,12 +188,7 @@ def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
     if not path.is_file():
         logger.warning("--resume: %s is missing; the settings cannot be compared with the original run's", path)
         return
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(saved, dict):
-            raise ValueError(f"expected a JSON object, got {type(saved).__name__}")
-    except ValueError as err:
-        raise RunError(f"{path}: unreadable ({err}); the resumed run's settings cannot be checked") from None
+    saved = _read_json_object(path)
     changes = resume_config_changes(saved, config)
     if changes:
         raise RunError(
@@ -198,6 +196,37 @@ def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
             "its original settings: pass the same flags (only --steps, --save-every, --save-total-limit, --threads, "
             "--device and --vllm-gpu-memory-utilization may change), or --overwrite to start over"
         )
+    inputs_path = out_dir / INPUTS_FILE
+    if inputs_path.is_file():
+        saved_inputs = _read_json_object(inputs_path)
+        for flag, now in data_fingerprints(config).items():
+            before = saved_inputs.get(flag)
+            if before is not None and before["sha256"] != now["sha256"]:
+                raise RunError(
+                    f"--resume: --{flag.replace('_', '-')} {now['path']!r} changed since the run started (its SHA-256 "
+                    f"differs from the one in {inputs_path}); a resumed run must see the same problems: restore "
+                    "the file, or pass --overwrite to start over"
+                )
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    except ValueError as err:
+        raise RunError(f"{path}: unreadable ({err}); the resumed run cannot be checked against it") from None
+    return data
+
+
+def data_fingerprints(config: TrainConfig) -> dict[str, dict[str, str]]:
+    """``{flag: {"path", "sha256"}}`` of the ``--data`` / ``--eval-data`` files of ``config``."""
+    fingerprints = {}
+    for flag in ("data", "eval_data"):
+        path = getattr(config, flag)
+        if path:
+            fingerprints[flag] = {"path": path, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    return fingerprints
 
 
 def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -244,6 +273,8 @@ def _run_locked(
         check_resume_config(out_dir, config)
     check_top_k(config, str(checkpoint_dir / MODEL_DIR) if checkpoint_dir is not None else config.model or None)
     atomic_write_text(out_dir / "config.json", json.dumps(config.to_dict(), indent=2))
+    if checkpoint_dir is None:
+        atomic_write_text(out_dir / INPUTS_FILE, json.dumps(data_fingerprints(config), indent=2))
     if config.threads:
         torch.set_num_threads(config.threads)
     seed_everything(config.seed)

@@ -454,6 +454,49 @@ def test_overwrite_replaces_the_previous_run_and_resume_refuses_changed_settings
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
 
 
+def test_resume_refuses_changed_data(tmp_path: Path):
+    from dppo_ext.models.tiny import build_tiny_model
+    from dppo_ext.train import run
+    from dppo_ext.trainer.run_dir import RunError
+
+    model = build_tiny_model(tmp_path / "m", seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(20)))
+    out = tmp_path / "out"
+    settings = dict(model=str(model), data=str(data), num_eval=4, steps=1, prompts_per_step=4, group_size=2)
+    run(_tiny_run_config(out, **settings), progress=False)
+    before = _snapshot(out)
+    data.write_text(data.read_text().replace('"answer": 7', '"answer": 8'))  # same path, one answer fixed
+    with pytest.raises(RunError, match=r"--resume: --data '.*d\.jsonl' changed since the run started"):
+        run(_tiny_run_config(out, **dict(settings, steps=2), resume=True), progress=False)
+    assert _snapshot(out) == before
+
+
+def test_a_crash_while_plotting_keeps_the_previous_plot(tmp_path: Path, monkeypatch):
+    import matplotlib.figure
+
+    from dppo_ext.trainer.plotting import plot_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "eval_acc": 0.1}\n{"step": 1, "eval_acc": 0.2, "loss": 0.5}\n')
+    png = plot_metrics(metrics, tmp_path / "metrics.png")
+    before = png.read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    def dies(self, target, *args, **kwargs):
+        if isinstance(target, (str, os.PathLike)):
+            with open(target, "wb") as handle:
+                handle.write(b"\x89PNG partial")
+        else:
+            target.write(b"\x89PNG partial")
+        raise KeyboardInterrupt("killed while saving the plot")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", dies)
+    with pytest.raises(KeyboardInterrupt):
+        plot_metrics(metrics, png)
+    assert png.read_bytes() == before
+
+
 def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
     from dppo_ext import train
     from dppo_ext.tasks import make_arithmetic_task

@@ -29,6 +29,7 @@ LOCK_FILE = ".dppo-train.lock"
 # and is rebuilt atomically when they differ. Files the trainer does not know are left alone.
 RUN_OUTPUTS = (
     "config.json",
+    "inputs.json",
     "metrics.jsonl",
     "metrics.dropped.jsonl",
     "metrics.png",
