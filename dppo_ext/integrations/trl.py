@@ -21,7 +21,15 @@ What changes against ``trl.GRPOTrainer`` (everything else, generation, rewards, 
   TRL's logger, with ``entropy`` and ``policy_loss`` as TRL names them.
 
 * Top-K modes (``topk_tv``/``topk_kl``, ``dppo_topk=K``) ask vLLM for the top-K log-probs of every sampled
-  position (TRL itself asks for the sampled token's only) and keep them next to the completions.
+  position (TRL itself asks for the sampled token's only) and keep them next to the completions, with the sampled
+  token forced into each row exactly as the reference trainer does (:func:`dppo_ext.rollout.ranked_topk_rows`).
+* Colocated vLLM (``vllm_mode="colocate"``): the weights are pushed after each optimizer step through vLLM's
+  in-place ``reload_weights`` (TRL 1.16's own push fails with vLLM 0.32), and ``dppo_vllm_dtype`` sets the
+  engine's dtype (vLLM runs a float32 checkpoint in bfloat16 unless told otherwise).
+
+Without vLLM the anchor is the current policy (see above), so on the first pass over a generation batch
+``pi == mu`` and DPPO masks nothing; masking starts with ``num_iterations > 1`` or ``steps_per_generation > 1``.
+The full walk-through is docs/trl.md; a runnable script is examples/trl_dppo_grpo.py.
 
 Supported: text models, ``beta`` (KL to the reference model, TRL's k3 estimator on our log-probs), tools /
 environment masks (not with the top-K modes), gradient accumulation, ``num_iterations``. Rejected with a clear
@@ -32,10 +40,13 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import re
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -46,6 +57,8 @@ from packaging.version import Version
 from ..fused_linear import fused_linear_dppo_loss
 from ..loss import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, dppo_metrics
 from ..ops import MODES, DPPOOutputs, dppo_loss_forward
+from ..rollout.vllm_logging import install_benign_warning_filters
+from ..rollout.vllm_outputs import ranked_topk_rows
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +83,18 @@ def check_trl_version(version: str) -> None:
         )
 
 
+# The vLLM release this integration is tested with (requirements/cpu.txt). TRL 1.16 warns, each time it checks for
+# vLLM (five times while importing, again per trainer), that it supports vLLM 0.22-0.31 only; with this release
+# its generation path works and its colocate weight sync is replaced by ours (_reload_weights_into_vllm), so that
+# warning is dropped for this exact version. Any other unsupported version still warns.
+TESTED_VLLM = "0.32.0"
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+warnings.filterwarnings(
+    "ignore",
+    message=rf"TRL currently supports vLLM versions from 0\.22\.0 to 0\.31\.0\. You have version {re.escape(TESTED_VLLM)} ",
+    category=UserWarning,
+)
+
 try:
     import trl
 except ImportError as exc:  # pragma: no cover - exercised only without trl
@@ -82,6 +107,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.utils import ModelOutput  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.extras.profiling import profiling_context  # noqa: E402
+from trl.generation import vllm_generation as trl_vllm_generation  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
 
 __all__ = [
@@ -103,6 +129,8 @@ class DPPOGRPOConfig(GRPOConfig):
             like TRL's ``dapo``) or a sequence mode of ``dppo_ext.AGG_MODES`` (per micro-batch).
         dppo_fused_linear: compute the loss from hidden states + LM-head weight (no logits tensor).
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
+        dppo_vllm_dtype: dtype of the colocated vLLM engine (``vllm_mode="colocate"``); ``auto`` is vLLM's choice,
+            which runs a float32 checkpoint in bfloat16 or float16, so ``|pi - mu|`` then includes that rounding.
     """
 
     dppo_mode: str = field(
@@ -122,6 +150,11 @@ class DPPOGRPOConfig(GRPOConfig):
     )
     dppo_chunk_size: Optional[int] = field(
         default=None, metadata={"help": "Rows per fused-linear chunk; None: automatic."}
+    )
+    dppo_vllm_dtype: str = field(
+        default="auto",
+        metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
+                          "bfloat16/float16), float32, bfloat16 or float16."},
     )
 
     def __post_init__(self) -> None:
@@ -145,6 +178,8 @@ class DPPOGRPOConfig(GRPOConfig):
             raise ValueError(f"dppo_ratio_cap must be > 0, got {self.dppo_ratio_cap}")
         if self.dppo_chunk_size is not None and self.dppo_chunk_size < 1:
             raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
+        if self.dppo_vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
 
     @property
     def dppo_deltas(self) -> tuple[float, float]:
@@ -253,27 +288,51 @@ def split_vllm_logprobs(
     logprob_token_ids: list[list[list[int]]],
     k: int,
 ) -> tuple[list[list[Optional[float]]], list[list[list[int]]], list[list[list[float]]]]:
-    """Split vLLM's per-position log-probs (``logprobs=k``) into the sampled token's and the top-K.
+    """Split TRL's per-position vLLM log-probs (``logprobs=k``) into the sampled token's and the top-K.
 
-    vLLM returns, per position, the top-``k`` entries sorted by rank plus the sampled token when it is not among
-    them. Returns ``(sampled [B][T], topk_ids [B][T][k], topk_logprobs [B][T][k])``; a log-prob vLLM could not
-    compute (``None``) stays ``None`` for the sampled token and becomes ``-inf`` (no mass) in the top-K.
+    TRL hands over, per position, vLLM's candidates sorted by rank: the top-``k`` plus the sampled token when it is
+    not among them. The rows go through :func:`dppo_ext.rollout.ranked_topk_rows`, the conversion the trainer's
+    vLLM engine uses, so the sampled token is forced into each ``[k]`` row the same way. Returns
+    ``(sampled [B][T], topk_ids [B][T][k], topk_logprobs [B][T][k])``; a log-prob vLLM could not compute (``None``)
+    stays ``None`` for the sampled token and becomes ``-inf`` (no mass) in the top-K.
     """
     sampled, topk_ids, topk_logprobs = [], [], []
     for seq, seq_lps, seq_ids in zip(completion_ids, logprobs, logprob_token_ids, strict=True):
-        s_sampled, s_ids, s_lps = [], [], []
-        for token, lps, ids in zip(seq, seq_lps, seq_ids, strict=True):
-            if token not in ids:
-                raise ValueError(f"vLLM returned no log-prob for the sampled token {token} (got ids {ids})")
-            if len(ids) < k:
-                raise ValueError(f"vLLM returned {len(ids)} log-probs per position, expected at least dppo_topk={k}")
-            s_sampled.append(lps[ids.index(token)])
-            s_ids.append(list(ids[:k]))
-            s_lps.append([-math.inf if lp is None else lp for lp in lps[:k]])
+        s_sampled, s_ids, s_lps = ranked_topk_rows(seq, seq_ids, seq_lps, k)
         sampled.append(s_sampled)
         topk_ids.append(s_ids)
         topk_logprobs.append(s_lps)
     return sampled, topk_ids, topk_logprobs
+
+
+@contextlib.contextmanager
+def _extra_llm_kwargs(**extra: Any):
+    """While TRL builds its colocated ``vllm.LLM``, add ``extra`` to the constructor's keyword arguments."""
+    if not extra:
+        yield
+        return
+    original = trl_vllm_generation.LLM
+    trl_vllm_generation.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        trl_vllm_generation.LLM = original
+
+
+def _reload_weights_into_vllm(generation: Any) -> None:
+    """TRL's colocate weight sync (a ``VLLMGeneration.sync_weights`` replacement) through vLLM's in-place reload.
+
+    TRL 1.16 calls the vLLM model's ``load_weights`` directly, which vLLM 0.32 no longer supports once the weights
+    are loaded (it raises ``'Parameter' object has no attribute 'weight_loader'`` on the CPU backend's float32
+    layers, as measured here). This streams the same ``(name, tensor)`` pairs (TRL's ``_iter_named_params``: FSDP/DeepSpeed gathers,
+    PEFT merges and names included) through ``reload_weights``, as ``dppo_ext.rollout.VLLMEngine`` does, then resets
+    the prefix cache so no KV block computed with the old weights is reused.
+    """
+    install_benign_warning_filters()
+    generation.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True}
+    )
+    generation.llm.reset_prefix_cache()
 
 
 def _pad_topk(rows: list[list[list[float]]], length: int, k: int, fill: float, dtype, device) -> torch.Tensor:
@@ -307,7 +366,12 @@ class DPPOGRPOTrainer(GRPOTrainer):
                 f"DPPOGRPOTrainer does not combine DPPO with TRL's {bad} (set them to their defaults: entropy_coef=0, "
                 "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        colocate = args.use_vllm and args.vllm_mode == "colocate"
+        llm_kwargs = {"dtype": args.dppo_vllm_dtype} if colocate and args.dppo_vllm_dtype != "auto" else {}
+        with _extra_llm_kwargs(**llm_kwargs):
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+        if colocate and not args.vllm_enable_sleep_mode:
+            self.vllm_generation.sync_weights = types.MethodType(_reload_weights_into_vllm, self.vllm_generation)
         self._dppo_topk = args.dppo_topk if args.dppo_mode in TOPK_MODES else 0
         if self._dppo_topk:
             if self.tools or self.rollout_func is not None:

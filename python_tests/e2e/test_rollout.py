@@ -7,17 +7,28 @@ forward pass and compare it with what the engine reported.
 
 from __future__ import annotations
 
+import ast
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from dppo_ext.rollout import RolloutEngine, RolloutSample, force_sampled_into_topk, make_engine
-from dppo_ext.rollout import base as rollout_base
+from dppo_ext.rollout import (
+    RolloutEngine,
+    RolloutSample,
+    extract_token_logprobs,
+    force_sampled_into_topk,
+    make_engine,
+    ranked_topk_rows,
+    rollout_samples_from_vllm,
+    vllm_rollout_tensors,
+)
+from dppo_ext.rollout import factory as rollout_factory
 from dppo_ext.rollout.hf_engine import topk_with_sampled
-from dppo_ext.rollout.vllm_engine import extract_token_logprobs
+from dppo_ext.trainer.batch import collate_rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +172,40 @@ def test_extract_token_logprobs_errors() -> None:
         extract_token_logprobs([3, 4], [{3: FakeLogprob(-0.5, 1)}], 1)
 
 
+def test_ranked_topk_rows_forces_the_sampled_token_in() -> None:
+    # TRL's shape: candidates sorted by rank, the sampled token appended when it ranks below K.
+    logprobs, ids, lps = ranked_topk_rows([7, 9], [[3, 7], [5, 6, 9]], [[-0.1, -2.5], [-0.3, None, -4.0]], 2)
+    assert logprobs == [-2.5, -4.0]
+    assert ids == [[3, 7], [5, 9]]
+    assert lps == [[-0.1, -2.5], [-0.3, -4.0]]
+    assert ranked_topk_rows([7], [[3, 7]], [[None, None]], 1) == ([None], [[7]], [[-math.inf]])
+    with pytest.raises(ValueError, match="same length, got 2, 1 and 1"):
+        ranked_topk_rows([7, 9], [[7]], [[-0.1]], 1)
+    with pytest.raises(ValueError, match="top_k must be >= 0, got -1"):
+        ranked_topk_rows([7], [[7]], [[-0.1]], -1)
+
+
+def test_rollout_package_has_no_import_circle() -> None:
+    """No module of dppo_ext.rollout imports one that (directly or not) imports it back."""
+    package = Path(rollout_factory.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        graph[path.stem] = {n.rsplit(".", 1)[-1] for n in names if n.startswith("dppo_ext.rollout.")}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(m for m in graph if m != "__init__" and reaches(m, m, {m}))
+    assert not circles, f"import circle through {circles}: {graph}"
+    assert "factory" not in set().union(*graph.values()) - graph["__init__"]
+
+
 def test_topk_with_sampled_on_hand_made_rows() -> None:
     logprobs = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 5.0, 2.0]]), dim=-1)
     ids, lps = topk_with_sampled(logprobs, torch.tensor([1, 0]), 2)
@@ -178,7 +223,7 @@ def test_make_engine_rejects_unknown_kind(tiny_model_dir: Path) -> None:
 
 
 def test_make_engine_without_vllm(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rollout_base, "vllm_available", lambda: False)
+    monkeypatch.setattr(rollout_factory, "vllm_available", lambda: False)
     with pytest.raises(ImportError, match="'vllm' was requested but the vllm package is not installed"):
         make_engine("vllm", str(tiny_model_dir))
     engine = make_engine("auto", str(tiny_model_dir), max_model_len=16, device="cpu")
@@ -338,3 +383,53 @@ def test_hf_engine_bf16_rollouts_mismatch(tiny_model_dir: Path, tiny_model: torc
     logger.info("HF bf16 rollouts vs fp32 model: max |logprob diff| = %.3g", error)
     low, high = BF16_MISMATCH_RANGE
     assert low < error < high
+
+
+@pytest.mark.vllm
+def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    """The same vLLM RequestOutputs through the reference trainer's path, the public helper and the TRL
+    integration's path give identical tensors, hence the same top-K divergence; at T=2 with K=2 some sampled
+    tokens rank below K, so the forced-in rows are exercised."""
+    pytest.importorskip("trl")
+    from trl.generation.vllm_generation import extract_logprobs
+    from vllm import SamplingParams
+
+    from dppo_ext import dppo_loss
+    from dppo_ext.integrations.trl import _pad_topk, split_vllm_logprobs
+
+    k, temperature = 2, 2.0
+    params = SamplingParams(n=4, temperature=temperature, max_tokens=MAX_TOKENS, logprobs=k, seed=3)
+    outputs = vllm_on_tiny.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+    samples = [s for group in rollout_samples_from_vllm(outputs, k) for s in group]
+    trainer = collate_rollouts(samples, [1.0] * len(samples), pad_id=0, with_topk=True)
+    helper = vllm_rollout_tensors(outputs, top_k=k)
+    completions = [list(c.token_ids) for r in outputs for c in r.outputs]
+    trl_logprobs, trl_ids = extract_logprobs(outputs)
+    sampled, topk_ids, topk_lps = split_vllm_logprobs(completions, trl_logprobs, trl_ids, k)
+    length, mask = trainer.response_len, trainer.response_mask
+    trl_topk_ids = _pad_topk(topk_ids, length, k, 0, torch.long, "cpu")
+    trl_topk_lps = _pad_topk(topk_lps, length, k, -math.inf, torch.float32, "cpu")
+    trl_sampled = _pad_topk([[[lp] for lp in row] for row in sampled], length, 1, 0.0, torch.float32, "cpu")[..., 0]
+
+    outside = 0
+    for request in outputs:
+        for c in request.outputs:
+            for tok, entries in zip(c.token_ids, c.logprobs):
+                outside += entries[tok].rank > k
+    assert outside > 0, "no sampled token ranked below K: the forced-in case is not exercised"
+    for name in ("tokens", "rollout_logprobs", "response_mask", "topk_ids", "topk_logprobs"):
+        assert torch.equal(getattr(helper, name), getattr(trainer, name)), name
+    assert torch.equal(trl_topk_ids[mask], trainer.topk_ids[mask])
+    assert torch.equal(trl_topk_lps[mask], trainer.topk_logprobs[mask])
+    assert torch.equal(trl_sampled[mask], trainer.rollout_logprobs[mask])
+
+    # The op sees the same inputs on both paths: the same top-K divergence.
+    logits = torch.randn(*trainer.tokens.shape, tiny_model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    divergences = []
+    for ids, lps in ((trainer.topk_ids, trainer.topk_logprobs), (trl_topk_ids, trl_topk_lps.clamp(min=-1e4))):
+        _, metrics = dppo_loss(logits, trainer.tokens, trainer.rollout_logprobs, trainer.advantages,
+                               response_mask=mask, mode="topk_tv", topk_ids=ids, topk_logprobs=lps,
+                               temperature=temperature)
+        divergences.append(float(metrics["divergence_mean"]))
+    assert divergences[0] == divergences[1] and divergences[0] > 0
