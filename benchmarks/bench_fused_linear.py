@@ -3,7 +3,7 @@
 One step = forward + backward of ``loss = sum(per-row DPPO loss) / N`` from ``hidden [N, H]`` and the LM-head
 ``weight [V, H]`` (both require grad), the LM-head matmul included:
 
-  fused           dppo_ext.fused_linear_dppo_loss(hidden, weight, ...)
+  fused           dppo_ext.fused_linear_dppo_loss_per_row(hidden, weight, ...) (the core of fused_linear_dppo_loss)
   logits          logits = hidden @ weight.T; dppo_ext.ops.dppo_loss_forward(logits, ...)
   logits_inplace  the same with inplace_backward=True (the gradient is written into the logits buffer)
 
@@ -55,7 +55,7 @@ def run_case(args: argparse.Namespace) -> dict:
     import torch
 
     import dppo_ext  # noqa: F401  (registers torch.ops.dppo)
-    from dppo_ext.fused_linear import fused_linear_dppo_loss, plan_chunks
+    from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row, plan_chunks
     from dppo_ext.ops import dppo_loss_forward
 
     torch.manual_seed(0)
@@ -70,8 +70,8 @@ def run_case(args: argparse.Namespace) -> dict:
 
     def step() -> None:
         if args.case == "fused":
-            out = fused_linear_dppo_loss(hidden, weight, tokens, rollout, advantages, chunk_size=args.chunk_size,
-                                         **kwargs)
+            out = fused_linear_dppo_loss_per_row(hidden, weight, tokens, rollout, advantages,
+                                                 chunk_size=args.chunk_size, **kwargs)
         else:
             logits = hidden @ weight.t()
             out = dppo_loss_forward(logits, tokens, rollout, advantages,

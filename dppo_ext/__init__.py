@@ -18,12 +18,12 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "that is installed now)") from exc
 
 from ._C import __version__, cuda_compiled  # noqa: E402
-from .fused_linear import fused_linear_dppo, fused_linear_dppo_loss  # noqa: E402
+from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row  # noqa: E402
 from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics  # noqa: E402
-from .ops import MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward  # noqa: E402
+from .ops import MODE_ALIASES, MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward  # noqa: E402
 
 __all__ = [
-    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "MODES", "__version__", "aggregate_loss",
-    "cuda_compiled", "dppo_loss", "dppo_loss_backward", "dppo_loss_forward", "dppo_metrics", "fused_linear_dppo",
-    "fused_linear_dppo_loss",
+    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "FusedLinearDPPOLoss", "MODES", "MODE_ALIASES",
+    "__version__", "aggregate_loss", "cuda_compiled", "dppo_loss", "dppo_loss_backward", "dppo_loss_forward",
+    "dppo_metrics", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row",
 ]

@@ -1,9 +1,15 @@
-"""Fused LM-head + DPPO loss: the DPPO outputs from the last hidden states, without an [N, V] logits tensor.
+"""Fused LM-head + DPPO loss: the DPPO loss from the last hidden states, without an [N, V] logits tensor.
 
 Math (docs/contract.md): ``logits = hidden @ weight^T (+ bias)``, then exactly ``torch.ops.dppo.dppo_loss_forward``
-on those logits. The result is the op's ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each
-``[N]``, differentiable w.r.t. ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` through ``loss``, ``logp`` and
-``entropy``, for any upstream gradient.
+on those logits. Three entry points:
+
+* :func:`fused_linear_dppo_loss` and the module :class:`FusedLinearDPPOLoss`: ``dppo_ext.dppo_loss`` with
+  ``logits`` replaced by ``hidden [..., H]`` and ``weight [V, H]`` (+ ``bias [V]``): same arguments, per-mode
+  defaults and ``(loss, metrics)`` result.
+* :func:`fused_linear_dppo_loss_per_row`: the lower level, on flat rows; returns the op's
+  ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``, differentiable w.r.t.
+  ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` through ``loss``, ``logp`` and ``entropy``, for any upstream
+  gradient (for callers that aggregate themselves or also train on ``logp``, e.g. a KL term).
 
 Design (why recompute rather than Liger-style gradients-in-forward):
   Liger's fused linear cross-entropy computes the gradients during the forward, which needs the upstream gradient
@@ -40,11 +46,14 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
 import torch
+from torch import nn
 
-from .loss import DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, dppo_metrics
-from .ops import MODES, DPPOOutputs
+from .loss import DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, check_aggregation, dppo_metrics
+from .ops import DPPOOutputs, canonical_mode
 
-__all__ = ["FusedLinearPlan", "fused_linear_dppo", "fused_linear_dppo_loss", "plan_chunks"]
+__all__ = [
+    "FusedLinearDPPOLoss", "FusedLinearPlan", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row", "plan_chunks",
+]
 
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
 _OFF_BLOCK_GAP = 1.0e4
@@ -327,7 +336,7 @@ def _grads(grad_hidden, grad_weight, grad_bias, bias):
     return (grad_hidden, grad_weight, grad_bias) + (None,) * 14
 
 
-def fused_linear_dppo_loss(
+def fused_linear_dppo_loss_per_row(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     tokens: torch.Tensor,
@@ -349,7 +358,9 @@ def fused_linear_dppo_loss(
     memory_budget_bytes: Optional[int] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
 ) -> DPPOOutputs:
-    """DPPO per-row outputs of ``hidden @ weight^T (+ bias)`` without materialising the logits.
+    """DPPO per-row outputs of ``hidden @ weight^T (+ bias)`` without materialising the logits (lower level).
+
+    Most callers want :func:`fused_linear_dppo_loss` (any leading shape, ``response_mask``, aggregation, metrics).
 
     Same contract and outputs as ``dppo_ext.ops.dppo_loss_forward`` applied to ``hidden @ weight.T + bias``
     (docs/contract.md), with exact gradients for ``hidden``, ``weight`` and ``bias`` through ``loss``, ``logp``
@@ -362,7 +373,8 @@ def fused_linear_dppo_loss(
         rollout_logprobs: [N] rollout log-probs of ``tokens``; advantages: [N].
         bias: optional [V] LM-head bias.
         topk_ids, topk_logprobs: [N, K] rollout top-K (top-K modes); anchor_logprobs: optional [N].
-        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as the logits op.
+        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as ``dppo_ext.ops.dppo_loss_forward``
+            (mode aliases such as verl's ``dppo_tv`` are accepted).
         chunk_size: rows per chunk (forward and backward); None chooses it from N, V, H and dtype.
         vocab_chunk_size: vocabulary columns per backward tile; None: automatic (all of V with ``chunk_size``).
         memory_budget_bytes: cap for one logits buffer in the automatic plan (default max(64 MiB, size of hidden)).
@@ -405,7 +417,7 @@ def fused_linear_dppo_loss(
         topk_ids,
         topk_logprobs,
         anchor_logprobs,
-        mode,
+        canonical_mode(mode),
         float(temperature),
         float(delta_low),
         float(delta_high),
@@ -417,7 +429,7 @@ def fused_linear_dppo_loss(
     return DPPOOutputs(*outs)
 
 
-def fused_linear_dppo(
+def fused_linear_dppo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     tokens: torch.Tensor,
@@ -435,21 +447,37 @@ def fused_linear_dppo(
     delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
     compute_entropy: bool = True,
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``dppo_ext.dppo_loss`` from hidden states and the LM-head weight: ``(loss, metrics)``.
+    """``dppo_ext.dppo_loss`` from hidden states and the LM-head weight, without an ``[N, V]`` logits tensor.
 
-    Same arguments and results as :func:`dppo_ext.dppo_loss` (``response_mask``, ``loss_agg_mode``,
-    ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``, the same metrics dict) with ``logits`` replaced by
-    ``hidden [..., H]`` and ``weight [V, H]`` (+ ``bias [V]``); ``[B, T, H]`` hidden states allow per-sequence
-    ``advantages [B]`` and the sequence aggregation modes. Chunking arguments as :func:`fused_linear_dppo_loss`.
+    Same arguments, per-mode defaults and result as :func:`dppo_ext.dppo_loss` (``response_mask``,
+    ``loss_agg_mode``, ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``, the same metrics dict), with ``logits``
+    replaced by ``hidden`` and ``weight`` (+ ``bias``). There is no ``inplace_backward``: no logits buffer
+    outlives the call.
+
+    Args:
+        hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
+            float32/float16/bfloat16/float64). ``[B, T, H]`` allows per-sequence ``advantages [B]`` and the
+            sequence aggregation modes.
+        weight: ``[V, H]`` LM-head weight (same dtype/device as ``hidden``; may be a tied input embedding).
+        tokens, rollout_logprobs, advantages, response_mask, mode, topk_ids, topk_logprobs, anchor_logprobs,
+            temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
+            as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
+        bias: optional ``[V]`` LM-head bias.
+        chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
+            :func:`fused_linear_dppo_loss_per_row`.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = canonical_mode(mode)
+    check_aggregation(loss_agg_mode, loss_scale_factor)
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
     lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
@@ -481,7 +509,7 @@ def fused_linear_dppo(
 
     rollout = flat(rollout_logprobs, accum)
     adv = flat(advantages, accum)
-    out = fused_linear_dppo_loss(
+    out = fused_linear_dppo_loss_per_row(
         hidden.reshape(rows, hidden_size),
         weight,
         flat_tokens.reshape(rows),
@@ -502,5 +530,76 @@ def fused_linear_dppo(
         memory_budget_bytes=memory_budget_bytes,
         weight_context=weight_context,
     )
-    loss = aggregate_loss(out.loss.reshape(lead), valid, loss_agg_mode)
+    loss = aggregate_loss(out.loss.reshape(lead), valid, loss_agg_mode, loss_scale_factor)
     return loss, dppo_metrics(out, rollout, adv, valid.reshape(rows))
+
+
+class FusedLinearDPPOLoss(nn.Module):
+    """``nn.Module`` form of :func:`fused_linear_dppo_loss` (as Liger's ``LigerFusedLinearGRPOLoss``).
+
+    Holds the settings; ``forward`` takes the hidden states, the LM-head weight (and bias) and the rollout tensors.
+
+    Example::
+
+        crit = FusedLinearDPPOLoss(mode="binary_tv", loss_agg_mode="token-mean")
+        hidden = model.model(input_ids).last_hidden_state[:, prompt_len - 1 : -1]  # [B, T, H]
+        loss, metrics = crit(hidden, model.lm_head.weight, tokens, rollout_logprobs, advantages,
+                             response_mask=mask)
+    """
+
+    def __init__(
+        self,
+        mode: str = "binary_tv",
+        *,
+        temperature: float = 1.0,
+        delta_low: Optional[float] = None,
+        delta_high: Optional[float] = None,
+        ratio_cap: float = 10.0,
+        loss_agg_mode: str = "token-mean",
+        loss_scale_factor: Optional[float] = None,
+        compute_entropy: bool = True,
+        chunk_size: Optional[int] = None,
+        vocab_chunk_size: Optional[int] = None,
+        memory_budget_bytes: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        check_aggregation(loss_agg_mode, loss_scale_factor)
+        self.mode = canonical_mode(mode)
+        self.temperature = temperature
+        self.delta_low = delta_low
+        self.delta_high = delta_high
+        self.ratio_cap = ratio_cap
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
+        self.compute_entropy = compute_entropy
+        self.chunk_size = chunk_size
+        self.vocab_chunk_size = vocab_chunk_size
+        self.memory_budget_bytes = memory_budget_bytes
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        tokens: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        bias: Optional[torch.Tensor] = None,
+        response_mask: Optional[torch.Tensor] = None,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_logprobs: Optional[torch.Tensor] = None,
+        anchor_logprobs: Optional[torch.Tensor] = None,
+        weight_context: Optional[Callable[[], ContextManager]] = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return fused_linear_dppo_loss(
+            hidden, weight, tokens, rollout_logprobs, advantages, bias=bias, response_mask=response_mask,
+            mode=self.mode, topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
+            temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
+            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
+            compute_entropy=self.compute_entropy, chunk_size=self.chunk_size, vocab_chunk_size=self.vocab_chunk_size,
+            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context)
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
+                f"loss_scale_factor={self.loss_scale_factor}, chunk_size={self.chunk_size}")

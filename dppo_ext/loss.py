@@ -14,11 +14,26 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .ops import MODES, DPPOOutputs, dppo_loss_forward
+from .ops import DPPOOutputs, canonical_mode, dppo_loss_forward
 
-__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "aggregate_loss", "dppo_loss", "dppo_metrics"]
+__all__ = [
+    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "NORM_AGG_MODES", "aggregate_loss", "check_aggregation", "dppo_loss",
+    "dppo_metrics",
+]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Loss aggregation (docs/aggregation.md). The names and formulas are current verl's ``agg_loss``
+# (verl-project/verl, verl/trainer/ppo/core_algos.py, since its PR 5417), plus ``token-sum-norm``: the
+# formula the paper's verl fork (sail-sg/Stable-RL) runs under the name ``seq-mean-token-sum-norm``.
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "token-sum-norm",
+)
+# Modes divided by a horizon: ``loss_scale_factor``, default the padded length T = mask.shape[-1].
+NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 
 # (delta_low, delta_high) when not given. TV thresholds bound a probability difference, KL ones a
 # divergence in nats (the paper's Binary-TV 0.15 / Binary-KL 0.05 scale), ratio ones the PPO clip.
@@ -34,33 +49,65 @@ DEFAULT_DELTAS = {
 IGNORE_INDEX = -100
 
 
-def aggregate_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
-    """Aggregate a per-token loss with verl's conventions.
+def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:
+    """Raise ``ValueError`` unless ``loss_agg_mode`` is one of ``AGG_MODES`` and ``loss_scale_factor`` fits it."""
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
+    if loss_scale_factor is not None:
+        if loss_agg_mode not in NORM_AGG_MODES:
+            raise ValueError(
+                f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
+                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
+        if not loss_scale_factor > 0:
+            raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r}")
+
+
+def aggregate_loss(
+    loss_mat: Tensor, mask: Tensor, loss_agg_mode: str = "token-mean", loss_scale_factor: Optional[float] = None
+) -> Tensor:
+    """Aggregate a per-token loss into a scalar, with verl's mode names and formulas.
+
+    With ``l[b, t]`` the per-token loss, ``m[b, t]`` the mask, ``S_b = sum_t m l`` the sequence sums,
+    ``n_b = sum_t m`` the token counts, ``B' = #{b : n_b > 0}`` the non-empty sequences and ``C`` the
+    horizon (``loss_scale_factor``, default ``T = mask.shape[-1]``):
+
+    - ``token-mean``: ``sum_b S_b / sum_b n_b``
+    - ``token-sum``: ``sum_b S_b``
+    - ``seq-mean-token-sum``: ``sum_b S_b / B'``
+    - ``seq-mean-token-mean``: ``sum_{b: n_b > 0} (S_b / n_b) / B'``
+    - ``seq-mean-token-sum-norm``: ``sum_b S_b / (B' * C)`` (Dr. GRPO; current verl)
+    - ``token-sum-norm``: ``sum_b S_b / C`` (what the paper's verl fork computes under the name
+      ``seq-mean-token-sum-norm``: ``B'`` times the current verl value)
 
     Args:
         loss_mat: ``[B, T]`` (or ``[N]``, treated as one sequence) per-token loss.
         mask: same shape, 1 for response tokens, 0 for padding.
-        loss_agg_mode: ``token-mean`` (sum / number of tokens), ``seq-mean-token-sum`` (mean over
-            sequences of per-sequence sums), ``seq-mean-token-mean`` (mean over sequences of
-            per-sequence means), ``seq-mean-token-sum-norm`` (total sum / T, Dr. GRPO).
-    Sequences without a response token are left out of the sequence means; an empty batch gives 0.
+        loss_agg_mode: one of ``AGG_MODES``.
+        loss_scale_factor: ``C`` of the ``-norm`` modes (verl's ``loss_scale_factor``; pass a constant such
+            as the maximum response length when micro-batches are padded to different lengths). Only for
+            those modes.
+    An empty batch (no response token) gives 0 in every mode.
     """
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
+    check_aggregation(loss_agg_mode, loss_scale_factor)
+    if mask.shape != loss_mat.shape:
+        raise ValueError(f"mask must have the loss's shape {tuple(loss_mat.shape)}, got {tuple(mask.shape)}")
     if loss_mat.dim() == 1:
         loss_mat, mask = loss_mat.unsqueeze(0), mask.unsqueeze(0)
     mask = mask.to(loss_mat.dtype)
-    masked = loss_mat * mask
+    seq_sum = (loss_mat * mask).sum(-1)
     if loss_agg_mode == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return masked.sum() / loss_mat.shape[-1]
+        return seq_sum.sum() / mask.sum().clamp(min=1)
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
+    horizon = float(max(loss_mat.shape[-1], 1) if loss_scale_factor is None else loss_scale_factor)
+    if loss_agg_mode == "token-sum-norm":
+        return seq_sum.sum() / horizon
     tokens_per_seq = mask.sum(-1)
-    seq_loss = masked.sum(-1)
+    non_empty = (tokens_per_seq > 0).to(loss_mat.dtype)
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_loss = seq_loss / tokens_per_seq.clamp(min=1)
-    has_tokens = (tokens_per_seq > 0).to(loss_mat.dtype)
-    return (seq_loss * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+        seq_sum = seq_sum / tokens_per_seq.clamp(min=1)
+    seq_mean = (seq_sum * non_empty).sum() / non_empty.sum().clamp(min=1)
+    return seq_mean / horizon if loss_agg_mode == "seq-mean-token-sum-norm" else seq_mean
 
 
 @torch.no_grad()
@@ -117,6 +164,7 @@ def dppo_loss(
     delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
     compute_entropy: bool = True,
     inplace_backward: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -132,14 +180,16 @@ def dppo_loss(
         response_mask: ``[...]`` 1/True for response tokens; padding rows cost no compute and get a
             zero gradient. Default: all tokens are valid.
         mode: ``binary_tv`` | ``binary_kl`` | ``topk_tv`` | ``topk_kl`` (DPPO), ``ratio`` (PPO/GRPO
-            clip as a mask) or ``none`` (PG-IS / CISPO style: never masked).
+            clip as a mask) or ``none`` (PG-IS / CISPO style: never masked); verl's ``dppo_tv`` /
+            ``dppo_kl`` and the other names of ``dppo_ext.ops.MODE_ALIASES`` are accepted too.
         topk_ids, topk_logprobs: ``[..., K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[...]`` recomputed old-policy log-probs replacing mu in the mask test
             only (the "recompute" ablations); the importance weight always uses mu.
         temperature: the rollout temperature; logits are divided by it.
         delta_low, delta_high: trust-region thresholds; ``None`` takes ``DEFAULT_DELTAS[mode]``.
         ratio_cap: cap C on the importance weight min(pi / mu, C).
-        loss_agg_mode: see :func:`aggregate_loss`.
+        loss_agg_mode: one of ``AGG_MODES``, see :func:`aggregate_loss`.
+        loss_scale_factor: the horizon of the ``-norm`` aggregation modes (default: the padded length T).
         compute_entropy: compute the policy entropy (``entropy_mean`` metric); else it reads 0.
         inplace_backward: write the logits gradient into the logits buffer during backward
             (no ``[N, V]`` allocation; the logits are consumed, do not reuse them).
@@ -148,8 +198,8 @@ def dppo_loss(
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
         :func:`dppo_metrics`).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = canonical_mode(mode)
+    check_aggregation(loss_agg_mode, loss_scale_factor)
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
@@ -186,7 +236,7 @@ def dppo_loss(
         flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc),
         mode=mode, temperature=temperature, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap,
         compute_entropy=compute_entropy, inplace_backward=inplace_backward)
-    loss = aggregate_loss(out.loss.reshape(lead), valid.reshape(lead), loss_agg_mode)
+    loss = aggregate_loss(out.loss.reshape(lead), valid.reshape(lead), loss_agg_mode, loss_scale_factor)
     metrics = dppo_metrics(out, rollout, adv, valid.reshape(rows))
     return loss, metrics
 
@@ -209,20 +259,19 @@ class DPPOLoss(nn.Module):
         delta_high: Optional[float] = None,
         ratio_cap: float = 10.0,
         loss_agg_mode: str = "token-mean",
+        loss_scale_factor: Optional[float] = None,
         compute_entropy: bool = True,
         inplace_backward: bool = False,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if loss_agg_mode not in AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
-        self.mode = mode
+        check_aggregation(loss_agg_mode, loss_scale_factor)
+        self.mode = canonical_mode(mode)
         self.temperature = temperature
         self.delta_low = delta_low
         self.delta_high = delta_high
         self.ratio_cap = ratio_cap
         self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
         self.compute_entropy = compute_entropy
         self.inplace_backward = inplace_backward
 
@@ -242,9 +291,10 @@ class DPPOLoss(nn.Module):
             logits, tokens, rollout_logprobs, advantages, response_mask=response_mask, mode=self.mode,
             topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
             temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
-            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, compute_entropy=self.compute_entropy,
-            inplace_backward=self.inplace_backward)
+            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
+            compute_entropy=self.compute_entropy, inplace_backward=self.inplace_backward)
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
-                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}")
+                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
+                f"loss_scale_factor={self.loss_scale_factor}")

@@ -19,9 +19,29 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["DPPOOutputs", "MODES", "dppo_loss_forward", "dppo_loss_backward"]
+__all__ = ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "dppo_loss_forward", "dppo_loss_backward"]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
+# Other projects' names for our modes, accepted wherever a mode is (docs/names.md): verl's
+# ``policy_loss.loss_mode`` and the paper's verl fork (sail-sg/Stable-RL, also our trainer's --loss).
+MODE_ALIASES = {
+    "dppo_tv": "binary_tv",
+    "dppo_kl": "binary_kl",
+    "dppo_binary_tv": "binary_tv",
+    "dppo_binary_kl": "binary_kl",
+    "dppo_topk_tv": "topk_tv",
+    "dppo_topk_kl": "topk_kl",
+}
+
+
+def canonical_mode(mode: str) -> str:
+    """``mode`` as one of ``MODES`` (an alias of ``MODE_ALIASES`` is translated); ValueError otherwise."""
+    if isinstance(mode, str):
+        if mode in MODES:
+            return mode
+        if mode in MODE_ALIASES:
+            return MODE_ALIASES[mode]
+    raise ValueError(f"mode must be one of {MODES} (or an alias: {tuple(MODE_ALIASES)}), got {mode!r}")
 
 
 class DPPOOutputs(NamedTuple):
@@ -130,7 +150,7 @@ def dppo_loss_forward(
         advantages: ``[N]`` same dtype as ``rollout_logprobs``.
         topk_ids, topk_logprobs: ``[N, K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
-        mode: one of ``MODES``.
+        mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
         temperature: logits are divided by it (must match the rollout's temperature).
         delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides).
         ratio_cap: cap C of the importance weight.
@@ -140,7 +160,7 @@ def dppo_loss_forward(
     Returns:
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``.
     """
-    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, mode,
+    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, canonical_mode(mode),
             float(temperature), float(delta_low), float(delta_high), float(ratio_cap), bool(compute_entropy))
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         return DPPOOutputs(*_DPPOInplace.apply(logits, *args))

@@ -25,7 +25,9 @@ import torch
 IGNORE_INDEX = -100
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
 TOPK_MODES = ("topk_tv", "topk_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum-norm",
+)
 MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)
@@ -208,15 +210,19 @@ def dppo_loss_reference(
     return {key: torch.where(valid, value, zero) for key, value in outputs.items()}
 
 
-def aggregate_loss_reference(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate a per-token loss into a scalar with verl's ``agg_loss`` meanings.
+def aggregate_loss_reference(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", loss_scale_factor: float | None = None
+) -> torch.Tensor:
+    """Aggregate a per-token loss into a scalar with current verl's ``agg_loss`` meanings (docs/aggregation.md).
 
     Args:
         loss_mat: [B, T] (or [N], treated as one sequence) per-token losses.
         mask: same shape, bool or 0/1; only its nonzero entries count.
-        mode: ``token-mean`` (sum / number of valid tokens), ``seq-mean-token-sum`` (mean over
-            sequences of per-sequence sums), ``seq-mean-token-mean`` (mean over sequences of
-            per-sequence means), ``seq-mean-token-sum-norm`` (total sum / T, T = mask.shape[-1]).
+        mode: ``token-mean`` (sum / number of valid tokens), ``token-sum`` (sum),
+            ``seq-mean-token-sum`` (mean over sequences of per-sequence sums), ``seq-mean-token-mean``
+            (mean over sequences of per-sequence means), ``seq-mean-token-sum-norm``
+            (``seq-mean-token-sum`` / C), ``token-sum-norm`` (sum / C: the paper's verl fork's
+            ``seq-mean-token-sum-norm``). C = ``loss_scale_factor``, default T = mask.shape[-1].
 
     Sequences with no valid token are left out of the sequence means; an empty selection gives
     0, not NaN.
@@ -233,17 +239,21 @@ def aggregate_loss_reference(loss_mat: torch.Tensor, mask: torch.Tensor, mode: s
     masked = torch.where(weights != 0, loss_mat * weights, torch.zeros_like(loss_mat))
     seq_sums = masked.sum(dim=-1)
     seq_counts = weights.sum(dim=-1)
+    horizon = max(mask.shape[-1], 1) if loss_scale_factor is None else loss_scale_factor
     if mode == "token-mean":
         return masked.sum() / torch.clamp(weights.sum(), min=1)
-    if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / max(mask.shape[-1], 1)
+    if mode == "token-sum":
+        return masked.sum()
+    if mode == "token-sum-norm":
+        return masked.sum() / horizon
     seq_valid = seq_counts > 0
-    if mode == "seq-mean-token-sum":
-        per_seq = seq_sums
-    else:
+    if mode == "seq-mean-token-mean":
         per_seq = seq_sums / torch.clamp(seq_counts, min=1)
+    else:
+        per_seq = seq_sums
     per_seq = torch.where(seq_valid, per_seq, torch.zeros_like(per_seq))
-    return per_seq.sum() / torch.clamp(seq_valid.sum(), min=1).to(loss_mat.dtype)
+    seq_mean = per_seq.sum() / torch.clamp(seq_valid.sum(), min=1).to(loss_mat.dtype)
+    return seq_mean / horizon if mode == "seq-mean-token-sum-norm" else seq_mean
 
 
 def _masked_mean(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
@@ -274,6 +284,7 @@ def dppo_loss_full_reference(
     delta_high: float | None = None,
     ratio_cap: float = 10.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
     compute_entropy: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """End-to-end naive equivalent of ``dppo_ext.dppo_loss``: scalar loss plus metrics.
@@ -285,7 +296,7 @@ def dppo_loss_full_reference(
         response_mask: [...] bool or 0/1; None means every token counts. Tokens with mask 0
             (or token id -100) are padding.
         topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...].
-        loss_agg_mode: one of ``LOSS_AGG_MODES`` (verl's meanings, see aggregate_loss_reference).
+        loss_agg_mode, loss_scale_factor: see aggregate_loss_reference.
         delta_low, delta_high: None takes ``DEFAULT_DELTAS[mode]``.
         Other arguments: as in ``dppo_loss_reference``.
 
@@ -327,7 +338,7 @@ def dppo_loss_full_reference(
         compute_entropy=compute_entropy,
     )
     loss_mat = out["loss"].reshape(lead)
-    loss = aggregate_loss_reference(loss_mat, valid, loss_agg_mode)
+    loss = aggregate_loss_reference(loss_mat, valid, loss_agg_mode, loss_scale_factor)
 
     flat_valid = valid.reshape(-1)
     acc = out["loss"].dtype

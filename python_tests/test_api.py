@@ -203,21 +203,91 @@ def test_metrics_by_hand():
 
 
 def test_aggregation_modes_by_hand():
-    """verl's agg_loss meanings on a 3 x 4 case, against the reference and the API helper."""
+    """Current verl's agg_loss formulas (verl-project/verl core_algos.py since PR 5417) plus the paper's fork's
+    sum / T, on a 3 x 4 case with one empty sequence, against the reference and the API helper."""
     loss_mat = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [9.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    total, t, non_empty = 1 + 2 + 5 + 6 + 7 + 8, 4, 2
     want = {
-        "token-mean": (1 + 2 + 5 + 6 + 7 + 8) / 6,
-        "seq-mean-token-sum": ((1 + 2) + (5 + 6 + 7 + 8)) / 2,  # the empty sequence is left out
-        "seq-mean-token-mean": ((1 + 2) / 2 + (5 + 6 + 7 + 8) / 4) / 2,
-        "seq-mean-token-sum-norm": (1 + 2 + 5 + 6 + 7 + 8) / 4,  # / T, the horizon
+        "token-mean": total / 6,
+        "token-sum": total,
+        "seq-mean-token-sum": ((1 + 2) + (5 + 6 + 7 + 8)) / non_empty,  # the empty sequence is left out
+        "seq-mean-token-mean": ((1 + 2) / 2 + (5 + 6 + 7 + 8) / 4) / non_empty,
+        "seq-mean-token-sum-norm": total / non_empty / t,  # current verl: seq-mean, then / horizon T
+        "token-sum-norm": total / t,  # the fork (sail-sg/Stable-RL) under the name seq-mean-token-sum-norm
     }
+    assert set(want) == set(LOSS_AGG_MODES) == set(dppo_ext.AGG_MODES)
     for agg, value in want.items():
         assert aggregate_loss_reference(loss_mat, mask, agg).item() == pytest.approx(value), agg
         assert dppo_ext.aggregate_loss(loss_mat, mask, agg).item() == pytest.approx(value), agg
         empty = aggregate_loss_reference(loss_mat, torch.zeros_like(mask), agg)
         assert empty.item() == 0.0, agg
         assert dppo_ext.aggregate_loss(loss_mat, torch.zeros_like(mask), agg).item() == 0.0, agg
+    # verl's loss_scale_factor replaces the horizon T of the -norm modes
+    for agg, value in (("seq-mean-token-sum-norm", total / non_empty / 7), ("token-sum-norm", total / 7)):
+        assert aggregate_loss_reference(loss_mat, mask, agg, 7).item() == pytest.approx(value), agg
+        assert dppo_ext.aggregate_loss(loss_mat, mask, agg, loss_scale_factor=7).item() == pytest.approx(value), agg
+
+
+def test_aggregation_errors():
+    loss_mat, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"loss_agg_mode must be one of .*got 'seq-sum'"):
+        dppo_ext.aggregate_loss(loss_mat, mask, "seq-sum")
+    with pytest.raises(ValueError, match=r"loss_scale_factor is only used by .*loss_agg_mode='token-mean'"):
+        dppo_ext.aggregate_loss(loss_mat, mask, "token-mean", loss_scale_factor=4)
+    with pytest.raises(ValueError, match=r"loss_scale_factor must be > 0 or None, got 0"):
+        dppo_ext.aggregate_loss(loss_mat, mask, "token-sum-norm", loss_scale_factor=0)
+    with pytest.raises(ValueError, match=r"mask must have the loss's shape \(2, 3\), got \(3,\)"):
+        dppo_ext.aggregate_loss(loss_mat, torch.ones(3), "token-mean")
+    kw = batch_inputs("cpu", torch.float32, "binary_tv")
+    with pytest.raises(ValueError, match=r"loss_scale_factor is only used by"):
+        dppo_loss(**kw, loss_scale_factor=5.0)
+    with pytest.raises(ValueError, match=r"loss_agg_mode must be one of"):
+        DPPOLoss(loss_agg_mode="sum")
+
+
+def test_loss_scale_factor_end_to_end():
+    """dppo_loss / DPPOLoss pass loss_scale_factor through: the -norm losses scale by T / C exactly."""
+    kw = batch_inputs("cpu", torch.float64, "binary_tv", seed=2)
+    for agg in ("seq-mean-token-sum-norm", "token-sum-norm"):
+        base, _ = dppo_loss(**kw, loss_agg_mode=agg)
+        scaled, _ = dppo_loss(**kw, loss_agg_mode=agg, loss_scale_factor=25.0)
+        torch.testing.assert_close(scaled, base * T / 25.0, rtol=1e-12, atol=0)
+        want, _ = dppo_loss_full_reference(**kw, loss_agg_mode=agg, loss_scale_factor=25.0)
+        torch.testing.assert_close(scaled, want, rtol=1e-9, atol=1e-12)
+        crit = DPPOLoss(mode="binary_tv", temperature=kw["temperature"], delta_low=kw["delta_low"],
+                        delta_high=kw["delta_high"], ratio_cap=kw["ratio_cap"], loss_agg_mode=agg,
+                        loss_scale_factor=25.0)
+        got, _ = crit(kw["logits"], kw["tokens"], kw["rollout_logprobs"], kw["advantages"],
+                      response_mask=kw["response_mask"])
+        torch.testing.assert_close(got, scaled, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alias, mode", [("dppo_tv", "binary_tv"), ("dppo_kl", "binary_kl"),
+                                         ("dppo_binary_tv", "binary_tv"), ("dppo_topk_kl", "topk_kl")])
+def test_mode_aliases(alias, mode):
+    """verl's loss_mode names (dppo_tv / dppo_kl) and the fork's (dppo_binary_tv, ...) select our modes, with the
+    mode's default thresholds, in the function, the module and the raw op wrapper."""
+    assert dppo_ext.MODE_ALIASES[alias] == mode
+    kw = batch_inputs("cpu", torch.float64, mode, seed=6)
+    kw = {k: v for k, v in kw.items() if k not in ("delta_low", "delta_high")}
+    want, want_metrics = dppo_loss(**kw)
+    got, got_metrics = dppo_loss(**dict(kw, mode=alias))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_metrics["masked_frac"], want_metrics["masked_frac"], rtol=0, atol=0)
+    crit = DPPOLoss(mode=alias)
+    assert crit.mode == mode
+    flat = {k: kw[k] for k in ("tokens", "rollout_logprobs")}
+    v = kw["logits"].shape[-1]
+    op_kw = dict(tokens=flat["tokens"].reshape(-1), rollout_logprobs=flat["rollout_logprobs"].reshape(-1),
+                 advantages=torch.zeros(B * T, dtype=torch.float64), temperature=kw["temperature"],
+                 topk_ids=None if kw["topk_ids"] is None else kw["topk_ids"].reshape(B * T, -1),
+                 topk_logprobs=None if kw["topk_logprobs"] is None else kw["topk_logprobs"].reshape(B * T, -1))
+    logits = kw["logits"].reshape(B * T, v)
+    torch.testing.assert_close(dppo_ext.dppo_loss_forward(logits, mode=alias, **op_kw).divergence,
+                               dppo_ext.dppo_loss_forward(logits, mode=mode, **op_kw).divergence, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"mode must be one of .*or an alias.*got 'dppo'"):
+        dppo_loss(**dict(kw, mode="dppo"))
 
 
 def test_module_matches_function():

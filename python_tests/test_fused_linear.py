@@ -1,10 +1,12 @@
-"""dppo_ext.fused_linear against the logits path (LM-head matmul + dppo_ext.ops.dppo_loss_forward).
+"""dppo_ext.fused_linear against the logits path (LM-head matmul + dppo_ext.ops.dppo_loss_forward / dppo_loss).
 
 Checks: (1) every forward output and (2) the gradients of hidden, weight and bias under a random upstream
 gradient on loss, logp and entropy, for every mode, in float64, float32 and bfloat16, with chunk plans that split
 rows unevenly (N = 37, chunk 8), split the vocabulary into uneven tiles, N = 1, N = 0 and the automatic plan;
 (3) in float64 also against the op-free dppo_ext.reference with autograd; (4) tied input/output embeddings;
-(5) no [N, V] tensor is ever created; (6) the aggregating wrapper equals dppo_ext.dppo_loss; (7) error messages.
+(5) no [N, V] tensor is ever created; (6) fused_linear_dppo_loss and FusedLinearDPPOLoss equal dppo_ext.dppo_loss
+and DPPOLoss (same argument names and defaults, every aggregation mode, [B, T, H] and [N, H]); (7) error messages.
+Steps (1)-(5) drive the per-row core, fused_linear_dppo_loss_per_row.
 
 Tolerance rule (as test_dppo_op.py): the truth is the float64 logits path on the same rounded inputs; in float32
 and bfloat16 the fused result's error must be at most twice the same-precision logits path's error plus the
@@ -21,8 +23,9 @@ import torch
 from dppo_testing import TOL, ambiguous_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dppo_ext import dppo_loss
-from dppo_ext.fused_linear import FusedLinearPlan, fused_linear_dppo, fused_linear_dppo_loss, plan_chunks
+import dppo_ext
+from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
+from dppo_ext.fused_linear import FusedLinearPlan, plan_chunks
 from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
 
@@ -105,9 +108,9 @@ def reference_path(hidden, weight, bias, inputs: dict) -> dict:
 
 def fused_path(chunk_size=None, vocab_chunk_size=None, budget=None):
     def run(hidden, weight, bias, inputs: dict) -> dict:
-        return fused_linear_dppo_loss(hidden, weight, bias=bias, chunk_size=chunk_size,
-                                      vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=budget,
-                                      **_op_kwargs(inputs))._asdict()
+        return fused_linear_dppo_loss_per_row(hidden, weight, bias=bias, chunk_size=chunk_size,
+                                              vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=budget,
+                                              **_op_kwargs(inputs))._asdict()
     return run
 
 
@@ -223,7 +226,7 @@ def test_noncontiguous_hidden_and_expanded_upstream_grads():
         wide.requires_grad_(True)
         weight = inputs["weight"].clone().requires_grad_(True)
         hidden = wide[:, 3:27]
-        out = (fused_linear_dppo_loss(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw) if fused
+        out = (fused_linear_dppo_loss_per_row(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw) if fused
                else dppo_loss_forward(hidden @ weight.t(), **kw))
         (out.loss.sum() + out.entropy.sum() - out.logp.sum()).backward()
         return wide.grad, weight.grad
@@ -248,7 +251,7 @@ def test_tied_embeddings(dtype):
         proj = proj0.clone().requires_grad_(True)
         hidden = torch.tanh(emb[ids] @ proj)
         if fused:
-            out = fused_linear_dppo_loss(hidden, emb, chunk_size=8, vocab_chunk_size=100, **kw)
+            out = fused_linear_dppo_loss_per_row(hidden, emb, chunk_size=8, vocab_chunk_size=100, **kw)
         else:
             out = dppo_loss_forward(hidden @ emb.t(), **kw)
         (out.loss.sum() + 0.5 * out.entropy.sum() + out.logp.to(acc).sum()).backward()
@@ -303,27 +306,123 @@ def test_plan_chunks_respects_budget_and_overrides():
     assert huge_n.buffer_bytes(151936, 2) <= 1_000_000 * 2048 * 2 and huge_n.tile_rows < 1_000_000
 
 
-@pytest.mark.parametrize("agg", ("token-mean", "seq-mean-token-mean"))
-def test_wrapper_matches_dppo_loss(agg):
-    g = torch.Generator().manual_seed(4)
-    b, t, h, v = 3, 7, 16, 61
-    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / 3).requires_grad_(True)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    rollout = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
-    adv = torch.randn(b, generator=g, dtype=torch.float64)
-    mask = torch.rand(b, t, generator=g) > 0.3
-    kw = dict(response_mask=mask, loss_agg_mode=agg, mode="binary_tv", temperature=0.9)
-    loss_l, metrics_l = dppo_loss(hidden @ weight.t(), tokens, rollout, adv, **kw)
-    grads_l = torch.autograd.grad(loss_l, (hidden, weight))
-    loss_f, metrics_f = fused_linear_dppo(hidden, weight, tokens, rollout, adv, chunk_size=4, vocab_chunk_size=9, **kw)
-    grads_f = torch.autograd.grad(loss_f, (hidden, weight))
+def _batch(b=3, t=7, h=16, v=61, seed=4, mode="binary_tv"):
+    """[B, T, H] hidden, [V, H] weight, [V] bias and the rollout tensors; sequence 2 is empty, 0 right-padded;
+    advantages alternate in sign (sequence 1 negative, so tokens the rollout over-sampled get masked)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / 1.5
+    bias = torch.randn(v, generator=g, dtype=torch.float64) / 3
+    noise = 2.0 * torch.randn(b, t, v, generator=g, dtype=torch.float64)  # rollout != policy: some tokens masked
+    rollout_all = torch.log_softmax(hidden @ weight.t() + bias + noise, -1)
+    tokens = torch.multinomial(rollout_all.exp().reshape(-1, v), 1, generator=g).reshape(b, t)
+    rollout = rollout_all.gather(-1, tokens[..., None]).squeeze(-1)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[0, 4:] = False
+    mask[2] = False
+    topk_lp, topk_ids = rollout_all.topk(4, dim=-1) if mode in TOPK_MODES else (None, None)
+    return dict(hidden=hidden, weight=weight, bias=bias, tokens=tokens, rollout_logprobs=rollout,
+                advantages=torch.randn(b, generator=g, dtype=torch.float64).abs() * (-1.0) ** torch.arange(b),
+                response_mask=mask,
+                topk_ids=topk_ids, topk_logprobs=topk_lp)
+
+
+def _logits_and_fused(d: dict, flat: bool, **kw):
+    """(loss, metrics, grads of hidden/weight/bias) through dppo_loss on logits and through fused_linear_dppo_loss."""
+    results = []
+    for fused in (False, True):
+        leaves = {k: d[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
+        hidden = leaves["hidden"]
+        rest = {k: d[k] for k in ("tokens", "rollout_logprobs", "response_mask", "topk_ids", "topk_logprobs")}
+        adv = d["advantages"][:, None].expand(d["tokens"].shape)
+        if flat:  # [N, H] with per-token advantages
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            rest = {k: None if x is None else x.reshape(hidden.shape[0], *x.shape[2:]) for k, x in rest.items()}
+            adv = adv.reshape(-1)
+        elif kw.get("loss_agg_mode", "").startswith("seq"):
+            adv = d["advantages"]  # [B]: per-sequence advantages
+        if fused:
+            loss, metrics = fused_linear_dppo_loss(hidden, leaves["weight"], rest.pop("tokens"),
+                                                   rest.pop("rollout_logprobs"), adv, bias=leaves["bias"],
+                                                   chunk_size=4, vocab_chunk_size=9, **rest, **kw)
+        else:
+            logits = hidden @ leaves["weight"].t() + leaves["bias"]
+            loss, metrics = dppo_loss(logits, rest.pop("tokens"), rest.pop("rollout_logprobs"), adv, **rest, **kw)
+        grads = torch.autograd.grad(loss, tuple(leaves.values()))
+        results.append((loss, metrics, grads))
+    return results
+
+
+@pytest.mark.parametrize("flat", (False, True), ids=("BTH", "NH"))
+@pytest.mark.parametrize("agg", dppo_ext.AGG_MODES)
+def test_fused_linear_dppo_loss_matches_dppo_loss(agg, flat):
+    """fused_linear_dppo_loss(hidden, weight, ...) == dppo_loss(hidden @ weight.T + bias, ...): loss, every metric
+    and the hidden/weight/bias gradients, with the per-mode default thresholds (none given)."""
+    d = _batch()
+    (loss_l, metrics_l, grads_l), (loss_f, metrics_f, grads_f) = _logits_and_fused(
+        d, flat, loss_agg_mode=agg, mode="binary_tv", temperature=0.9)
+    assert loss_f.dim() == 0
     torch.testing.assert_close(loss_f, loss_l, rtol=1e-10, atol=1e-12)
     assert metrics_f.keys() == metrics_l.keys()
     for key in metrics_l:
         torch.testing.assert_close(metrics_f[key], metrics_l[key], rtol=1e-10, atol=1e-12, msg=key)
     for got, want in zip(grads_f, grads_l):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert metrics_l["masked_frac"] > 0, "the inputs should mask some tokens under the default thresholds"
+
+
+@pytest.mark.parametrize("mode", ("dppo_tv", "dppo_kl", "topk_kl", "ratio"))
+def test_fused_linear_dppo_loss_modes_and_aliases(mode):
+    """Per-mode defaults and verl's mode names, through the fused path as through dppo_loss."""
+    d = _batch(mode=dppo_ext.MODE_ALIASES.get(mode, mode), seed=8)
+    (loss_l, metrics_l, grads_l), (loss_f, metrics_f, grads_f) = _logits_and_fused(
+        d, False, mode=mode, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=11.0)
+    torch.testing.assert_close(loss_f, loss_l, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(metrics_f["masked_frac"], metrics_l["masked_frac"], rtol=0, atol=0)
+    for got, want in zip(grads_f, grads_l):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_same_signature_as_dppo_loss():
+    """One API family: every dppo_loss argument (but logits / inplace_backward) exists in the fused function and
+    module with the same default; the modules hold the same settings."""
+    import inspect
+
+    def params(fn, skip=()):
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+
+    logits_fn = params(dppo_loss, ("logits", "inplace_backward"))
+    fused_fn = params(fused_linear_dppo_loss, ("hidden", "weight", "bias", "chunk_size", "vocab_chunk_size",
+                                               "memory_budget_bytes", "weight_context"))
+    assert fused_fn == logits_fn
+    logits_mod = params(DPPOLoss.__init__, ("self", "inplace_backward"))
+    fused_mod = params(FusedLinearDPPOLoss.__init__, ("self", "chunk_size", "vocab_chunk_size", "memory_budget_bytes"))
+    assert fused_mod == logits_mod
+    assert set(params(DPPOLoss.forward, ("self", "logits"))) | {"bias", "weight", "weight_context"} == set(
+        params(FusedLinearDPPOLoss.forward, ("self", "hidden")))
+
+
+def test_module_form():
+    """FusedLinearDPPOLoss on an nn.Linear head equals the function and dppo_loss on the head's logits."""
+    d = _batch(seed=2)
+    head = torch.nn.Linear(16, 61, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(d["weight"])
+        head.bias.copy_(d["bias"])
+    crit = FusedLinearDPPOLoss(mode="dppo_kl", temperature=0.8, loss_agg_mode="seq-mean-token-mean",
+                               chunk_size=5)
+    assert crit.mode == "binary_kl" and "binary_kl" in repr(crit)
+    args = (d["tokens"], d["rollout_logprobs"], d["advantages"])
+    loss_m, metrics_m = crit(d["hidden"], head.weight, *args, bias=head.bias, response_mask=d["response_mask"])
+    loss_m.backward()
+    grad_m = head.weight.grad.clone()
+    head.weight.grad = None
+    loss_l, _ = DPPOLoss(mode="binary_kl", temperature=0.8, loss_agg_mode="seq-mean-token-mean")(
+        head(d["hidden"]), *args, response_mask=d["response_mask"])
+    loss_l.backward()
+    torch.testing.assert_close(loss_m, loss_l, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad_m, head.weight.grad, rtol=1e-9, atol=1e-12)
+    assert metrics_m["num_tokens"].item() == d["response_mask"].sum().item()
 
 
 def _args(**over):
@@ -350,4 +449,21 @@ def _args(**over):
 )
 def test_error_messages(over, exc, match):
     with pytest.raises(exc, match=match):
-        fused_linear_dppo_loss(**_args(**over))
+        fused_linear_dppo_loss_per_row(**_args(**over))
+
+
+def test_aggregated_error_messages():
+    d = _batch()
+    args = (d["hidden"], d["weight"], d["tokens"], d["rollout_logprobs"], d["advantages"])
+    with pytest.raises(ValueError, match=r"hidden must be \[\.\.\., H\] with at least 2 dims, got shape \(16,\)"):
+        fused_linear_dppo_loss(d["hidden"][0, 0], *args[1:])
+    with pytest.raises(ValueError, match=r"tokens must have shape \(3, 7\) \(hidden's leading dims\), got \(3, 6\)"):
+        fused_linear_dppo_loss(args[0], args[1], d["tokens"][:, :6], *args[3:])
+    with pytest.raises(ValueError, match=r"advantages must have shape \(3, 7\) \(per token\) or \(3,\)"):
+        fused_linear_dppo_loss(*args[:4], torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"mode must be one of .*got 'tv'"):
+        fused_linear_dppo_loss(*args, mode="tv")
+    with pytest.raises(ValueError, match=r"loss_agg_mode must be one of .*got 'mean'"):
+        FusedLinearDPPOLoss(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match=r"loss_scale_factor is only used by"):
+        fused_linear_dppo_loss(*args, loss_scale_factor=3.0)

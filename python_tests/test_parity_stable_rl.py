@@ -3,8 +3,8 @@
 The functions below re-derive, independently and in plain PyTorch, the formulas Stable-RL
 publishes in ``verl/trainer/ppo/core_algos.py`` (the per-token trust-region mask of
 ``_compute_token_mask_for_policy_loss`` and the surrogate of ``compute_policy_loss_with_mask``),
-``verl/workers/actor/utils.py`` (``compute_topk_kl``: top-K plus one "rest" bucket) and verl's
-``agg_loss``. They keep that code's numerical conventions: the importance ratio's log clamped at
+``verl/workers/actor/utils.py`` (``compute_topk_kl``: top-K plus one "rest" bucket) and the fork's
+``agg_loss``; the aggregation also against current verl's ``agg_loss`` (verl-project/verl, since PR 5417). They keep that code's numerical conventions: the importance ratio's log clamped at
 20 then capped at ``clip_ratio_c``, a 1e-8 smoothing inside the binary KL's second log, and the
 top-K masses clamped at 1e-12. Our op computes the binary KL without the smoothing, so the
 comparison runs where those epsilons are negligible (no token with pi or mu within 1e-4 of 1, no
@@ -12,7 +12,9 @@ mu = 0, which their form turns into NaN), and skips rows whose mask decision is 
 
 Their loss modes map onto ours: dppo_binary_tv/kl -> binary_tv/kl, dppo_topk_tv/kl -> topk_tv/kl,
 ppo (GRPO) -> ratio, pg_no_mask (CISPO-like) -> none, and each *_recompute variant -> the same mode
-with ``anchor_logprobs`` = the recomputed old-policy log-probs.
+with ``anchor_logprobs`` = the recomputed old-policy log-probs. Their aggregation names map onto ours
+as ``FORK_AGG`` says: the fork's ``seq-mean-token-sum-norm`` (sum / T) is our ``token-sum-norm``; our
+``seq-mean-token-sum-norm`` is current verl's (sum / (non-empty sequences * T)).
 """
 
 from __future__ import annotations
@@ -91,8 +93,18 @@ def stable_rl_pg_losses(log_prob, rollout_lp, adv, mask):
     return -adv * ratio * mask.detach() * log_prob
 
 
-def verl_agg_loss(loss_mat, loss_mask, mode):
-    """verl's agg_loss on one micro-batch (dp_size 1, batch sizes from the batch itself)."""
+# The fork's loss_agg_mode -> ours.
+FORK_AGG = {
+    "token-mean": "token-mean",
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+    "seq-mean-token-sum-norm": "token-sum-norm",
+}
+VERL_AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def stable_rl_agg_loss(loss_mat, loss_mask, mode):
+    """The fork's agg_loss on one micro-batch (dp_size 1, batch sizes from the batch itself)."""
     loss_mask = loss_mask.to(loss_mat.dtype)
     if mode == "token-mean":
         return (loss_mat * loss_mask).sum() / loss_mask.sum()
@@ -105,6 +117,24 @@ def verl_agg_loss(loss_mat, loss_mask, mode):
         return (seq_sum / (counts + 1e-8) * seq_has).sum() / seq_has.sum()
     if mode == "seq-mean-token-sum-norm":
         return seq_sum.sum() / loss_mask.shape[-1]
+    raise ValueError(mode)
+
+
+def verl_agg_loss(loss_mat, loss_mask, mode):
+    """Current verl's agg_loss on one micro-batch (dp_size 1, batch sizes from the batch, no loss_scale_factor)."""
+    loss_mask = loss_mask.to(loss_mat.dtype)
+    seq_sum = (loss_mat * loss_mask).sum(-1)
+    counts = loss_mask.sum(-1)
+    seq_has = (counts > 0).to(loss_mat.dtype)
+    if mode == "token-mean":
+        return seq_sum.sum() / loss_mask.sum()
+    if mode == "token-sum":
+        return seq_sum.sum()
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        loss = (seq_sum * seq_has).sum() / seq_has.sum()
+        return loss / loss_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss
+    if mode == "seq-mean-token-mean":
+        return (seq_sum / (counts + 1e-8) * seq_has).sum() / seq_has.sum()
     raise ValueError(mode)
 
 
@@ -194,20 +224,28 @@ def test_per_token_parity(loss_mode, dtype):
         assert (mask_t.reshape(-1)[valid] == 0).any(), "the parity inputs should mask some tokens"
 
 
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+AGG_CASES = [("fork", agg, ours) for agg, ours in FORK_AGG.items()] + [("verl", agg, agg) for agg in VERL_AGG]
+
+
+def test_agg_cases_cover_our_modes():
+    assert {ours for _, _, ours in AGG_CASES} == set(LOSS_AGG_MODES)
+
+
+@pytest.mark.parametrize("source, agg, ours", AGG_CASES, ids=[f"{s}-{a}" for s, a, _ in AGG_CASES])
 @pytest.mark.parametrize("loss_mode", ("dppo_binary_tv", "dppo_topk_kl", "ppo_recompute"))
-def test_aggregated_loss_parity(loss_mode, agg):
-    """The scalar loss of dppo_ext.dppo_loss equals Stable-RL's pg_loss through verl's agg_loss."""
-    d = _inputs(torch.float64, seed=100 + LOSS_AGG_MODES.index(agg))
+def test_aggregated_loss_parity(loss_mode, source, agg, ours):
+    """The scalar loss of dppo_ext.dppo_loss equals Stable-RL's pg_loss through the fork's or current verl's
+    agg_loss, under the name ``FORK_AGG`` / verl gives."""
+    d = _inputs(torch.float64, seed=100 + LOSS_AGG_MODES.index(ours))
     loss_t, _, _, _ = _theirs(loss_mode, d)
-    want = verl_agg_loss(loss_t, d["mask"], agg)
+    want = (stable_rl_agg_loss if source == "fork" else verl_agg_loss)(loss_t, d["mask"], agg)
     mode, recompute = MODE_MAP[loss_mode]
     got, _ = dppo_loss(
         d["logits"], d["tokens"], d["rollout_lp"], d["adv"], response_mask=d["mask"], mode=mode,
         topk_ids=d["topk_ids"] if mode.startswith("topk") else None,
         topk_logprobs=d["topk_lp"] if mode.startswith("topk") else None,
         anchor_logprobs=d["old_lp"] if recompute else None, temperature=d["temperature"],
-        delta_low=CLIP_LOW, delta_high=CLIP_HIGH, ratio_cap=CLIP_RATIO_C, loss_agg_mode=agg)
+        delta_low=CLIP_LOW, delta_high=CLIP_HIGH, ratio_cap=CLIP_RATIO_C, loss_agg_mode=ours)
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-10)
 
 
@@ -218,8 +256,8 @@ def test_gradient_parity():
     log_prob = torch.log_softmax(logits / d["temperature"], -1).gather(-1, d["tokens"][..., None]).squeeze(-1)
     adv = d["adv"][:, None].expand_as(log_prob)
     mask, _ = stable_rl_token_mask("dppo_binary_tv", log_prob.detach(), d["rollout_lp"], d["old_lp"], adv)
-    loss_t = verl_agg_loss(stable_rl_pg_losses(log_prob, d["rollout_lp"], adv, mask * d["mask"]), d["mask"],
-                           "token-mean")
+    loss_t = stable_rl_agg_loss(stable_rl_pg_losses(log_prob, d["rollout_lp"], adv, mask * d["mask"]), d["mask"],
+                                "token-mean")
     loss_t.backward()
     ours = d["logits"].clone().requires_grad_(True)
     loss_o, _ = dppo_loss(ours, d["tokens"], d["rollout_lp"], d["adv"], response_mask=d["mask"], mode="binary_tv",

@@ -275,3 +275,28 @@ def test_resume_without_checkpoint_fails_fast(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="--resume: no complete checkpoint"):
         run(_tiny_run_config(tmp_path / "fresh", resume=True), progress=False)
     assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("agg", ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm", "token-sum-norm"))
+def test_micro_batches_add_up_to_the_mini_batch(agg):
+    """Gradient accumulation: the micro-batches' losses (each trimmed to its own longest response, as the trainer
+    does), weighted by _micro_share, add up to the mini-batch's loss in every aggregation mode (docs/aggregation.md)."""
+    from dppo_ext.loss import NORM_AGG_MODES, aggregate_loss
+    from dppo_ext.trainer.loop import _micro_share
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 3, 2, 4, 1, 2]
+    samples = [_sample([1, 2], [3] * n, [-0.5] * n) for n in lengths]
+    batch = collate_rollouts(samples, [1.0] * len(samples), pad_id=0, with_topk=False)
+    per_token = torch.randn(len(samples), max(lengths), generator=g, dtype=torch.float64)
+    horizon = 6.0 if agg in NORM_AGG_MODES else None  # the trainer passes --max-new-tokens
+    mb_index = torch.tensor([6, 0, 3, 1, 5, 2, 4])
+    want = aggregate_loss(per_token[mb_index], batch.response_mask[mb_index], agg, horizon)
+    mb_mask = batch.response_mask[mb_index]
+    total = 0.0
+    for part in mb_index.split(3):
+        micro = batch.select(part)
+        loss = aggregate_loss(per_token[part, : micro.response_len], micro.response_mask, agg, horizon)
+        total += loss * _micro_share(agg, micro, float(mb_mask.sum()), float(mb_mask.any(-1).sum()))
+    torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)

@@ -31,7 +31,7 @@ from dppo_ext.integrations.trl import (  # noqa: E402
 )
 from dppo_ext.loss import DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
-from dppo_ext.reference import dppo_loss_reference  # noqa: E402
+from dppo_ext.reference import LOSS_AGG_MODES, aggregate_loss_reference, dppo_loss_reference  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
 
@@ -118,6 +118,41 @@ def test_loss_matches_reference_on_model_logits(tiny_model, tmp_path, fused, mod
     want = ref["loss"].sum() / mask.sum()
     torch.testing.assert_close(loss.double(), want, rtol=1e-4, atol=1e-6)
     assert trainer._metrics["eval"]["dppo/num_tokens"][-1] == mask.sum().item()
+
+
+def test_aggregation_modes(tiny_model, tmp_path):
+    """Every dppo_loss_agg_mode on a fixed batch against the reference formulas (the -norm modes divide by
+    max_completion_length, as TRL's dr_grpo); in training with 2 accumulation steps the means are split across
+    the steps and the sums are not (the optimizer step's gradient is the sum of its micro-batches')."""
+    trainer = make_trainer(tiny_model, tmp_path, dppo_fused_linear=True, temperature=0.9, bf16=False)
+    inputs = _fixed_batch(trainer)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+    mask = inputs["completion_mask"].bool()
+    low, high = DEFAULT_DELTAS["binary_tv"]
+    ref = dppo_loss_reference(
+        logits.reshape(18, -1).double(), inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        inputs["old_per_token_logps"].reshape(-1).double(),
+        inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
+        mode="binary_tv", temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
+    )["loss"].reshape(3, 6)
+    trainer.current_gradient_accumulation_steps = 2
+    for agg in LOSS_AGG_MODES:
+        trainer.args.dppo_loss_agg_mode = agg
+        horizon = 6.0 if agg.endswith("-norm") else None
+        want = aggregate_loss_reference(ref, mask, agg, horizon)
+        trainer.model.eval()
+        torch.testing.assert_close(trainer._compute_loss(trainer.model, inputs).double(), want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{agg} (eval): {m}")
+        trainer.model.train()
+        split = 1.0 if agg in ("token-sum", "token-sum-norm") else 2.0
+        if agg == "token-mean":  # the generation batch's tokens, one accumulation window of steps_per_generation
+            split = 2.0 / trainer.args.steps_per_generation
+        with torch.no_grad():
+            got = trainer._compute_loss(trainer.model, inputs).double()
+        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6, msg=lambda m: f"{agg} (train): {m}")
 
 
 def test_bf16_autocast_fused_head_matches_logits_head(tiny_model, tmp_path):
@@ -209,6 +244,9 @@ def test_config_errors(tmp_path, tiny_model):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="tv", use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_loss_agg_mode must be one of"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_loss_agg_mode="sum", use_cpu=True)
+    with pytest.raises(ValueError, match=r"divides by max_completion_length, which must be a positive int, got None"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_loss_agg_mode="token-sum-norm", max_completion_length=None,
+                       use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_delta_low must be >= 0 or None, got -0.1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_delta_low=-0.1, use_cpu=True)
     with pytest.raises(ValueError, match=r"does not combine DPPO with TRL's \['entropy_coef'\]"):
@@ -219,6 +257,27 @@ def test_config_errors(tmp_path, tiny_model):
         DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
     assert DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="binary_kl", use_cpu=True).dppo_deltas == \
         DEFAULT_DELTAS["binary_kl"]
+    verl_named = DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="dppo_kl", use_cpu=True)  # verl's name
+    assert verl_named.dppo_mode == "binary_kl" and verl_named.dppo_deltas == DEFAULT_DELTAS["binary_kl"]
+
+
+def test_trl_loss_fields(tmp_path):
+    """TRL's loss_type picks the aggregation where it is one; its ratio clips are an error, never silently ignored."""
+    def config(**kw):
+        return DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **kw)
+
+    assert config().dppo_loss_agg_mode == "token-mean"  # TRL's default loss_type "dapo"
+    assert config(loss_type="grpo").dppo_loss_agg_mode == "seq-mean-token-mean"
+    assert config(loss_type="dr_grpo").dppo_loss_agg_mode == "seq-mean-token-sum-norm"
+    assert config(dppo_loss_agg_mode="token-sum").dppo_loss_agg_mode == "token-sum"
+    with pytest.raises(ValueError, match=r"loss_type='cispo' is a TRL loss formula of its own.*set dppo_loss_agg_mode"):
+        config(loss_type="cispo")
+    with pytest.raises(ValueError, match=r"set either loss_type \(TRL's name\) or dppo_loss_agg_mode, not both"):
+        config(loss_type="grpo", dppo_loss_agg_mode="token-mean")
+    for field, value in (("epsilon_high", 0.28), ("epsilon", 0.1), ("delta", 2.0)):
+        with pytest.raises(ValueError, match=rf"does not read TRL's ratio-clip fields \{{'{field}': {value}\}}.*"
+                                             r"Set dppo_delta_low / dppo_delta_high"):
+            config(**{field: value})
 
 
 def test_unsupported_trl_version_is_a_clear_error():

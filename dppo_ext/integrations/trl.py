@@ -8,7 +8,7 @@
 What changes against ``trl.GRPOTrainer`` (everything else, generation, rewards, advantages, logging, is TRL's):
 
 * The policy loss is DPPO (docs/contract.md) computed by our fused op. By default through
-  :func:`dppo_ext.fused_linear_dppo_loss` from the last hidden states and the LM-head weight, so no
+  :func:`dppo_ext.fused_linear_dppo_loss_per_row` from the last hidden states and the LM-head weight, so no
   ``[B, T, V]`` logits tensor exists (``dppo_fused_linear=False``: the LM head runs as usual and the logits op
   is applied to the logits). The loss runs inside the model's ``forward`` (a wrapper installed on the model), so
   DDP, FSDP and DeepSpeed see an ordinary forward/backward.
@@ -54,9 +54,9 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..fused_linear import fused_linear_dppo_loss
-from ..loss import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, dppo_metrics
-from ..ops import MODES, DPPOOutputs, dppo_loss_forward
+from ..fused_linear import fused_linear_dppo_loss_per_row
+from ..loss import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, aggregate_loss, dppo_metrics
+from ..ops import MODE_ALIASES, MODES, DPPOOutputs, canonical_mode, dppo_loss_forward
 from ..rollout.vllm_logging import install_benign_warning_filters
 from ..rollout.vllm_outputs import ranked_topk_rows
 
@@ -69,6 +69,9 @@ TOPK_MODES = ("topk_tv", "topk_kl")
 # Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                      "logits_scaling")
+# TRL's loss_type -> our loss_agg_mode, for the loss types that are an aggregation (docs/aggregation.md).
+_TRL_DEFAULT_LOSS_TYPE = "dapo"
+_TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 # Metrics aggregated across processes by max instead of mean.
 _MAX_METRICS = ("mismatch_max", "ratio_max")
 
@@ -117,16 +120,25 @@ __all__ = [
 
 @dataclass
 class DPPOGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus the DPPO settings (TRL's ``loss_type``/``epsilon`` fields are not used).
+    """``GRPOConfig`` plus the DPPO settings.
+
+    TRL's own loss fields: ``loss_type`` picks the aggregation when ``dppo_loss_agg_mode`` is not given
+    (``dapo`` -> ``token-mean``, ``grpo`` -> ``seq-mean-token-mean``, ``dr_grpo`` -> ``seq-mean-token-sum-norm``,
+    docs/aggregation.md); the others are loss formulas of their own and are rejected. ``epsilon``,
+    ``epsilon_high`` and ``delta`` are ratio clips, a different quantity from DPPO's divergence thresholds: setting
+    them is an error that names the ``dppo_*`` field to use (docs/names.md).
 
     Attributes:
         dppo_mode: ``binary_tv`` | ``binary_kl`` | ``topk_tv`` | ``topk_kl`` | ``ratio`` | ``none``
-            (docs/contract.md). The top-K modes need ``use_vllm=True`` and ``dppo_topk > 0``.
+            (docs/contract.md), or an alias such as verl's ``dppo_tv`` / ``dppo_kl`` (stored as ours). The top-K
+            modes need ``use_vllm=True`` and ``dppo_topk > 0``.
         dppo_topk: K, the number of rollout top-K log-probs per token requested from vLLM (top-K modes).
         dppo_delta_low, dppo_delta_high: trust-region thresholds; ``None`` -> ``dppo_ext.DEFAULT_DELTAS[mode]``.
         dppo_ratio_cap: cap C of the importance weight ``min(pi / mu, C)``.
-        dppo_loss_agg_mode: ``token-mean`` (over all completion tokens of the generation batch on all processes,
-            like TRL's ``dapo``) or a sequence mode of ``dppo_ext.AGG_MODES`` (per micro-batch).
+        dppo_loss_agg_mode: ``None`` (from ``loss_type``, default ``token-mean``), ``token-mean`` (over all completion tokens of the generation batch on all processes,
+            like TRL's ``dapo``), ``token-sum`` / ``token-sum-norm`` (sums over the optimizer step's micro-batches
+            and processes) or a sequence mode of ``dppo_ext.AGG_MODES`` (per micro-batch, averaged). The ``-norm``
+            modes divide by ``max_completion_length`` (as TRL's ``dr_grpo``).
         dppo_fused_linear: compute the loss from hidden states + LM-head weight (no logits tensor).
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
         dppo_vllm_dtype: dtype of the colocated vLLM engine (``vllm_mode="colocate"``); ``auto`` is vLLM's choice,
@@ -134,7 +146,8 @@ class DPPOGRPOConfig(GRPOConfig):
     """
 
     dppo_mode: str = field(
-        default="binary_tv", metadata={"help": "DPPO mode: binary_tv, binary_kl, topk_tv, topk_kl, ratio, none."}
+        default="binary_tv",
+        metadata={"help": f"DPPO mode: one of {MODES} or an alias (verl's dppo_tv/dppo_kl): {tuple(MODE_ALIASES)}."},
     )
     dppo_topk: int = field(default=0, metadata={"help": "K: rollout top-K log-probs per token (top-K modes)."})
     dppo_delta_low: Optional[float] = field(
@@ -144,7 +157,9 @@ class DPPOGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Upper threshold (A > 0 side); None: the mode's default."}
     )
     dppo_ratio_cap: float = field(default=10.0, metadata={"help": "Cap C of the importance weight min(pi/mu, C)."})
-    dppo_loss_agg_mode: str = field(default="token-mean", metadata={"help": f"One of {AGG_MODES}."})
+    dppo_loss_agg_mode: Optional[str] = field(
+        default=None, metadata={"help": f"One of {AGG_MODES}; None: from TRL's loss_type (dapo -> token-mean)."}
+    )
     dppo_fused_linear: bool = field(
         default=True, metadata={"help": "Fused LM head + loss (no [B, T, V] logits); False: the logits path."}
     )
@@ -159,8 +174,9 @@ class DPPOGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dppo_mode not in MODES:
-            raise ValueError(f"dppo_mode must be one of {MODES}, got {self.dppo_mode!r}")
+        if not (isinstance(self.dppo_mode, str) and (self.dppo_mode in MODES or self.dppo_mode in MODE_ALIASES)):
+            raise ValueError(f"dppo_mode must be one of {MODES} or an alias {tuple(MODE_ALIASES)}, got {self.dppo_mode!r}")
+        self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_topk < 0:
             raise ValueError(f"dppo_topk must be >= 0, got {self.dppo_topk}")
         if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
@@ -168,8 +184,13 @@ class DPPOGRPOConfig(GRPOConfig):
                 f"dppo_mode={self.dppo_mode!r} needs the rollout's top-K log-probs: set use_vllm=True and "
                 f"dppo_topk=K >= 1 (got use_vllm={self.use_vllm}, dppo_topk={self.dppo_topk})"
             )
+        self._check_trl_loss_fields()
         if self.dppo_loss_agg_mode not in AGG_MODES:
             raise ValueError(f"dppo_loss_agg_mode must be one of {AGG_MODES}, got {self.dppo_loss_agg_mode!r}")
+        if self.dppo_loss_agg_mode in NORM_AGG_MODES and not (self.max_completion_length or 0) > 0:
+            raise ValueError(
+                f"dppo_loss_agg_mode={self.dppo_loss_agg_mode!r} divides by max_completion_length, which must be a "
+                f"positive int, got {self.max_completion_length!r}")
         for name in ("dppo_delta_low", "dppo_delta_high"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -180,6 +201,28 @@ class DPPOGRPOConfig(GRPOConfig):
             raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
         if self.dppo_vllm_dtype not in VLLM_DTYPES:
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
+
+    def _check_trl_loss_fields(self) -> None:
+        """Resolve ``dppo_loss_agg_mode`` from TRL's ``loss_type``; reject TRL's ratio clips (docs/names.md)."""
+        if self.loss_type != _TRL_DEFAULT_LOSS_TYPE and self.dppo_loss_agg_mode is not None:
+            raise ValueError(
+                f"set either loss_type (TRL's name) or dppo_loss_agg_mode, not both: got loss_type={self.loss_type!r} "
+                f"and dppo_loss_agg_mode={self.dppo_loss_agg_mode!r}")
+        if self.dppo_loss_agg_mode is None:
+            if self.loss_type not in _TRL_LOSS_TYPE_AGG:
+                raise ValueError(
+                    f"loss_type={self.loss_type!r} is a TRL loss formula of its own, not an aggregation DPPO can use; "
+                    f"set dppo_loss_agg_mode to one of {AGG_MODES} (loss_type maps only {dict(_TRL_LOSS_TYPE_AGG)})")
+            self.dppo_loss_agg_mode = _TRL_LOSS_TYPE_AGG[self.loss_type]
+        ratio_clips = {"epsilon": (self.epsilon, 0.2), "epsilon_high": (self.epsilon_high, None),
+                       "delta": (self.delta, None)}
+        changed = {name: value for name, (value, default) in ratio_clips.items() if value != default}
+        if changed:
+            raise ValueError(
+                f"DPPOGRPOTrainer does not read TRL's ratio-clip fields {changed}: DPPO's thresholds bound a divergence "
+                f"(binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set dppo_delta_low / "
+                f"dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / epsilon_high) and "
+                f"leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
 
     @property
     def dppo_deltas(self) -> tuple[float, float]:
@@ -263,7 +306,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             device_type = hidden.device.type
             dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
             with torch.autocast(device_type, enabled=False), gather():
-                out = fused_linear_dppo_loss(
+                out = fused_linear_dppo_loss_per_row(
                     hidden.reshape(batch * length, -1).to(dtype),
                     weight.to(dtype),
                     flat_tokens,
@@ -496,15 +539,20 @@ class DPPOGRPOTrainer(GRPOTrainer):
         self, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], mode: str
     ) -> torch.Tensor:
         """Scalar loss of this micro-batch, scaled so that the sum over accumulation steps and the mean over
-        processes give the configured aggregation."""
+        processes give the configured aggregation (sums: ``token-sum``, ``token-sum-norm``; means otherwise)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.args.dppo_loss_agg_mode == "token-mean":
+        agg = self.args.dppo_loss_agg_mode
+        if agg == "token-mean":
             # num_items_in_batch: completion tokens of the whole generation batch on all processes.
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
             return (per_token_loss * mask).sum() / normalizer
-        return aggregate_loss(per_token_loss, mask, self.args.dppo_loss_agg_mode) / accumulation
+        horizon = self.args.max_completion_length if agg in NORM_AGG_MODES else None
+        loss = aggregate_loss(per_token_loss, mask, agg, horizon)
+        if agg in ("token-sum", "token-sum-norm"):
+            return loss * self.accelerator.num_processes  # DDP averages over processes: undo it, keep the sum
+        return loss / accumulation
 
     def _dppo_log(
         self,

@@ -16,13 +16,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dppo_ext.loss import AGG_MODES
 from dppo_ext.tasks.base import VERIFIERS
 
 # --loss name -> dppo_loss mode. grpo_clip is the PPO/GRPO ratio clip used as a mask; pg_is is
-# plain importance-weighted policy gradient (never masks).
+# plain importance-weighted policy gradient (never masks). dppo_tv / dppo_kl are verl's names.
 LOSS_MODES = {
     "dppo_binary_tv": "binary_tv",
     "dppo_binary_kl": "binary_kl",
+    "dppo_tv": "binary_tv",
+    "dppo_kl": "binary_kl",
     "dppo_topk_tv": "topk_tv",
     "dppo_topk_kl": "topk_kl",
     "grpo_clip": "ratio",
@@ -32,7 +35,7 @@ TOPK_LOSSES = ("dppo_topk_tv", "dppo_topk_kl")
 ENGINES = ("auto", "vllm", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = AGG_MODES
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -72,7 +75,9 @@ class TrainConfig:
     delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the mode's)")
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the mode's)")
     ratio_cap: float = _opt(10.0, "cap on the importance weight")
-    loss_agg_mode: str = _opt("token-mean", "loss aggregation", LOSS_AGG_MODES)
+    loss_agg_mode: str = _opt(
+        "token-mean", "loss aggregation, verl's names (docs/aggregation.md; the -norm modes divide by --max-new-tokens)",
+        LOSS_AGG_MODES)
     lr: float = _opt(1e-4, "AdamW learning rate")
     warmup_steps: int = _opt(20, "linear learning-rate warm-up over the first k RL steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")

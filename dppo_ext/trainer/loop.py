@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.loss import NORM_AGG_MODES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
 from dppo_ext.trainer.advantages import group_advantages
@@ -201,12 +202,13 @@ class Trainer:
             for mb_index in perm.chunk(min(cfg.num_minibatches, batch.size)):
                 micro_size = cfg.micro_batch_size or mb_index.numel()
                 micro_parts = mb_index.split(micro_size)
-                mb_tokens = float(batch.response_mask[mb_index].sum())
+                mb_mask = batch.response_mask[mb_index]
+                mb_tokens, mb_seqs = float(mb_mask.sum()), float(mb_mask.any(-1).sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
                 for part in micro_parts:
                     micro = batch.select(part).to(self.device)
-                    share = _micro_share(cfg.loss_agg_mode, micro, part.numel(), mb_index.numel(), mb_tokens)
+                    share = _micro_share(cfg.loss_agg_mode, micro, mb_tokens, mb_seqs)
                     logits = response_logits(self.model, micro)
                     loss, metrics = self._dppo_loss(
                         logits,
@@ -222,6 +224,7 @@ class Trainer:
                         delta_high=cfg.delta_high,
                         ratio_cap=cfg.ratio_cap,
                         loss_agg_mode=cfg.loss_agg_mode,
+                        loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
                     )
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
@@ -348,11 +351,18 @@ class Trainer:
         return {"steps": self.step, "elapsed_s": self.elapsed_before_s + time.perf_counter() - start}
 
 
-def _micro_share(agg_mode: str, micro: RolloutBatch, micro_seqs: int, mb_seqs: int, mb_tokens: float) -> float:
-    """Weight of one micro-batch's mean loss in its mini-batch's mean (token or sequence share)."""
+def _micro_share(agg_mode: str, micro: RolloutBatch, mb_tokens: float, mb_seqs: float) -> float:
+    """Weight of one micro-batch's aggregated loss in its mini-batch's (docs/aggregation.md).
+
+    Means weigh by the micro-batch's share of the mini-batch's tokens (``token-mean``) or non-empty sequences
+    (``seq-mean-*``); sums (``token-sum``, ``token-sum-norm``) add up. The ``-norm`` modes divide by a constant
+    horizon (``--max-new-tokens``), not by each micro-batch's padded length, so the pieces combine exactly.
+    """
     if agg_mode == "token-mean":
         return float(micro.response_mask.sum()) / max(mb_tokens, 1.0)
-    return micro_seqs / mb_seqs
+    if agg_mode in ("token-sum", "token-sum-norm"):
+        return 1.0
+    return float(micro.response_mask.any(-1).sum()) / max(mb_seqs, 1.0)
 
 
 def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:

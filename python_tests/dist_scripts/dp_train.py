@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dppo_ext.fused_linear import fused_linear_dppo_loss
+from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row
 from dppo_ext.ops import dppo_loss_forward
 
 logger = logging.getLogger("dp_train")
@@ -56,7 +56,7 @@ class PolicyWithDPPO(nn.Module):
         self.head_weight_types.add(type(weight.data).__name__)
         args = (tokens.reshape(-1), rollout_logprobs.reshape(-1), advantages.reshape(-1))
         if self.path == "fused":
-            out = fused_linear_dppo_loss(hidden, weight, *args, mode="binary_tv", chunk_size=5)
+            out = fused_linear_dppo_loss_per_row(hidden, weight, *args, mode="binary_tv", chunk_size=5)
         else:
             out = dppo_loss_forward(hidden @ weight.t(), *args, mode="binary_tv")
         return out.loss.view(tokens.shape)
