@@ -145,7 +145,8 @@ def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        for config in (_tiny_run_config(out, resume=True), _tiny_run_config(out, overwrite=True)):
+        (out / "config.json").write_text("{}")  # in use is what matters, not that it is non-empty
+        for config in (_tiny_run_config(out), _tiny_run_config(out, resume=True), _tiny_run_config(out, overwrite=True)):
             with pytest.raises(RunError, match=rf"another dppo-train \(pid {holder.pid} on host .*\) holds its lock"):
                 run(config, progress=False)
         # a crash (SIGKILL: no cleanup code runs) releases the lock: flock belongs to the open file

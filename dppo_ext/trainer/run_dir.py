@@ -172,7 +172,10 @@ def open_run_dir(folder: str | Path, *, resume: bool, overwrite: bool) -> RunLoc
     """
     folder = Path(folder)
     # Checked before anything is created (a refused --out is left exactly as it was), and again
-    # once the lock is held (another trainer may have written to it in between).
+    # once the lock is held (another trainer may have written to it in between). A folder in use
+    # is reported as such first: --resume or --overwrite would not help there.
+    if (folder / LOCK_FILE).is_file():
+        RunLock(folder).acquire().release()
     _check_reusable(folder, resume=resume, overwrite=overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     lock = RunLock(folder).acquire()
