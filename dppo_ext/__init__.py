@@ -1,10 +1,12 @@
 """dppo_ext: a fused, memory-light DPPO loss for LLM reinforcement learning.
 
-    from dppo_ext import dppo_loss
+    from dppo_ext import dppo_loss, fused_linear_dppo_loss
     loss, metrics = dppo_loss(logits, tokens, rollout_logprobs, advantages, response_mask=mask)
+    loss, metrics = fused_linear_dppo_loss(hidden, lm_head.weight, tokens, rollout_logprobs, advantages,
+                                           response_mask=mask)  # the same, without the [N, V] logits
 
 The ops are registered as ``torch.ops.dppo.*`` by the native library ``dppo_ext._C``; the math
-contract is in docs/contract.md.
+contract is in docs/contract.md, other projects' names for our settings in docs/names.md.
 """
 
 import torch  # noqa: F401  (loads libtorch/libc10, which the native library links against)

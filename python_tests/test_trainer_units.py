@@ -162,6 +162,14 @@ def test_cli_parses_every_field_and_rejects_bad_values(capsys):
         parse_config(["--group-size", "1"])
 
 
+def test_cli_accepts_verl_names():
+    """verl's loss_mode names select our modes; every aggregation mode, current verl's names included, parses."""
+    assert parse_config(["--loss", "dppo_tv"]).mode == "binary_tv"
+    assert parse_config(["--loss", "dppo_kl"]).mode == "binary_kl"
+    for agg in ("token-sum", "seq-mean-token-sum-norm", "token-sum-norm"):
+        assert parse_config(["--loss-agg-mode", agg]).loss_agg_mode == agg
+
+
 def test_cli_main_reports_config_errors(capsys):
     from dppo_ext.train import main
 
