@@ -14,7 +14,8 @@
 #   3. selfcheck CUDA outputs vs dppo_ext.reference in float64, gradients vs the contract's formula in
 #                float64; every mode x fp32/bf16/fp16/fp64, entropy on/off, anchor, padding rows,
 #                non-contiguous and misaligned rows, split vocabulary, K = 1 and 64, huge / -inf
-#                logits, backward with and without the entropy grad, in-place backward; plus one
+#                logits, backward with and without the entropy grad, in-place backward; the split
+#                and non-split kernels forced on every case through DPPO_CUDA_SPLIT; plus one
 #                N * V > 2^31 case (int64 offsets) checked on its last rows
 #   4. pytest    pytest -q python_tests -m needs_cuda (the test suite's CUDA cases)
 #   5. memcheck  compute-sanitizer --tool memcheck on the self-check's small cases (fp32 + bf16,
@@ -130,13 +131,16 @@ Forward outputs are compared with dppo_ext.reference.dppo_loss_reference run in 
 (exactly upcast) logits; gradients with the contract's formula evaluated in float64 from the same
 lse / entropy the kernel was given: grad = (g_t (1[j = a] - p) - g_h p (log p + H)) / T.
 
-Default: every case below x fp32/bf16/fp16/fp64 x every mode x entropy on/off. --quick: the small
+Default: every case below x fp32/bf16/fp16/fp64 x every mode x entropy on/off, then fp32/bf16 x
+binary_kl/topk_tv with the blocks per row forced by DPPO_CUDA_SPLIT = 1, 2, 7, 150 (split and
+non-split paths whatever N and the SM count). --quick: the small
 fp32/bf16 cases (for compute-sanitizer memcheck); --tiny: two bf16 cases (racecheck); --large: also
 one N * V > 2^31 case (int64 offsets), compared with the CPU kernel on its last rows.
 """
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
@@ -364,6 +368,22 @@ def main():
                 for entropy in entropies:
                     check(c, mode, entropy, dev, label, anchor=(mode == "binary_tv" and entropy))
                     checks += 1
+    # The blocks per row, forced through DPPO_CUDA_SPLIT (read by the launcher at every call): without
+    # it a GPU never takes the split path once N >= 4 x SMs (many-rows), and never the one-block-per-
+    # row path for a short batch with a long vocabulary (split-vocab). 150 > 128 finishing threads.
+    splits = ("3",) if args.tiny else ("1", "7") if args.quick else ("1", "2", "7", "150")
+    split_modes = ("binary_kl", "topk_tv")
+    for split in splits:
+        os.environ["DPPO_CUDA_SPLIT"] = split
+        for label, n, v, k, col_off, row_pad, extreme in cases:
+            if v == 1 or label == "aligned":
+                continue
+            for dtype in dtypes[:2]:
+                c = make_case(n, v, dtype, min(k, v), col_off, row_pad, seed=n * 31 + v, extreme=extreme)
+                for mode in split_modes:
+                    check(c, mode, True, dev, f"{label} DPPO_CUDA_SPLIT={split}", anchor=False)
+                    checks += 1
+    os.environ.pop("DPPO_CUDA_SPLIT", None)
     empty = on(make_case(0, 17, torch.float32, 3, 0, 0, 0, False), dev)
     if any(o.numel() for o in forward(empty, "binary_tv", True, False, 1.0)):
         failures.append("N=0: non-empty outputs")
