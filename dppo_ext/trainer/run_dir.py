@@ -93,6 +93,13 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                logger.warning(
+                    "cannot lock %s (%s: this filesystem does not support flock); make sure only one trainer writes "
+                    "to %s", self.path, os.strerror(err.errno), self.folder,
+                )
+                self._fd = fd
+                return self
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
@@ -108,10 +115,9 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Release the lock (the lock file stays; it is empty of meaning without the flock)."""
+        """Release the lock (the lock file stays; it means nothing without the flock)."""
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            os.close(self._fd)  # closing the last descriptor of the open file drops its flock
             self._fd = None
 
     @property
