@@ -32,12 +32,14 @@ import torch
 from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
 from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
 from dppo_ext.rollout import make_engine, vllm_available
+from dppo_ext.rollout.vllm_logging import quiet_vllm_logging, verbose_vllm_logging
 from dppo_ext.tasks import DataFormatError, Task, load_jsonl_task, make_arithmetic_task
 from dppo_ext.trainer.checkpoint import MODEL_DIR, NoCheckpointError, check_model_folder, find_resume_checkpoint
 from dppo_ext.trainer.config import TrainConfig, parse_config, resume_config_changes, tiny_heads
 from dppo_ext.trainer.loop import Trainer
 from dppo_ext.trainer.metrics import MetricsFormatError, read_metrics
 from dppo_ext.trainer.plotting import plot_metrics
+from dppo_ext.trainer.reporting import check_report_to
 from dppo_ext.trainer.run_dir import RunError, atomic_write_text, fsync_dir, open_run_dir
 
 logger = logging.getLogger("dppo_ext.train")
@@ -156,6 +158,8 @@ def make_rollout_engine(config: TrainConfig, model_path: str, device: torch.devi
         kwargs["gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
         if config.uses_topk:
             kwargs["max_logprobs"] = max(20, config.top_k)
+        if not config.verbose:
+            kwargs["use_tqdm_on_load"] = False
     else:
         kwargs["device"] = str(device)
     return make_engine(
@@ -240,6 +244,11 @@ def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     """
     wall_start = time.perf_counter()
     out_dir = Path(config.out)
+    try:
+        check_report_to(config.report_to)
+    except ImportError as err:
+        raise RunError(str(err)) from None
+    set_library_verbosity(verbose=config.verbose)
     if config.model and Path(config.model).is_dir():
         check_model_folder(config.model, what="--model")
     if config.resume and not out_dir.is_dir():
@@ -288,8 +297,6 @@ def _run_locked(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     engine = make_rollout_engine(config, policy_path, device)
-    # vLLM logs two INFO lines per weight sync (every step); keep its warnings, drop the chatter.
-    logging.getLogger("vllm").setLevel(logging.WARNING)
     try:
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
@@ -308,14 +315,37 @@ def _run_locked(
     return summary
 
 
+def set_library_verbosity(*, verbose: bool) -> None:
+    """Quiet (default) or verbose vLLM and transformers.
+
+    Quiet: vLLM at WARNING without the warnings known to be benign here
+    (``dppo_ext.rollout.vllm_logging``), no transformers / Hugging Face Hub progress bars.
+    Verbose: vLLM at INFO with every warning, transformers at INFO, progress bars on.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        verbose_vllm_logging()
+        hf_logging.set_verbosity_info()
+        hf_logging.enable_progress_bar()
+    else:
+        quiet_vllm_logging()
+        hf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return
+    (enable_progress_bars if verbose else disable_progress_bars)()
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)
     except ValueError as err:
         print(f"dppo-train: error: {err}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print("dppo-train settings:\n" + config.describe(), flush=True)
     try:
         summary = run(config)

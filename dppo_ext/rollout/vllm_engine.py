@@ -12,7 +12,9 @@ sampled token forced in.
 Weight sync: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
 "is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs through the model's
 own ``load_weights`` (vLLM's in-place reload path), then the prefix cache is reset so no KV
-block computed with the old weights is reused.
+block computed with the old weights is reused. vLLM's reload warns ``RotaryEmbedding: Failed to
+load weights`` each time (the rotary cos/sin cache is a buffer no checkpoint holds, so vLLM keeps
+it, correctly); that warning is filtered by name (``dppo_ext.rollout.vllm_logging``).
 
 In-process use: the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the weight iterator is
 passed by reference, not pickled) and, when unset, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample, check_generate_args
+from dppo_ext.rollout.vllm_logging import install_benign_warning_filters
 from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
 
 logger = logging.getLogger(__name__)
@@ -180,6 +183,9 @@ class VLLMEngine(RolloutEngine):
     def sync_weights(self, model: torch.nn.Module) -> float:
         """Reload the engine's weights in place from ``model.state_dict()``; return seconds."""
         start = time.perf_counter()
+        # vLLM warns "RotaryEmbedding: Failed to load weights" on every reload (its cos/sin cache is no checkpoint
+        # tensor and is rightly kept); drop exactly that and the other benign notes, unless verbose was asked for.
+        install_benign_warning_filters()
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_iterator": _checkpoint_weights(model), "is_checkpoint_format": True},

@@ -30,8 +30,8 @@ BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | None, str], ...] = (
      "CPU platform fact, nothing to do"),
     ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", None,
      "the engine restores torch's thread count itself after start-up"),
-    ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD", None, "performance hint (--verbose shows it)"),
-    ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD", None, "performance hint (--verbose shows it)"),
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", "libtcmalloc", "performance hint (--verbose shows it)"),
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", "libiomp", "performance hint (--verbose shows it)"),
 )
 
 

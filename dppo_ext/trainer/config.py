@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dppo_ext.loss import AGG_MODES
 from dppo_ext.tasks.base import VERIFIERS
+from dppo_ext.trainer.reporting import REPORT_TARGETS
 
 # --loss name -> dppo_loss mode. grpo_clip is the PPO/GRPO ratio clip used as a mask; pg_is is
 # plain importance-weighted policy gradient (never masks). dppo_tv / dppo_kl are verl's names.
@@ -35,6 +36,7 @@ TOPK_LOSSES = ("dppo_topk_tv", "dppo_topk_kl")
 ENGINES = ("auto", "vllm", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 LOSS_AGG_MODES = AGG_MODES
 
 
@@ -108,6 +110,12 @@ class TrainConfig:
     resume: bool = _opt(False, "continue the run in --out from its newest complete checkpoint-<step>/ (same flags; "
                         "--steps may grow)")
     seed: int = _opt(0, "seed for the task split, warm start, prompt order and rollouts")
+    # reporting and logging
+    report_to: str = _opt("none", "metrics sink beside metrics.jsonl and metrics.png: none, or tensorboard (events in "
+                          "<out>/tensorboard; needs the tensorboard package)", REPORT_TARGETS)
+    log_level: str = _opt("info", "level of the trainer's own log messages", LOG_LEVELS)
+    verbose: bool = _opt(False, "show vLLM's and transformers' start-up INFO lines, progress bars and the warnings the "
+                         "trainer otherwise hides as known to be benign")
 
     @property
     def mode(self) -> str:
@@ -206,7 +214,7 @@ class TrainConfig:
 
 # Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
 RESUME_MAY_CHANGE = ("steps", "save_every", "save_total_limit", "threads", "device", "vllm_gpu_memory_utilization",
-                     "out", "resume", "overwrite")
+                     "out", "resume", "overwrite", "report_to", "log_level", "verbose")
 
 
 def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:

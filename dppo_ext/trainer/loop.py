@@ -38,6 +38,7 @@ from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logi
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.metrics import MetricsWriter
+from dppo_ext.trainer.reporting import Reporter, make_reporter
 
 logger = logging.getLogger(__name__)
 
@@ -318,17 +319,28 @@ class Trainer:
         """Train up to ``config.steps`` steps (from ``self.step``); return the run summary.
 
         Writes ``metrics.jsonl`` (an eval-only record at step 0, then one record per step with
-        ``eval_acc`` every ``eval_every`` steps and at the last step) and checkpoints.
+        ``eval_acc`` every ``eval_every`` steps and at the last step), the same records to the
+        ``--report-to`` sink, and checkpoints.
         """
-        from tqdm.auto import tqdm
-
         cfg = self.config
         start = time.perf_counter()
         resumed = self.step > 0
         writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resumed else None)
+        reporter = make_reporter(cfg.report_to, self.out_dir, resume_step=self.step if resumed else None)
+        try:
+            return self._run(writer, reporter, start, resumed, progress=progress)
+        finally:
+            reporter.close()
+
+    def _run(self, writer: MetricsWriter, reporter: Reporter, start: float, resumed: bool, *, progress: bool) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        cfg = self.config
         if not resumed:
             result = self.evaluate()
-            writer.write({"step": 0, "eval_acc": result.accuracy, "eval_response_len": result.response_len, "eval_s": result.seconds})
+            record = {"step": 0, "eval_acc": result.accuracy, "eval_response_len": result.response_len, "eval_s": result.seconds}
+            writer.write(record)
+            reporter.write(record)
             logger.info("held-out accuracy at start: %.3f", result.accuracy)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="RL", disable=not progress, dynamic_ncols=True)
         last_acc = None
@@ -340,6 +352,7 @@ class Trainer:
                 last_acc = result.accuracy
             record["elapsed_s"] = self.elapsed_before_s + time.perf_counter() - start
             writer.write(record)
+            reporter.write(record)
             postfix = {"reward": f"{record['reward']:.2f}", "mismatch": f"{record.get('mismatch_max', 0.0):.1e}"}
             if last_acc is not None:
                 postfix["acc"] = f"{last_acc:.2f}"

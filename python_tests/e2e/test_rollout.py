@@ -332,6 +332,23 @@ def test_vllm_weight_sync(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Modu
         vllm_on_tiny.sync_weights(stale)
 
 
+@pytest.mark.vllm
+def test_vllm_weight_sync_is_quiet(vllm_engine: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    """vLLM's reload warns "RotaryEmbedding: Failed to load weights" on every sync; the engine drops exactly that
+    record (the rotary cache is no checkpoint tensor and is rightly kept), so the sync logs no warning."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_logger.addHandler(handler)
+    try:
+        vllm_engine.sync_weights(tiny_model)
+        vllm_engine.sync_weights(tiny_model)
+    finally:
+        reload_logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
 # --- transformers engine -------------------------------------------------------------------
 
 

@@ -1,0 +1,146 @@
+"""The trainer as people expect from HF-style trainers: --report-to tensorboard (events read back and
+compared with metrics.jsonl), a clear error when its package is missing, and quiet vLLM logging that
+drops exactly the benign warnings (the RotaryEmbedding reload fallback on every weight sync) and
+nothing else, with --verbose bringing everything back."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+
+from dppo_ext.rollout import vllm_logging
+from dppo_ext.trainer.config import TrainConfig
+from dppo_ext.trainer.metrics import read_metrics
+from dppo_ext.trainer.reporting import tensorboard_tag
+from dppo_ext.trainer.run_dir import RunError
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
+    settings = dict(
+        out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=20,
+        steps=3, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
+        save_every=0, max_new_tokens=4, lr=1e-3, threads=1, seed=5, warm_start_label_smoothing=0.0,
+    )
+    settings.update(overrides)
+    return TrainConfig(**settings).validate()
+
+
+def test_tensorboard_tags():
+    assert tensorboard_tag("eval_acc") == "eval/acc"
+    assert tensorboard_tag("eval_s") == "time/eval_s"
+    assert tensorboard_tag("rollout_s") == "time/rollout_s"
+    assert tensorboard_tag("mismatch_max") == "train/mismatch_max"
+
+
+def test_report_to_tensorboard_events_match_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dppo_ext.train import run
+
+    out = tmp_path / "run"
+    run(_tiny_run_config(out, report_to="tensorboard"), progress=False)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    checked = 0
+    for key in ("reward", "loss", "mismatch_max", "eval_acc", "rollout_s"):
+        want = {r["step"]: r[key] for r in records if r.get(key) is not None}
+        got = {s.step: s.value for s in events.Scalars(tensorboard_tag(key))}
+        assert got.keys() == want.keys(), key
+        for step, value in want.items():
+            assert got[step] == pytest.approx(value, rel=1e-6, abs=1e-12), (key, step)
+            checked += 1
+    assert checked >= 10
+
+
+def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    from dppo_ext.train import run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match=r"--report-to tensorboard needs the tensorboard package.*pip install tensorboard"):
+        run(_tiny_run_config(out, report_to="tensorboard"), progress=False)
+    assert not out.exists(), "a refused run leaves no folder behind"
+
+
+def test_report_to_rejects_unknown_targets(tmp_path):
+    with pytest.raises(ValueError, match=r"--report-to: unknown value 'wandb'; expected one of \['none', 'tensorboard'\]"):
+        _tiny_run_config(tmp_path, report_to="wandb")
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture()
+def reload_logger():
+    logger = logging.getLogger(RELOAD_LOGGER)
+    capture = _Capture()
+    logger.addHandler(capture)
+    yield logger, capture
+    logger.removeHandler(capture)
+    vllm_logging.quiet_vllm_logging()
+
+
+def test_quiet_drops_only_the_benign_reload_warning_and_verbose_restores_it(reload_logger):
+    logger, capture = reload_logger
+    vllm_logging.quiet_vllm_logging()
+    logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+    logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    assert capture.messages == ["QKVParallelLinear: Failed to load weights"], "a real load failure must still show"
+    vllm_logging.verbose_vllm_logging()
+    vllm_logging.install_benign_warning_filters()  # what a weight sync does: no-op once verbose was asked for
+    logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+    assert capture.messages[-1] == "RotaryEmbedding: Failed to load weights"
+    assert logging.getLogger("vllm").getEffectiveLevel() <= logging.INFO
+
+
+def test_quiet_respects_a_user_set_vllm_logging_level(monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    vllm_logging.quiet_vllm_logging()
+    assert logging.getLogger("vllm").level == logging.DEBUG
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    vllm_logging.quiet_vllm_logging()
+    assert logging.getLogger("vllm").level == logging.WARNING
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cli_run_with_vllm_is_quiet_by_default(tmp_path):
+    """`python -m dppo_ext.train` with vLLM rollouts: none of vLLM's start-up INFO lines, none of the benign
+    warnings (the RotaryEmbedding reload fallback would print on every step's weight sync), and the run works."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "VLLM_LOGGING_LEVEL")}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_KVCACHE_SPACE="1")
+    flags = ["--engine", "vllm", "--max-operand", "9", "--num-eval", "16", "--warm-start-problems", "60",
+             "--warm-start-steps", "20", "--steps", "3", "--prompts-per-step", "6", "--group-size", "4",
+             "--num-minibatches", "2", "--eval-every", "2", "--eval-samples", "1", "--max-new-tokens", "4",
+             "--threads", "1", "--out", str(tmp_path / "run")]
+    out = subprocess.run([sys.executable, "-m", "dppo_ext.train", *flags], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    vllm_lines = [line for line in lines if "(MainProcess pid=" in line or ":vllm." in line]
+    assert not [line for line in vllm_lines if " INFO " in line or line.startswith("INFO:")], vllm_lines
+    assert not [line for line in lines if "Failed to load weights" in line]
+    benign = [entry[1].replace("%s", "") for entry in vllm_logging.BENIGN_VLLM_WARNINGS]
+    assert not [line for line in vllm_lines if any(b and b in line for b in benign)], vllm_lines
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4
