@@ -86,7 +86,8 @@ class _Capture(logging.Handler):
 
 
 @pytest.fixture()
-def reload_logger():
+def reload_logger(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # TRL's import sets it to ERROR
     logger = logging.getLogger(RELOAD_LOGGER)
     capture = _Capture()
     logger.addHandler(capture)
