@@ -11,6 +11,12 @@
 //   -> grad_logits [N, V] in the logits dtype:
 //      grad[i, j] = (grad_target[i] * (1[j = a_i] - p_ij) - grad_entropy[i] * p_ij (log p_ij + H_i)) / T
 // dppo_loss_backward_ is the same, written into logits (which it consumes).
+// dppo_vocab_parallel_stats(logits [N, V_local], tokens [N], topk_ids [N, K]?, vocab_start, T, compute_entropy)
+//   -> stats [N, 4 + K]: this rank's slice statistics (csrc/vocab_parallel.h); tokens/topk_ids are global ids.
+// dppo_vocab_parallel_epilogue(stats [W, N, 4 + K], vocab_offsets [W + 1], tokens, rollout_logprobs,
+//                              advantages, topk_ids?, topk_logprobs?, anchor_logprobs?, mode, delta_low,
+//                              delta_high, ratio_cap, compute_entropy)
+//   -> the seven outputs of dppo_loss_forward for the whole vocabulary, merged from every rank's stats.
 #include <torch/library.h>
 
 TORCH_LIBRARY(dppo, m) {
@@ -25,4 +31,12 @@ TORCH_LIBRARY(dppo, m) {
   m.def(
       "dppo_loss_backward_(Tensor grad_target, Tensor? grad_entropy, Tensor(a!) logits, Tensor tokens, "
       "Tensor lse, Tensor? entropy, float temperature) -> ()");
+  m.def(
+      "dppo_vocab_parallel_stats(Tensor logits, Tensor tokens, Tensor? topk_ids, int vocab_start, "
+      "float temperature, bool compute_entropy) -> Tensor");
+  m.def(
+      "dppo_vocab_parallel_epilogue(Tensor stats, int[] vocab_offsets, Tensor tokens, Tensor rollout_logprobs, "
+      "Tensor advantages, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, "
+      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
+      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
 }

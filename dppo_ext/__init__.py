@@ -23,9 +23,10 @@ from ._C import __version__, cuda_compiled  # noqa: E402
 from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row  # noqa: E402
 from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics  # noqa: E402
 from .ops import MODE_ALIASES, MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward  # noqa: E402
+from .vocab_parallel import dppo_loss_forward_vocab_parallel  # noqa: E402
 
 __all__ = [
     "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "FusedLinearDPPOLoss", "MODES", "MODE_ALIASES",
     "__version__", "aggregate_loss", "cuda_compiled", "dppo_loss", "dppo_loss_backward", "dppo_loss_forward",
-    "dppo_metrics", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row",
+    "dppo_loss_forward_vocab_parallel", "dppo_metrics", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row",
 ]

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -357,6 +357,8 @@ def fused_linear_dppo_loss_per_row(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
+    vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
+    vocab_offsets: Optional[Sequence[int]] = None,
 ) -> DPPOOutputs:
     """DPPO per-row outputs of ``hidden @ weight^T (+ bias)`` without materialising the logits (lower level).
 
@@ -380,11 +382,28 @@ def fused_linear_dppo_loss_per_row(
         memory_budget_bytes: cap for one logits buffer in the automatic plan (default max(64 MiB, size of hidden)).
         weight_context: zero-argument callable returning a context manager entered around every use of
             ``weight``/``bias`` in forward and backward (e.g. a DeepSpeed ZeRO-3 gather).
+        vocab_parallel_group: the tensor-parallel group when ``weight`` is this rank's ``[V_local, H]`` slice of
+            a vocabulary-sharded LM head (``bias`` its ``[V_local]``); ``hidden`` and the per-row inputs are
+            replicated, ids global. See ``dppo_ext.vocab_parallel.fused_linear_dppo_loss_vocab_parallel``
+            (``vocab_chunk_size`` and ``weight_context`` do not apply there).
+        vocab_offsets: ``[W + 1]`` global offsets of the ranks' slices; None derives them (one all-gather).
 
     Returns:
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each [N] in float32 (float64 for
         float64 inputs).
     """
+    if vocab_parallel_group is not None:
+        if vocab_chunk_size is not None or weight_context is not None:
+            raise ValueError("vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
+                             "rank's weight slice is used whole and must be materialised)")
+        from .vocab_parallel import fused_linear_dppo_loss_vocab_parallel
+
+        return fused_linear_dppo_loss_vocab_parallel(
+            hidden, weight, tokens, rollout_logprobs, advantages, bias=bias, topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, mode=mode, temperature=temperature,
+            delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap, compute_entropy=compute_entropy,
+            chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, group=vocab_parallel_group,
+            vocab_offsets=vocab_offsets)
     _check_inputs(
         hidden,
         weight,
@@ -453,6 +472,8 @@ def fused_linear_dppo_loss(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
+    vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
+    vocab_offsets: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``dppo_ext.dppo_loss`` from hidden states and the LM-head weight, without an ``[N, V]`` logits tensor.
 
@@ -472,6 +493,8 @@ def fused_linear_dppo_loss(
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
             :func:`fused_linear_dppo_loss_per_row`.
+        vocab_parallel_group, vocab_offsets: ``weight [V_local, H]`` (``bias [V_local]``) is this rank's slice of a
+            vocabulary-sharded LM head (see :func:`fused_linear_dppo_loss_per_row`, docs/distributed.md).
 
     Returns:
         ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
@@ -529,6 +552,8 @@ def fused_linear_dppo_loss(
         vocab_chunk_size=vocab_chunk_size,
         memory_budget_bytes=memory_budget_bytes,
         weight_context=weight_context,
+        vocab_parallel_group=vocab_parallel_group,
+        vocab_offsets=vocab_offsets,
     )
     loss = aggregate_loss(out.loss.reshape(lead), valid, loss_agg_mode, loss_scale_factor)
     return loss, dppo_metrics(out, rollout, adv, valid.reshape(rows))

@@ -9,7 +9,8 @@ gradient.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,6 +168,8 @@ def dppo_loss(
     loss_scale_factor: Optional[float] = None,
     compute_entropy: bool = True,
     inplace_backward: bool = False,
+    vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
+    vocab_offsets: Optional[Sequence[int]] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO policy loss from the policy's logits and the rollout engine's log-probs.
 
@@ -193,6 +196,13 @@ def dppo_loss(
         compute_entropy: compute the policy entropy (``entropy_mean`` metric); else it reads 0.
         inplace_backward: write the logits gradient into the logits buffer during backward
             (no ``[N, V]`` allocation; the logits are consumed, do not reuse them).
+        vocab_parallel_group: the tensor-parallel group when ``logits`` is ``[..., V_local]``, this rank's
+            contiguous slice of the vocabulary (Megatron-style vocab-parallel logits); ids stay global and every
+            other input is replicated. One all-gather of ``4 + K`` numbers per row in forward, none in backward;
+            the loss and metrics are identical on every rank (``dppo_ext.vocab_parallel``,
+            docs/distributed.md). A ``DTensor`` sharded on the vocabulary dim needs neither argument.
+        vocab_offsets: ``[W + 1]`` global column offsets of the ranks' slices (group-rank order); None
+            derives them with one extra all-gather per call.
 
     Returns:
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
@@ -200,6 +210,11 @@ def dppo_loss(
     """
     mode = canonical_mode(mode)
     check_aggregation(loss_agg_mode, loss_scale_factor)
+    forward = dppo_loss_forward
+    if vocab_parallel_group is not None or _is_dtensor(logits):
+        logits, tokens, rollout_logprobs, advantages, response_mask, topk_ids, topk_logprobs, anchor_logprobs, \
+            forward = _vocab_parallel_inputs(logits, tokens, rollout_logprobs, advantages, response_mask, topk_ids,
+                                             topk_logprobs, anchor_logprobs, vocab_parallel_group, vocab_offsets)
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
@@ -231,7 +246,7 @@ def dppo_loss(
 
     rollout = flat(rollout_logprobs, acc)
     adv = flat(advantages, acc)
-    out = dppo_loss_forward(
+    out = forward(
         logits.reshape(rows, vocab), flat_tokens.reshape(rows), rollout, adv,
         flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc),
         mode=mode, temperature=temperature, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap,
@@ -239,6 +254,30 @@ def dppo_loss(
     loss = aggregate_loss(out.loss.reshape(lead), valid.reshape(lead), loss_agg_mode, loss_scale_factor)
     metrics = dppo_metrics(out, rollout, adv, valid.reshape(rows))
     return loss, metrics
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    from .vocab_parallel import is_dtensor
+
+    return is_dtensor(t)
+
+
+def _vocab_parallel_inputs(logits, tokens, rollout_logprobs, advantages, response_mask, topk_ids, topk_logprobs,
+                           anchor_logprobs, group, vocab_offsets):
+    """The local inputs and the per-row forward for vocab-parallel logits (a process group or a DTensor)."""
+    from . import vocab_parallel as vp
+
+    if vp.is_dtensor(logits):
+        if group is not None or vocab_offsets is not None:
+            raise ValueError("logits is a DTensor: its device mesh and placements define the vocabulary split, do "
+                             "not also pass vocab_parallel_group / vocab_offsets")
+        logits, group, vocab_offsets = vp.dtensor_vocab_shard(logits)
+    named = {"tokens": tokens, "rollout_logprobs": rollout_logprobs, "advantages": advantages,
+             "response_mask": response_mask, "topk_ids": topk_ids, "topk_logprobs": topk_logprobs,
+             "anchor_logprobs": anchor_logprobs}
+    local = [vp.replicated_local(t, name) for name, t in named.items()]
+    forward = functools.partial(vp.dppo_loss_forward_vocab_parallel, group=group, vocab_offsets=vocab_offsets)
+    return (logits, *local, forward)
 
 
 class DPPOLoss(nn.Module):
@@ -262,6 +301,8 @@ class DPPOLoss(nn.Module):
         loss_scale_factor: Optional[float] = None,
         compute_entropy: bool = True,
         inplace_backward: bool = False,
+        vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
+        vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
         check_aggregation(loss_agg_mode, loss_scale_factor)
@@ -274,6 +315,8 @@ class DPPOLoss(nn.Module):
         self.loss_scale_factor = loss_scale_factor
         self.compute_entropy = compute_entropy
         self.inplace_backward = inplace_backward
+        self.vocab_parallel_group = vocab_parallel_group
+        self.vocab_offsets = vocab_offsets
 
     def forward(
         self,
@@ -292,7 +335,8 @@ class DPPOLoss(nn.Module):
             topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
             temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
             ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
-            compute_entropy=self.compute_entropy, inplace_backward=self.inplace_backward)
+            compute_entropy=self.compute_entropy, inplace_backward=self.inplace_backward,
+            vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
