@@ -586,6 +586,8 @@ class FusedLinearDPPOLoss(nn.Module):
         chunk_size: Optional[int] = None,
         vocab_chunk_size: Optional[int] = None,
         memory_budget_bytes: Optional[int] = None,
+        vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
+        vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
         check_aggregation(loss_agg_mode, loss_scale_factor)
@@ -600,6 +602,8 @@ class FusedLinearDPPOLoss(nn.Module):
         self.chunk_size = chunk_size
         self.vocab_chunk_size = vocab_chunk_size
         self.memory_budget_bytes = memory_budget_bytes
+        self.vocab_parallel_group = vocab_parallel_group
+        self.vocab_offsets = vocab_offsets
 
     def forward(
         self,
@@ -622,7 +626,8 @@ class FusedLinearDPPOLoss(nn.Module):
             temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
             ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
             compute_entropy=self.compute_entropy, chunk_size=self.chunk_size, vocab_chunk_size=self.vocab_chunk_size,
-            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context)
+            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context,
+            vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
