@@ -31,7 +31,7 @@ import torch
 
 from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
 from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
-from dppo_ext.rollout import make_engine, vllm_available
+from dppo_ext.rollout import RolloutEngine, make_engine, vllm_available
 from dppo_ext.rollout.vllm_logging import quiet_vllm_logging, verbose_vllm_logging
 from dppo_ext.tasks import DataFormatError, Task, load_jsonl_task, make_arithmetic_task
 from dppo_ext.trainer.checkpoint import MODEL_DIR, NoCheckpointError, check_model_folder, find_resume_checkpoint
@@ -233,8 +233,12 @@ def data_fingerprints(config: TrainConfig) -> dict[str, dict[str, str]]:
     return fingerprints
 
 
-def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
+def run(config: TrainConfig, *, progress: bool = True, engine: RolloutEngine | None = None) -> dict[str, Any]:
     """Run a full training job for a validated ``config``; return the summary dict.
+
+    ``engine``: an already started rollout engine to reuse (e.g. one vLLM engine for a series of
+    runs); its weights are replaced by the run's and the caller closes it. It must have been
+    started with ``config.rollout_dtype``. Default: start one for this run and close it after.
 
     Raises:
         RunError: ``--out`` is not empty without ``--resume``/``--overwrite``, another trainer holds
@@ -258,7 +262,7 @@ def run(config: TrainConfig, *, progress: bool = True) -> dict[str, Any]:
     task = build_task(config)
     logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
     with open_run_dir(out_dir, resume=config.resume, overwrite=config.overwrite):
-        return _run_locked(config, task, device, out_dir, wall_start, progress=progress)
+        return _run_locked(config, task, device, out_dir, wall_start, progress=progress, engine=engine)
 
 
 def check_top_k(config: TrainConfig, model_path: str | None) -> None:
@@ -274,7 +278,8 @@ def check_top_k(config: TrainConfig, model_path: str | None) -> None:
 
 
 def _run_locked(
-    config: TrainConfig, task: Task, device: torch.device, out_dir: Path, wall_start: float, *, progress: bool
+    config: TrainConfig, task: Task, device: torch.device, out_dir: Path, wall_start: float, *, progress: bool,
+    engine: RolloutEngine | None,
 ) -> dict[str, Any]:
     checkpoint_dir = None
     if config.resume:
@@ -296,19 +301,26 @@ def _run_locked(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    engine = make_rollout_engine(config, policy_path, device)
+    own_engine = engine is None
+    if engine is None:
+        engine = make_rollout_engine(config, policy_path, device)
+    elif str(getattr(engine, "dtype", config.rollout_dtype)).removeprefix("torch.") != config.rollout_dtype:
+        raise ValueError(f"run(engine=...): the engine runs in {engine.dtype}, but --rollout-dtype is {config.rollout_dtype}")
     try:
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
         model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=TORCH_DTYPES[config.dtype]).to(device).eval()
+        if not own_engine:
+            engine.sync_weights(model)
         trainer = Trainer(config, model, tokenizer, task, engine, out_dir)
         if config.resume:
             trainer.restore(checkpoint_dir)
             logger.info("resumed from %s at step %d", checkpoint_dir, trainer.step)
         result = trainer.run(progress=progress)
     finally:
-        engine.close()
+        if own_engine:
+            engine.close()
     plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png", title=f"{task.name}: {config.loss} ({engine.name})")
     summary = summarize(out_dir, config, engine.name, time.perf_counter() - wall_start, result["elapsed_s"])
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

@@ -33,6 +33,8 @@ class RolloutBatch:
         rollout_logprobs: [B, T] float32 rollout log-probs (0 on padding).
         advantages: [B] float32, one per sequence.
         topk_ids: [B, T, K] int64 or None; topk_logprobs: [B, T, K] float32 or None.
+        anchor_logprobs: [B, T] float32 or None: the trainer's own log-probs of the tokens,
+            recomputed before the batch's first update (the mask anchor of the MiniRL losses).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +46,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    anchor_logprobs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -63,7 +66,7 @@ class RolloutBatch:
         if cut > 0:
             for name in ("input_ids", "attention_mask", "position_ids"):
                 picked[name] = picked[name][:, : picked[name].shape[1] - cut]
-            for name in ("tokens", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+            for name in ("tokens", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs", "anchor_logprobs"):
                 if picked[name] is not None:
                     picked[name] = picked[name][:, :longest]
         return RolloutBatch(**picked)

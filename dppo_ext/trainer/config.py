@@ -19,20 +19,11 @@ from pathlib import Path
 from dppo_ext.loss import AGG_MODES
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.reporting import REPORT_TARGETS
+from dppo_ext.trainer.losses import LOSSES
 
-# --loss name -> dppo_loss mode. grpo_clip is the PPO/GRPO ratio clip used as a mask; pg_is is
-# plain importance-weighted policy gradient (never masks). dppo_tv / dppo_kl are verl's names.
-LOSS_MODES = {
-    "dppo_binary_tv": "binary_tv",
-    "dppo_binary_kl": "binary_kl",
-    "dppo_tv": "binary_tv",
-    "dppo_kl": "binary_kl",
-    "dppo_topk_tv": "topk_tv",
-    "dppo_topk_kl": "topk_kl",
-    "grpo_clip": "ratio",
-    "pg_is": "none",
-}
-TOPK_LOSSES = ("dppo_topk_tv", "dppo_topk_kl")
+# --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
+LOSS_MODES = {name: spec.mode for name, spec in LOSSES.items()}
+TOPK_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.uses_topk)
 ENGINES = ("auto", "vllm", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
@@ -66,7 +57,7 @@ class TrainConfig:
     warm_start_label_smoothing: float = _opt(
         0.3, "embedded model: warm-start label smoothing (a policy that ranks the answer first but samples it rarely)")
     # RL
-    loss: str = _opt("dppo_binary_tv", "policy loss", tuple(LOSS_MODES))
+    loss: str = _opt("dppo_binary_tv", "policy loss (see dppo_ext.trainer.losses for what each masks and weights)", tuple(LOSSES))
     steps: int = _opt(400, "RL steps (one rollout batch each)")
     prompts_per_step: int = _opt(32, "prompts per rollout batch")
     group_size: int = _opt(16, "samples per prompt (GRPO group)")
@@ -74,9 +65,9 @@ class TrainConfig:
     max_new_tokens: int = _opt(6, "maximum response tokens")
     top_k: int = _opt(0, "rollout top-K log-probs per token (>= 1 for the top-K losses)")
     adv_std: bool = _opt(True, "divide group advantages by the group std (GRPO); --no-adv-std keeps reward - mean")
-    delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the mode's)")
-    delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the mode's)")
-    ratio_cap: float = _opt(10.0, "cap on the importance weight")
+    delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the loss's)")
+    delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the loss's)")
+    ratio_cap: typing.Optional[float] = _opt(None, "cap on the importance weight (default: the loss's, 10 or uncapped)")
     loss_agg_mode: str = _opt(
         "token-mean", "loss aggregation, verl's names (docs/aggregation.md; the -norm modes divide by --max-new-tokens)",
         LOSS_AGG_MODES)
@@ -87,6 +78,7 @@ class TrainConfig:
     num_minibatches: int = _opt(4, "optimizer steps per epoch over a rollout batch")
     ppo_epochs: int = _opt(2, "passes over each rollout batch")
     micro_batch_size: int = _opt(0, "sequences per forward/backward (gradient accumulation); 0 = whole mini-batch")
+    rollout_lag: int = _opt(0, "the engine rolls out with the trainer's weights of k steps ago (asynchronous RL); 0 = synced")
     drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
     # evaluation
     eval_every: int = _opt(25, "held-out accuracy every k steps (also at start and end)")
@@ -127,6 +119,21 @@ class TrainConfig:
         """True when the loss needs the rollout's top-K log-probs."""
         return self.loss in TOPK_LOSSES
 
+    @property
+    def uses_recompute_anchor(self) -> bool:
+        """True when the loss anchors its mask on log-probs recomputed by the trainer (MiniRL)."""
+        return LOSSES[self.loss].anchor == "recompute"
+
+    def loss_settings(self) -> dict[str, float]:
+        """``delta_low``, ``delta_high``, ``ratio_cap`` for the op: the flags, else the loss's defaults."""
+        spec = LOSSES[self.loss]
+        pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+        return {
+            "delta_low": pick(self.delta_low, spec.delta_low),
+            "delta_high": pick(self.delta_high, spec.delta_high),
+            "ratio_cap": pick(self.ratio_cap, spec.ratio_cap),
+        }
+
     def validate(self) -> TrainConfig:
         """Check every setting; raise ``ValueError`` naming the flag, its value and what is expected."""
         hints = typing.get_type_hints(TrainConfig)
@@ -145,12 +152,14 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("warm_start_steps", "warmup_steps", "micro_batch_size", "save_every", "save_total_limit", "threads",
-                     "top_k"):
+                     "top_k", "rollout_lag"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm", "ratio_cap"):
+        for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.ratio_cap is not None and not self.ratio_cap > 0:
+            raise ValueError(f"--ratio-cap must be > 0, got {self.ratio_cap}")
         for name in ("delta_low", "delta_high", "weight_decay"):
             value = getattr(self, name)
             if value is not None and value < 0:

@@ -10,7 +10,14 @@ One step:
    AdamW step on ``dppo_ext.dppo_loss(response logits, tokens, rollout log-probs, advantages,
    temperature=...)`` after gradient clipping. The op takes the raw logits: no
    full-vocabulary log-softmax is ever built in the training step;
-4. the new weights are pushed into the rollout engine (``engine.sync_weights``).
+4. the new weights are pushed into the rollout engine (``engine.sync_weights``); with
+   ``rollout_lag = k`` the engine gets the trainer's weights of k steps ago instead
+   (asynchronous RL: rollouts ``k + 1`` updates behind the trainer).
+
+Losses anchored on a recomputed policy (``minirl``, ``minirl_tis``; ``dppo_ext.trainer.losses``)
+score the whole rollout batch once with the trainer's pre-update weights before the batch's first
+optimizer step; those log-probs stay fixed for every epoch and mini-batch of that batch and are
+the op's ``anchor_logprobs``.
 
 Weight sync is measured, not assumed: the first mini-batch of every step runs before any
 update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
@@ -21,10 +28,12 @@ of an update when it does not.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +130,13 @@ class Trainer:
         self.use_chat = _use_chat_template(config.prompt_format, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._prompt_cache: dict[str, list[int]] = {}
+        # rollout_lag = k: the weights after each of the last k + 1 steps (oldest first), and a
+        # model copy that carries the oldest into the engine.
+        self._lag_history: deque[dict[str, torch.Tensor]] = deque(maxlen=config.rollout_lag + 1)
+        self._lag_model: torch.nn.Module | None = None
+        if config.rollout_lag:
+            self._lag_model = copy.deepcopy(model).eval()
+            self._lag_history.append(_cpu_state(model))
 
     # ------------------------------------------------------------------ prompts and rewards
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -192,6 +208,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        if cfg.uses_recompute_anchor:
+            batch = replace(batch, anchor_logprobs=self.recompute_logprobs(batch))
+        settings = cfg.loss_settings()
         generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
         sums: dict[str, float] = {}
         tokens_seen = 0.0
@@ -220,12 +239,11 @@ class Trainer:
                         mode=cfg.mode,
                         topk_ids=micro.topk_ids,
                         topk_logprobs=micro.topk_logprobs,
+                        anchor_logprobs=micro.anchor_logprobs,
                         temperature=cfg.temperature,
-                        delta_low=cfg.delta_low,
-                        delta_high=cfg.delta_high,
-                        ratio_cap=cfg.ratio_cap,
                         loss_agg_mode=cfg.loss_agg_mode,
                         loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
+                        **settings,
                     )
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
@@ -257,6 +275,33 @@ class Trainer:
         )
         return out
 
+    @torch.no_grad()
+    def recompute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The trainer's log-probs of ``batch``'s tokens under its current weights: ``[B, T]``
+        float32 (0 on padding), scored in micro-batches of ``micro_batch_size`` (or whole)."""
+        cfg = self.config
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        size = cfg.micro_batch_size or batch.size
+        for part in torch.arange(batch.size).split(size):
+            micro = batch.select(part).to(self.device)
+            logits = response_logits(self.model, micro).float() / cfg.temperature
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
+            logp = torch.where(micro.response_mask, logp, torch.zeros_like(logp)).cpu()
+            out[part, : logp.shape[1]] = logp
+        return out
+
+    def sync_engine(self) -> float:
+        """Push the weights the next rollout should use into the engine; return seconds.
+
+        With ``rollout_lag = k`` those are the weights after step ``step - k`` (the initial
+        weights while ``step < k``), else the current ones.
+        """
+        if self._lag_model is None:
+            return self.engine.sync_weights(self.model)
+        self._lag_history.append(_cpu_state(self.model))
+        self._lag_model.load_state_dict(self._lag_history[0])
+        return self.engine.sync_weights(self._lag_model)
+
     def train_step(self) -> dict[str, Any]:
         """One RL step (rollout, advantages, update, weight sync); return its metrics record."""
         cfg = self.config
@@ -281,9 +326,10 @@ class Trainer:
             )
             record.update(self.update(batch))
             record["update_s"] = time.perf_counter() - update_start
-            record["sync_s"] = self.engine.sync_weights(self.model)
+            record["sync_s"] = self.sync_engine()
         else:
-            record.update(update_s=0.0, sync_s=0.0, optimizer_steps=0)
+            # no update, but a lagged engine still moves one step along the trainer's history
+            record.update(update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0)
         record["trained_seqs"] = len(keep)
         self.step += 1
         return record
@@ -306,6 +352,8 @@ class Trainer:
         """Load optimizer, sampler, RNG states and step from a checkpoint.
 
         The model weights must already come from ``<checkpoint>/model`` (and the engine too).
+        With ``rollout_lag = k`` the lag window restarts there: the engine rolls out with the
+        checkpoint's weights for the next k steps (the older weights are not checkpointed).
         """
         state = load_trainer_state(checkpoint_dir)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -362,6 +410,10 @@ class Trainer:
                 self.save(self.elapsed_before_s + time.perf_counter() - start)
         bar.close()
         return {"steps": self.step, "elapsed_s": self.elapsed_before_s + time.perf_counter() - start}
+
+
+def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
 
 def _micro_share(agg_mode: str, micro: RolloutBatch, mb_tokens: float, mb_seqs: float) -> float:

@@ -1,0 +1,1 @@
+"""Experiments built on the reference trainer (``python -m dppo_ext.experiments.<name>``)."""

@@ -1,0 +1,82 @@
+"""The trainer's ``--loss`` choices: each one a thin configuration of the same ``dppo_loss`` op.
+
+Every loss below computes, per response token, ``l = -A * w * M * log pi`` with the weight
+``w = min(pi / mu, C)`` and the mask ``M`` both constants for autograd (docs/contract.md). They
+differ only in what the mask tests (``mode``), which distribution anchors that test (the rollout
+engine's ``mu``, or ``pi_old``: log-probs the trainer recomputes with its own weights once per
+rollout batch, before that batch's first optimizer step), the thresholds and the cap C.
+
+| --loss | mask (M = 0 when ...) | anchor | weight | follows |
+|---|---|---|---|---|
+| pg_is | never | - | pi/mu, uncapped | paper's PG-IS (Stable-RL `pg_no_mask` without the cap) |
+| cispo | never | - | min(pi/mu, 10) | paper's CISPO / PG-TIS = Stable-RL `pg_no_mask` |
+| grpo_clip | ratio pi/anchor outside [0.8, 1.2] | mu | min(pi/mu, 10) | Stable-RL `ppo` (symmetric clip) |
+| grpo_clip_higher | ratio outside [0.8, 1.28] | mu | min(pi/mu, 10) | Stable-RL `ppo`, DAPO clip-higher |
+| minirl | ratio outside [0.8, 1.28] | pi_old | pi/mu, uncapped | Stable-RL `ppo_recompute` without the cap |
+| minirl_tis | ratio outside [0.8, 1.28] | pi_old | min(pi/mu, 10) | Stable-RL `ppo_recompute` |
+| dppo_binary_tv | \\|pi - mu\\| > 0.15, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_binary_tv` |
+| dppo_binary_kl | binary KL > 0.05, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_binary_kl` |
+| dppo_topk_tv | top-K TV > 0.15, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_topk_tv` |
+| dppo_topk_kl | top-K KL > 0.05, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_topk_kl` |
+
+"Moving away": A > 0 and pi above the anchor, or A <= 0 and pi below it. "Uncapped" means the
+op's own bound only: the log-ratio is clamped at 20 before ``exp``. ``--delta-low`` /
+``--delta-high`` / ``--ratio-cap`` override a loss's values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ANCHORS", "LOSSES", "LossSpec"]
+
+ANCHORS = ("rollout", "recompute")
+TIS_CAP = 10.0
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One ``--loss``: the op's ``mode``, the mask's anchor, default thresholds and weight cap.
+
+    Attributes:
+        mode: ``dppo_loss`` mode.
+        anchor: ``rollout`` (the mask tests against mu) or ``recompute`` (against pi_old, passed
+            to the op as ``anchor_logprobs``).
+        delta_low, delta_high: default thresholds (None: the op's per-mode default).
+        ratio_cap: default cap C of the weight; ``math.inf`` = uncapped.
+        source: which reference implementation this configuration follows.
+    """
+
+    mode: str
+    anchor: str = "rollout"
+    delta_low: Optional[float] = None
+    delta_high: Optional[float] = None
+    ratio_cap: float = TIS_CAP
+    source: str = ""
+
+    @property
+    def uses_topk(self) -> bool:
+        """True when the mode needs the rollout's top-K log-probs."""
+        return self.mode.startswith("topk")
+
+
+LOSSES: dict[str, LossSpec] = {
+    "pg_is": LossSpec("none", ratio_cap=math.inf, source="PG-IS: Stable-RL pg_no_mask without the cap"),
+    "cispo": LossSpec("none", source="CISPO / PG-TIS: Stable-RL pg_no_mask (weight capped at 10)"),
+    "grpo_clip": LossSpec("ratio", delta_low=0.2, delta_high=0.2, source="GRPO: Stable-RL ppo, symmetric clip"),
+    "grpo_clip_higher": LossSpec("ratio", delta_low=0.2, delta_high=0.28, source="GRPO clip-higher: Stable-RL ppo"),
+    "minirl": LossSpec(
+        "ratio", anchor="recompute", delta_low=0.2, delta_high=0.28, ratio_cap=math.inf,
+        source="MiniRL: Stable-RL ppo_recompute without the cap"),
+    "minirl_tis": LossSpec(
+        "ratio", anchor="recompute", delta_low=0.2, delta_high=0.28, source="MiniRL-TIS: Stable-RL ppo_recompute"),
+    "dppo_binary_tv": LossSpec("binary_tv", source="Stable-RL dppo_binary_tv"),
+    "dppo_binary_kl": LossSpec("binary_kl", source="Stable-RL dppo_binary_kl"),
+    "dppo_topk_tv": LossSpec("topk_tv", source="Stable-RL dppo_topk_tv"),
+    "dppo_topk_kl": LossSpec("topk_kl", source="Stable-RL dppo_topk_kl"),
+    # verl's names for the binary modes
+    "dppo_tv": LossSpec("binary_tv", source="verl dppo_tv = dppo_binary_tv"),
+    "dppo_kl": LossSpec("binary_kl", source="verl dppo_kl = dppo_binary_kl"),
+}

@@ -1,0 +1,223 @@
+"""The sanity-test baselines and tool: every ``--loss`` added for the paper's comparison against a
+reference written here, the MiniRL anchor's semantics (recomputed once per rollout batch with the
+pre-update weights, fixed for every epoch and mini-batch), the lagged rollout engine, and the
+``--quick`` sweep (fresh, resumed from checkpoints, skipped when finished)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dppo_ext import dppo_loss
+from dppo_ext.trainer.config import TrainConfig
+
+# The baselines as the papers define them, written independently of dppo_ext.trainer.losses:
+# (mask anchor or None = never masked, clip low, clip high, weight cap or None = uncapped).
+REFERENCE_BASELINES = {
+    "pg_is": (None, 0.0, 0.0, None),
+    "cispo": (None, 0.0, 0.0, 10.0),
+    "grpo_clip": ("rollout", 0.2, 0.2, 10.0),
+    "grpo_clip_higher": ("rollout", 0.2, 0.28, 10.0),
+    "minirl": ("recompute", 0.2, 0.28, None),
+    "minirl_tis": ("recompute", 0.2, 0.28, 10.0),
+}
+
+
+def reference_baseline_loss(name, logits, tokens, rollout_lp, advantages, old_lp, temperature):
+    """Token-mean of -A * sg(w) * M * log pi, with w = pi/mu (capped or not) and M the PPO clip of
+    pi / anchor used as a mask (anchor = mu, or the recomputed old policy)."""
+    anchor, low, high, cap = REFERENCE_BASELINES[name]
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    ratio = torch.exp(torch.clamp(logp - rollout_lp, max=20.0))
+    weight = ratio if cap is None else torch.clamp(ratio, max=cap)
+    if anchor is None:
+        keep = torch.ones_like(logp)
+    else:
+        r = torch.exp(logp - (rollout_lp if anchor == "rollout" else old_lp))
+        outside = torch.where(advantages > 0, r > 1 + high, r < 1 - low)
+        keep = (~outside).to(logp.dtype)
+    return (-advantages * weight.detach() * keep.detach() * logp).mean()
+
+
+def _baseline_inputs(seed: int = 0, n: int = 257, vocab: int = 19):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
+    tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(-1)
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    # mu and the old policy off by tens of percent, so the clips bind
+    rollout_lp = torch.clamp(logp + torch.randn(n, generator=g, dtype=torch.float64) * 0.8, max=0.0)
+    rollout_lp[::10] -= 3.0  # tokens the engine found far less likely: pi/mu above the cap
+    old_lp = torch.clamp(logp + torch.randn(n, generator=g, dtype=torch.float64) * 0.3, max=0.0)
+    advantages = torch.randn(n, generator=g, dtype=torch.float64)
+    return logits, tokens, rollout_lp, advantages, old_lp
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_BASELINES))
+def test_baseline_losses_match_reference(name):
+    config = TrainConfig(loss=name).validate()
+    logits, tokens, rollout_lp, advantages, old_lp = _baseline_inputs()
+    temperature = 0.9
+    ours_in = logits.clone().requires_grad_()
+    loss, metrics = dppo_loss(
+        ours_in, tokens, rollout_lp, advantages, mode=config.mode, temperature=temperature,
+        anchor_logprobs=old_lp if config.uses_recompute_anchor else None, **config.loss_settings())
+    loss.backward()
+    ref_in = logits.clone().requires_grad_()
+    ref = reference_baseline_loss(name, ref_in, tokens, rollout_lp, advantages, old_lp, temperature)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-9, atol=1e-12)
+    # the inputs exercise what distinguishes the baselines: weights above the cap, clipped tokens
+    ratio = torch.exp(torch.log_softmax(logits / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1) - rollout_lp)
+    assert (ratio > 10).any()
+    anchor = REFERENCE_BASELINES[name][0]
+    assert (float(metrics["masked_frac"]) > 0.05) == (anchor is not None)
+
+
+def test_minirl_mask_follows_the_recomputed_anchor_not_mu():
+    logits, tokens, rollout_lp, advantages, old_lp = _baseline_inputs(seed=3)
+    settings = TrainConfig(loss="minirl_tis").validate().loss_settings()
+    with_anchor, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio", anchor_logprobs=old_lp, **settings)
+    on_mu, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio", **settings)
+    grpo, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio",
+                        **TrainConfig(loss="grpo_clip_higher").validate().loss_settings())
+    assert not torch.allclose(with_anchor, on_mu)
+    torch.testing.assert_close(on_mu, grpo)
+
+
+def test_loss_flags_override_the_loss_defaults():
+    assert TrainConfig(loss="cispo", ratio_cap=3.0).validate().loss_settings()["ratio_cap"] == 3.0
+    assert TrainConfig(loss="pg_is").validate().loss_settings()["ratio_cap"] == float("inf")
+    assert TrainConfig(loss="grpo_clip", delta_high=0.3).validate().loss_settings() == {
+        "delta_low": 0.2, "delta_high": 0.3, "ratio_cap": 10.0}
+    with pytest.raises(ValueError, match=r"--ratio-cap must be > 0, got -1.0"):
+        TrainConfig(ratio_cap=-1.0).validate()
+    with pytest.raises(ValueError, match=r"--rollout-lag must be >= 0, got -1"):
+        TrainConfig(rollout_lag=-1).validate()
+
+
+# ---------------------------------------------------------------- the trainer: anchor and lag
+class _DigitTask:
+    """Arithmetic prompts rewarded when the response starts with a digit (a random tiny model
+    earns it about half the time, so advantages are non-zero from the first step)."""
+
+    def __new__(cls):
+        from dppo_ext.tasks import Task, make_arithmetic_task
+
+        class LeadingDigit(Task):
+            def reward(self, response: str, answer: str) -> float:
+                return float(response[:1].isdigit())
+
+        base = make_arithmetic_task(max_operand=9, num_eval=8, num_sft=0, seed=0)
+        return LeadingDigit(name="leading-digit", train=base.train, eval=base.eval, verifier="exact")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from dppo_ext.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def _trainer(tiny_dir, tmp_path, **overrides):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dppo_ext.rollout import make_engine
+    from dppo_ext.trainer.loop import Trainer
+
+    settings = dict(out=str(tmp_path), engine="hf", steps=2, prompts_per_step=6, group_size=4, max_new_tokens=4,
+                    num_minibatches=2, ppo_epochs=2, lr=1e-2, warmup_steps=0, seed=1, max_model_len=64)
+    settings.update(overrides)
+    config = TrainConfig(**settings).validate()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
+    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), _DigitTask(), engine, tmp_path)
+
+
+def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_dir, tmp_path, monkeypatch):
+    import copy
+
+    from dppo_ext.trainer import loop
+
+    trainer = _trainer(tiny_dir, tmp_path, loss="minirl")
+    calls = []  # (micro batch, its anchor, the trainer's log-probs when the loss ran)
+    pending = []
+    real_response_logits, real_loss = loop.response_logits, trainer._dppo_loss
+
+    def spy_response_logits(model, batch):
+        if torch.is_grad_enabled():
+            pending.append(batch)
+        return real_response_logits(model, batch)
+
+    def spy_loss(logits, tokens, *args, **kwargs):
+        logp = torch.log_softmax(logits.detach() / trainer.config.temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+        calls.append((pending.pop(), kwargs["anchor_logprobs"].clone(), logp))
+        return real_loss(logits, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "response_logits", spy_response_logits)
+    trainer._dppo_loss = spy_loss
+    before = copy.deepcopy(trainer.model)
+    record = trainer.train_step()
+    assert record["optimizer_steps"] == 4 and len(calls) == 4
+    for index, (micro, anchor, logp_now) in enumerate(calls):
+        mask = micro.response_mask
+        with torch.no_grad():
+            logits = real_response_logits(before.train(), micro) / trainer.config.temperature
+            pre = torch.log_softmax(logits, -1).gather(-1, micro.tokens[..., None]).squeeze(-1)
+        # the anchor is the pre-update policy's log-prob in every mini-batch of both epochs ...
+        torch.testing.assert_close(anchor[mask], pre[mask], rtol=0, atol=1e-5)
+        if index == 0:  # ... which the first mini-batch's own policy still is
+            torch.testing.assert_close(logp_now[mask], anchor[mask], rtol=0, atol=1e-5)
+    # ... while the policy the loss sees has moved away from it (negative control)
+    _, anchor, logp_now = calls[-1]
+    assert (logp_now - anchor)[calls[-1][0].response_mask].abs().max() > 1e-3
+
+
+def test_rollout_lag_feeds_the_engine_weights_of_k_steps_ago(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=1, steps=3)
+    synced = []
+    real_sync = trainer.engine.sync_weights
+
+    def spy_sync(model):
+        synced.append({k: v.clone() for k, v in model.state_dict().items()})
+        return real_sync(model)
+
+    trainer.engine.sync_weights = spy_sync
+    after = [{k: v.clone() for k, v in trainer.model.state_dict().items()}]
+    for _ in range(3):
+        trainer.train_step()
+        after.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    assert len(synced) == 3
+    for step, weights in enumerate(synced, start=1):
+        # after step s the engine holds the weights after step s - 1 (rollout of step s + 1 lags one update)
+        expected = after[step - 1]
+        assert all(torch.equal(weights[k], expected[k]) for k in expected), step
+        assert any(not torch.equal(weights[k], after[step][k]) for k in expected), step
+
+
+# ---------------------------------------------------------------- the --quick sweep
+def test_quick_sweep_runs_resumes_and_skips(tmp_path):
+    from dppo_ext.experiments.sanity import QUICK_METHODS, main
+
+    common = ["--quick", "--work", str(tmp_path / "work"), "--data", str(tmp_path / "data"),
+              "--report-dir", str(tmp_path / "report"), "--jobs", "2"]
+    assert main([*common, "--steps", "2"]) == 0
+    first = {m: (tmp_path / "data" / "bf16" / m / "seed0.jsonl").read_text().splitlines() for m in QUICK_METHODS}
+    assert main(common) == 0  # 3 steps: every run continues from its step-2 checkpoint
+    assert main(common) == 0  # nothing left to do
+    log = [json.loads(line) for line in (tmp_path / "work" / "sweep_log.jsonl").read_text().splitlines()]
+    n = len(QUICK_METHODS)
+    assert [(r["fresh"], r["resumed"], r["skipped"]) for r in log] == [(n, 0, 0), (0, n, 0), (0, 0, n)]
+    for method in QUICK_METHODS:
+        lines = (tmp_path / "data" / "bf16" / method / "seed0.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [r["step"] for r in records] == [0, 1, 2, 3]
+        assert lines[:3] == first[method]  # resumed, not restarted: steps 0-2 (timings too) are the first run's
+        assert all(r["mismatch_max"] is not None and r["mismatch_max"] >= 0 for r in records[1:])
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert all(f"| {m} | 1 | 3 |" in table for m in QUICK_METHODS)
+    assert (tmp_path / "report" / "figure_bf16.png").stat().st_size > 10_000
