@@ -56,8 +56,9 @@ TOPK = 4
 
 # Shared by every run (the embedded task and model; small batches so a step costs ~0.1 s).
 BASE: dict[str, Any] = dict(
-    steps=60, prompts_per_step=8, group_size=8, max_new_tokens=6, num_eval=200, eval_every=10, eval_samples=1,
-    num_minibatches=2, ppo_epochs=2, warmup_steps=5, lr=1e-4, save_every=20, threads=1, warm_start_steps=200,
+    max_operand=29, max_second_operand=9, num_eval=100, warm_start_problems=150, warm_start_steps=150,
+    warm_start_label_smoothing=0.0, steps=60, prompts_per_step=16, group_size=8, max_new_tokens=6, eval_every=10, eval_samples=2,
+    num_minibatches=2, ppo_epochs=2, warmup_steps=5, lr=1e-4, save_every=20, threads=1,
     rollout_dtype="bfloat16", dtype="float32", engine="auto",
 )
 
@@ -72,7 +73,9 @@ class Condition:
 
 CONDITIONS: dict[str, Condition] = {
     "bf16": Condition("bf16 vLLM rollouts, fp32 trainer, lr 1e-4 (the trainer's default)"),
+    "bf16_lr3e-4": Condition("bf16 rollouts, lr 3e-4", {"lr": 3e-4}),
     "bf16_lr1e-3": Condition("bf16 rollouts, lr 1e-3", {"lr": 1e-3}),
+    "bf16_lr3e-3": Condition("bf16 rollouts, lr 3e-3", {"lr": 3e-3}),
     "bf16_lr1e-3_ep4": Condition("bf16 rollouts, lr 1e-3, 4 PPO epochs x 4 mini-batches", {"lr": 1e-3, "ppo_epochs": 4, "num_minibatches": 4}),
     "bf16_lr1e-3_lag4": Condition("bf16 rollouts 4 steps stale (async), lr 1e-3", {"lr": 1e-3, "rollout_lag": 4}),
     "fp16_lr1e-3": Condition("fp16 rollouts, lr 1e-3", {"lr": 1e-3, "rollout_dtype": "float16"}),
@@ -140,30 +143,44 @@ def _resumable(config: TrainConfig) -> bool:
     return has_checkpoint(Path(config.out) / "checkpoint")
 
 
-def prepare_base_models(configs: list[TrainConfig], work: Path) -> None:
-    """Warm-start the embedded model once per distinct warm-start setting (one per seed) and copy
-    it into every run folder that lacks it (the trainer reuses a matching ``base_model``)."""
+def ensure_base_model(config: TrainConfig, work: Path) -> None:
+    """Give ``config``'s run folder the warm-started embedded model it needs.
+
+    The warm start is built once per distinct setting (one per seed) under
+    ``<work>/_base_models`` by whichever worker needs it first (a lock folder keeps a second worker
+    waiting instead of building it again) and copied into the run folder, where the trainer
+    reuses it (``dppo_ext.train.prepare_embedded_model`` checks the recorded settings).
+    """
     import torch
 
-    from dppo_ext.train import build_task, prepare_embedded_model, seed_everything
+    from dppo_ext.train import WARM_START_MARKER, build_task, prepare_embedded_model, seed_everything
 
-    shared: dict[str, Path] = {}
-    for config in configs:
-        target = Path(config.out) / "base_model"
-        if target.is_dir() or _finished(config):
+    target = Path(config.out) / "base_model"
+    if (target / WARM_START_MARKER).is_file():
+        return
+    key = json.dumps({k: getattr(config, k) for k in (
+        "seed", "tiny_layers", "tiny_hidden", "warm_start_steps", "warm_start_problems", "warm_start_lr",
+        "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval")}, sort_keys=True)
+    folder = work / "_base_models" / f"seed{config.seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    lock = folder.with_name(folder.name + ".lock")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    while not (folder / WARM_START_MARKER).is_file():
+        try:
+            lock.mkdir()
+        except FileExistsError:  # another worker is building it
+            time.sleep(2.0)
             continue
-        key = json.dumps({k: getattr(config, k) for k in (
-            "seed", "tiny_layers", "tiny_hidden", "warm_start_steps", "warm_start_problems", "warm_start_lr",
-            "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval")}, sort_keys=True)
-        if key not in shared:
-            folder = work / "_base_models" / f"seed{config.seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+        try:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # a tiny model: more threads only contend on a shared CPU
             seed_everything(config.seed)
             prepare_embedded_model(folder, config, build_task(config))
             torch.set_num_threads(threads)
-            shared[key] = folder
-        shutil.copytree(shared[key], target)
+        finally:
+            lock.rmdir()
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(folder, target)
 
 
 def _fresh_folder(config: TrainConfig) -> None:
@@ -196,6 +213,7 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
             resume = _resumable(config)
             if not resume:
                 _fresh_folder(config)
+                ensure_base_model(config, work)
             config = dataclasses.replace(config, resume=resume)
             torch.set_num_threads(config.threads)
             key = (config.engine, config.rollout_dtype)
@@ -232,8 +250,12 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     procs, status_paths = [], []
-    for i in range(min(jobs, len(runs))):
-        share = runs[i::jobs]
+    jobs = min(jobs, len(runs))
+    per_worker = -(-len(runs) // jobs)
+    for i in range(jobs):
+        # contiguous shares of the seed-major run list: each worker starts on a different seed,
+        # so the per-seed warm starts are built side by side
+        share = runs[i * per_worker : (i + 1) * per_worker]
         spec = logs / f"worker{i}.json"
         status = logs / f"worker{i}.status.jsonl"
         status.write_text("")
@@ -452,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine is not None:
             overrides["engine"] = args.engine
         work = Path(args.work)
-        runs = [Run(c, m, s) for c in args.conditions for s in seeds for m in methods]
+        runs = [Run(c, m, s) for s in seeds for c in args.conditions for m in methods]
         try:
             configs = {run: run_config(run, work, overrides) for run in runs}
         except ValueError as err:
@@ -461,7 +483,6 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs.values():
             Path(config.out).mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        prepare_base_models(list(configs.values()), work)
         results = launch_workers(runs, work, overrides, args.jobs)
         for run in runs:
             if (Path(configs[run].out) / "metrics.jsonl").is_file():
