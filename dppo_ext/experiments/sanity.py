@@ -333,9 +333,11 @@ def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     non_finite = any(r.get(k, 0.0) is None for r in steps for k in ("loss", "grad_norm") if k in r)
     final, peak = (evals[-1], max(evals)) if evals else (math.nan, math.nan)
 
-    def median(key: str) -> float:
-        values = [r[key] for r in steps if r.get(key) is not None]
+    def median(key: str, rows: list[dict[str, Any]] = steps) -> float:
+        values = [r[key] for r in rows if r.get(key) is not None]
         return statistics.median(values) if values else math.nan
+
+    trained = [r for r in steps if r.get("trained_seqs", 0) > 0]  # steps whose groups all tied skip update and sync
 
     return {
         "final_acc": final,
@@ -345,8 +347,8 @@ def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "mismatch_max_median": median("mismatch_max"),
         "mismatch_max_max": max((r["mismatch_max"] for r in steps if r.get("mismatch_max") is not None), default=math.nan),
         "rollout_s": median("rollout_s"),
-        "update_s": median("update_s"),
-        "sync_s": median("sync_s"),
+        "update_s": median("update_s", trained),
+        "sync_s": median("sync_s", trained),
         "steps": len(steps),
     }
 
@@ -365,7 +367,7 @@ def table(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]]]) -> s
         f"**{condition}**: {CONDITIONS[condition].description if condition in CONDITIONS else ''}",
         "",
         "| method | seeds | steps | final acc | peak acc | collapsed | median mean \\|pi-mu\\| | median max \\|pi-mu\\| "
-        "| largest \\|pi-mu\\| | s/step rollout / update / sync |",
+        "| largest \\|pi-mu\\| | s/step rollout / update / sync (median; update and sync over steps that trained) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method in [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS)):
@@ -392,6 +394,15 @@ PANELS = (
 )
 
 
+SMOOTH = 5  # per-step curves: trailing mean over this many steps (held-out accuracy is drawn as measured)
+
+
+def _smooth(values: list[float], key: str) -> list[float]:
+    if key == "eval_acc":
+        return values
+    return [statistics.mean(values[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(values))]
+
+
 def figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]]], path: Path) -> Path:
     """The paper's layout: six panels vs step, a line per method (mean over seeds), a min-max band."""
     import matplotlib
@@ -413,9 +424,9 @@ def figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]]], pat
             if not series:
                 continue
             steps = sorted(series)
-            mean = [statistics.mean(series[s]) for s in steps]
-            lo = [min(series[s]) for s in steps]
-            hi = [max(series[s]) for s in steps]
+            mean = _smooth([statistics.mean(series[s]) for s in steps], key)
+            lo = _smooth([min(series[s]) for s in steps], key)
+            hi = _smooth([max(series[s]) for s in steps], key)
             style = "--" if method in ("pg_is", "cispo", "minirl", "minirl_tis") else "-"
             ax.plot(steps, mean, style, color=colors(i), label=method, lw=1.4,
                     marker="o" if key == "eval_acc" else None, ms=3)
@@ -428,7 +439,8 @@ def figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]]], pat
     axes.flat[0].legend(fontsize=7, ncol=2)
     seeds = sorted({seed for m in runs.values() for seed in m})
     desc = CONDITIONS[condition].description if condition in CONDITIONS else condition
-    fig.suptitle(f"Sanity test, {desc} (seeds {seeds}; line = mean, band = min-max)")
+    fig.suptitle(f"Sanity test, {desc}\n(seeds {seeds}; line = mean over seeds, band = min-max; per-step curves "
+                 f"smoothed over {SMOOTH} steps)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -505,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs.values():
             Path(config.out).mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        results = launch_workers(runs, work, overrides, args.jobs)
+        # finished runs are skipped here, so a sweep with nothing left starts no worker
+        todo = [run for run in runs if not _finished(configs[run])]
+        results = [{"run": run.name, "status": "skipped", "seconds": 0.0} for run in runs if run not in todo]
+        if todo:
+            results += launch_workers(todo, work, overrides, args.jobs)
         for run in runs:
             if (Path(configs[run].out) / "metrics.jsonl").is_file():
                 collect(run, configs[run], data)

@@ -6,20 +6,11 @@ differ only in what the mask tests (``mode``), which distribution anchors that t
 engine's ``mu``, or ``pi_old``: log-probs the trainer recomputes with its own weights once per
 rollout batch, before that batch's first optimizer step), the thresholds and the cap C.
 
-| --loss | mask (M = 0 when ...) | anchor | weight | follows |
-|---|---|---|---|---|
-| pg_is | never | - | pi/mu, uncapped | paper's PG-IS (Stable-RL `pg_no_mask` without the cap) |
-| cispo | never | - | min(pi/mu, 10) | paper's CISPO / PG-TIS = Stable-RL `pg_no_mask` |
-| grpo_clip | ratio pi/anchor outside [0.8, 1.2] | mu | min(pi/mu, 10) | Stable-RL `ppo` (symmetric clip) |
-| grpo_clip_higher | ratio outside [0.8, 1.28] | mu | min(pi/mu, 10) | Stable-RL `ppo`, DAPO clip-higher |
-| minirl | ratio outside [0.8, 1.28] | pi_old | pi/mu, uncapped | Stable-RL `ppo_recompute` without the cap |
-| minirl_tis | ratio outside [0.8, 1.28] | pi_old | min(pi/mu, 10) | Stable-RL `ppo_recompute` |
-| dppo_binary_tv | \\|pi - mu\\| > 0.15, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_binary_tv` |
-| dppo_binary_kl | binary KL > 0.05, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_binary_kl` |
-| dppo_topk_tv | top-K TV > 0.15, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_topk_tv` |
-| dppo_topk_kl | top-K KL > 0.05, moving away | mu | min(pi/mu, 10) | Stable-RL `dppo_topk_kl` |
+The table of what each loss masks, what anchors the mask, what weights the gradient and which
+reference it follows is in README.md, section "Does DPPO's stability hold here?"; ``LOSSES``
+below is its single source.
 
-"Moving away": A > 0 and pi above the anchor, or A <= 0 and pi below it. "Uncapped" means the
+In that table, "moving away": A > 0 and pi above the anchor, or A <= 0 and pi below it. "Uncapped" means the
 op's own bound only: the log-ratio is clamped at 20 before ``exp``. ``--delta-low`` /
 ``--delta-high`` / ``--ratio-cap`` override a loss's values.
 """
