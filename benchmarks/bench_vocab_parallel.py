@@ -9,6 +9,14 @@ gradient of its slice. Contenders, on the same inputs:
 - ``gather_logits``: what a user does without it: all-gather the ``[N, V]`` logits on every rank, run
   ``dppo_loss`` on them, keep this rank's columns of the gradient.
 
+With ``--fused-linear`` the contenders start from hidden states ``[N, H]`` (replicated) and this rank's LM-head rows
+``[V / W, H]`` instead:
+
+- ``fused_linear_vocab_parallel``: ``fused_linear_dppo_loss(..., vocab_parallel_group=)`` (no logits, no whole head;
+  the hidden-state gradient is all-reduced in backward).
+- ``fused_linear_gather_head``: all-gather the ``[V, H]`` head on every rank, run ``fused_linear_dppo_loss`` on it,
+  keep this rank's rows of the weight gradient.
+
 Measured, per rank: the peak resident memory of one (second, warm) forward+backward step beyond what was live
 before it
 (VmHWM reset through /proc/self/clear_refs, glibc returning every freed block >= 64 KiB; see
@@ -42,6 +50,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench_common import DTYPES, MALLOC_ENV, PeakMeter, deltas_for, machine_info, make_inputs  # noqa: E402
 
 CONTENDERS = ("vocab_parallel", "vocab_parallel_inplace", "gather_logits")
+FUSED_CONTENDERS = ("fused_linear_vocab_parallel", "fused_linear_gather_head")
 MIB = 1024**2
 
 
@@ -90,7 +99,7 @@ def rank_main(args: argparse.Namespace) -> None:
     topk = {"topk_ids": inp.topk_ids, "topk_logprobs": inp.topk_logprobs} if inp.topk_ids is not None else {}
     kw = dict(mode=args.mode, delta_low=delta_low, delta_high=delta_high, **topk)
 
-    def run(name: str, local: torch.Tensor) -> None:
+    def run_logits(name: str, local: torch.Tensor) -> None:
         if name == "gather_logits":
             parts = [torch.empty(args.rows, b - a, dtype=dtype) for a, b in zip(offsets, offsets[1:])]
             padded = [torch.empty(args.rows, per, dtype=dtype) for _ in range(world)]
@@ -113,11 +122,48 @@ def rank_main(args: argparse.Namespace) -> None:
         assert grad.shape == (args.rows, hi - lo)
 
     results = {}
-    def fresh() -> torch.Tensor:
-        """This rank's logits, as a model would hand them over (the in-place contender consumes them)."""
-        return pristine.clone().requires_grad_(True)
+    if args.fused_linear:
+        gen = torch.Generator().manual_seed(1)
+        hidden = torch.randn(args.rows, args.hidden, generator=gen).to(dtype)
+        w_local = (torch.randn(hi - lo, args.hidden, generator=gen) / args.hidden**0.5).to(dtype)
+        valid = torch.ones(args.rows, dtype=torch.bool)
 
-    for name in CONTENDERS:
+        def run_fused(name: str, local: torch.Tensor) -> None:
+            from dppo_ext import fused_linear_dppo_loss
+
+            h = hidden.clone().requires_grad_(True)
+            if name == "fused_linear_gather_head":
+                padded = [torch.empty(per, args.hidden, dtype=dtype) for _ in range(world)]
+                mine = torch.zeros(per, args.hidden, dtype=dtype)
+                mine[: hi - lo] = local.detach()
+                dist.all_gather(padded, mine)
+                full = torch.cat([p[: b - a] for p, a, b in zip(padded, offsets, offsets[1:])]).requires_grad_(True)
+                del padded, mine
+                loss, _ = fused_linear_dppo_loss(h, full, inp.tokens, inp.rollout_logprobs, inp.advantages,
+                                                 response_mask=valid, **kw)
+                loss.backward()
+                grad = full.grad[lo:hi].clone()
+            else:
+                loss, _ = fused_linear_dppo_loss(h, local, inp.tokens, inp.rollout_logprobs, inp.advantages,
+                                                 response_mask=valid, **kw, vocab_parallel_group=dist.group.WORLD,
+                                                 vocab_offsets=offsets)
+                loss.backward()
+                grad = local.grad
+            assert grad.shape == (hi - lo, args.hidden) and h.grad is not None
+
+        def fresh() -> torch.Tensor:
+            """This rank's LM-head rows (a fresh leaf per step)."""
+            return w_local.clone().requires_grad_(True)
+
+        contenders, run = FUSED_CONTENDERS, run_fused
+    else:
+        def fresh() -> torch.Tensor:
+            """This rank's logits, as a model would hand them over (the in-place contender consumes them)."""
+            return pristine.clone().requires_grad_(True)
+
+        contenders, run = CONTENDERS, run_logits
+
+    for name in contenders:
         run(name, fresh())  # first call: one-time costs (dispatcher, gloo buffers, thread pools) stay out
         local = fresh()
         dist.barrier()
@@ -153,7 +199,9 @@ def launch(world: int, args: argparse.Namespace, result: Path) -> dict:
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, __file__, "--rank-worker", "--result", str(result), "--rows", str(args.rows),
            "--vocab", str(args.vocab), "--dtype", args.dtype, "--mode", args.mode, "--topk", str(args.topk),
-           "--warmup", str(args.warmup), "--repeat", str(args.repeat)]
+           "--warmup", str(args.warmup), "--repeat", str(args.repeat), "--hidden", str(args.hidden)]
+    if args.fused_linear:
+        cmd.append("--fused-linear")
     procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(world)]
     logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -171,6 +219,8 @@ def main() -> None:
     parser.add_argument("--mode", default="binary_tv")
     parser.add_argument("--topk", type=int, default=20)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--fused-linear", action="store_true", help="hidden states + sharded LM head contenders")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size H (--fused-linear)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
@@ -200,11 +250,11 @@ def main() -> None:
     args.out.write_text(json.dumps(out, indent=1, default=str))
     print(f"N={args.rows} V={args.vocab} {args.dtype} mode={args.mode} (K={k}); CPU {info['cpu_model']} "
           f"({os.cpu_count()} cores, SIMD {'+'.join(simd) or 'none'}), load {os.getloadavg()[0]:.1f}")
-    print(f"{'W':>2} {'contender':<24} {'V/W':>6} {'peak MiB/rank':>14} {'step s':>8} {'collectives/step':<34} "
+    print(f"{'W':>2} {'contender':<28} {'V/W':>6} {'peak MiB/rank':>14} {'step s':>8} {'collectives/step':<34} "
           f"{'recv B/row':>11}")
     for r in rows:
         calls = ", ".join(f"{c}" for c in r["collectives"]) or "-"
-        print(f"{r['world']:>2} {r['contender']:<24} {r['local_vocab']:>6} {r['peak_mib_max_rank']:>14.1f} "
+        print(f"{r['world']:>2} {r['contender']:<28} {r['local_vocab']:>6} {r['peak_mib_max_rank']:>14.1f} "
               f"{r['step_s']:>8.3f} {str(len(r['collectives'])) + ': ' + calls:<34} "
               f"{r['received_bytes_per_row']:>11.0f}")
     print(f"results: {args.out}")
