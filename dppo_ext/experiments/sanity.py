@@ -430,7 +430,7 @@ def figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]]], pat
             style = "--" if method in ("pg_is", "cispo", "minirl", "minirl_tis") else "-"
             ax.plot(steps, mean, style, color=colors(i), label=method, lw=1.4,
                     marker="o" if key == "eval_acc" else None, ms=3)
-            ax.fill_between(steps, lo, hi, color=colors(i), alpha=0.15, lw=0)
+            ax.fill_between(steps, lo, hi, color=colors(i), alpha=0.08, lw=0)
         ax.set_title(title)
         ax.set_xlabel("step")
         if log_scale:
