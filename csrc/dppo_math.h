@@ -11,6 +11,8 @@
 //   mask M = 0 iff (A > 0 and pi > mu_anchor and D > delta_high) or
 //                  (A <= 0 and pi < mu_anchor and D > delta_low)   (ratio mode: r vs 1 +- delta)
 //   weight w = min(exp(min(logp - m, 20)), C),  loss = -A * w * M * logp.
+// A row without a distribution (a NaN or +inf in s, or s all -inf: lse is not finite) has NaN
+// outputs (finish_row), so the loss shows what its gradient will be, as with cross_entropy.
 #pragma once
 
 #include <cmath>
@@ -53,6 +55,13 @@ DPPO_HOST_DEVICE T log_mass_floor() { return T(-27.631021115928547); }  // log(1
 // The importance weight's log-ratio is clamped at 20 before exp (verl / Stable-RL convention).
 template <typename T>
 DPPO_HOST_DEVICE T log_ratio_clamp() { return T(20); }
+
+// max(a, b) that propagates NaN (std::fmax and std::max drop it): the row-max passes use it, so a NaN
+// logit cannot hide from the row's lse (and so from row_has_distribution).
+template <typename T>
+DPPO_HOST_DEVICE T nan_max(T a, T b) {
+  return (a > b || a != a) ? a : b;
+}
 
 // Online log-sum-exp state: running max mx and sum of exp(x - mx). Merging two partial states is
 // how split-vocabulary blocks and SIMD lanes are combined. The empty state is (-inf, 0).
@@ -210,7 +219,8 @@ DPPO_HOST_DEVICE T trust_mask(Mode mode, T adv, T lp, T la, T div, T delta_low, 
 }
 
 // Importance weight w = min(exp(min(lp - m, 20)), C). lp - m is NaN only when both are -inf
-// (a token impossible for both policies); its weight is then 0.
+// (a token impossible for both policies; m is never NaN, and finish_row handles rows whose lp is
+// NaN before this is called); its weight is then 0.
 template <typename T>
 DPPO_HOST_DEVICE T is_weight(T lp, T m, T ratio_cap) {
   T d = lp - m;
@@ -227,6 +237,36 @@ DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) { return -adv * w * m; }
 
 template <typename T>
 DPPO_HOST_DEVICE T token_loss(T coef, T lp) { return coef == T(0) ? T(0) : coef * lp; }
+
+// Whether a row's scaled logits define a distribution: lse finite. It is not when s holds a NaN
+// (propagated by nan_max or the sums), a +inf (inf - inf in the sum) or is all -inf (empty sum).
+template <typename T>
+DPPO_HOST_DEVICE bool row_has_distribution(T lse) {
+  return lse > -T(INFINITY) && lse < T(INFINITY);  // false for NaN too
+}
+
+// The seven per-row outputs of the forward.
+template <typename T>
+struct RowOutputs {
+  T loss, logp, divergence, mask, weight, entropy, lse;
+};
+
+// The per-row epilogue both kernels end with: the mask, the weight and the loss from the row's
+// log-prob, divergence, entropy and lse. A row without a distribution gets NaN in every output
+// (torch.nn.functional.cross_entropy's convention): its loss is then non-finite like its gradient
+// (grad_target = g_loss * coef + g_logp is NaN through coef), and so are the metrics over it. The
+// "both log-probs -inf gives weight 0" rule of is_weight only ever sees rows with finite logits.
+template <typename T>
+DPPO_HOST_DEVICE RowOutputs<T> finish_row(Mode mode, T adv, T lp, T la, T m, T div, T entropy, T lse, T delta_low,
+                                          T delta_high, T ratio_cap) {
+  if (!row_has_distribution(lse)) {
+    const T nan = T(NAN);
+    return {nan, nan, nan, nan, nan, nan, nan};
+  }
+  const T msk = trust_mask(mode, adv, lp, la, div, delta_low, delta_high);
+  const T w = is_weight(lp, m, ratio_cap);
+  return {token_loss(loss_coef(adv, w, msk), lp), lp, div, msk, w, entropy, lse};
+}
 
 // Shifted logits s - max (or log-probs s - lse) are floored here before exp(x) * x products
 // (entropy moment, entropy gradient): a -inf logit then contributes exp(-1e30) * -1e30 = 0

@@ -48,8 +48,9 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from .loss import DEFAULT_DELTAS, IGNORE_INDEX, aggregate_loss, check_aggregation, dppo_metrics
-from .ops import DPPOOutputs, canonical_mode
+from .contract import IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas
+from .loss import aggregate_loss, broadcast_advantages, check_aggregation, dppo_metrics
+from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
 
 __all__ = [
     "FusedLinearDPPOLoss", "FusedLinearPlan", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row", "plan_chunks",
@@ -241,6 +242,8 @@ class _FusedLinearDPPO(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="fused_linear_dppo_loss"))
         hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_bias = need_bias and bias is not None
@@ -349,8 +352,8 @@ def fused_linear_dppo_loss_per_row(
     anchor_logprobs: Optional[torch.Tensor] = None,
     mode: str = "binary_tv",
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     compute_entropy: bool = True,
     chunk_size: Optional[int] = None,
@@ -376,7 +379,7 @@ def fused_linear_dppo_loss_per_row(
         bias: optional [V] LM-head bias.
         topk_ids, topk_logprobs: [N, K] rollout top-K (top-K modes); anchor_logprobs: optional [N].
         mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as ``dppo_ext.ops.dppo_loss_forward``
-            (mode aliases such as verl's ``dppo_tv`` are accepted).
+            (mode aliases such as verl's ``dppo_tv`` are accepted; ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``).
         chunk_size: rows per chunk (forward and backward); None chooses it from N, V, H and dtype.
         vocab_chunk_size: vocabulary columns per backward tile; None: automatic (all of V with ``chunk_size``).
         memory_budget_bytes: cap for one logits buffer in the automatic plan (default max(64 MiB, size of hidden)).
@@ -392,6 +395,8 @@ def fused_linear_dppo_loss_per_row(
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each [N] in float32 (float64 for
         float64 inputs).
     """
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
     if vocab_parallel_group is not None:
         if vocab_chunk_size is not None or weight_context is not None:
             raise ValueError("vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
@@ -501,6 +506,7 @@ def fused_linear_dppo_loss(
     """
     mode = canonical_mode(mode)
     check_aggregation(loss_agg_mode, loss_scale_factor)
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
     lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
@@ -508,18 +514,12 @@ def fused_linear_dppo_loss(
                     ("anchor_logprobs", anchor_logprobs)):
         if t is not None and t.shape != lead:
             raise ValueError(f"{name} must have shape {tuple(lead)} (hidden's leading dims), got {tuple(t.shape)}")
-    if advantages.shape != lead:
-        if hidden.dim() == 3 and advantages.shape == lead[:1]:
-            advantages = advantages.unsqueeze(-1).expand(lead)
-        else:
-            raise ValueError(
-                f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} (per sequence, for "
-                f"[B, T, H] hidden), got {tuple(advantages.shape)}"
-            )
+    check_token_ids("tokens", tokens)
+    check_token_ids("topk_ids", topk_ids)
+    advantages = broadcast_advantages(advantages, lead, "hidden")
     for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
         if t is not None and t.shape[:-1] != lead:
             raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
-    low_default, high_default = DEFAULT_DELTAS[mode]
     rows = lead.numel()
     accum = _accum_dtype(hidden.dtype)
     valid = (
@@ -544,8 +544,8 @@ def fused_linear_dppo_loss(
         anchor_logprobs=flat(anchor_logprobs, accum),
         mode=mode,
         temperature=temperature,
-        delta_low=low_default if delta_low is None else delta_low,
-        delta_high=high_default if delta_high is None else delta_high,
+        delta_low=delta_low,
+        delta_high=delta_high,
         ratio_cap=ratio_cap,
         compute_entropy=compute_entropy,
         chunk_size=chunk_size,
@@ -590,7 +590,12 @@ class FusedLinearDPPOLoss(nn.Module):
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
+        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
+        if not isinstance(compute_entropy, bool):
+            raise TypeError(f"compute_entropy must be a bool, got {compute_entropy!r}")
         check_aggregation(loss_agg_mode, loss_scale_factor)
+        plan_chunks(1, 1, 1, torch.float32, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                    memory_budget_bytes=memory_budget_bytes)  # the chunking settings' own checks
         self.mode = canonical_mode(mode)
         self.temperature = temperature
         self.delta_low = delta_low

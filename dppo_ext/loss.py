@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .ops import DPPOOutputs, canonical_mode, dppo_loss_forward
+from .contract import DEFAULT_DELTAS, IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas
+from .ops import DPPOOutputs, check_inplace_backward, dppo_loss_forward
 
 __all__ = [
     "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "NORM_AGG_MODES", "aggregate_loss", "check_aggregation", "dppo_loss",
@@ -35,19 +36,6 @@ AGG_MODES = (
 )
 # Modes divided by a horizon: ``loss_scale_factor``, default the padded length T = mask.shape[-1].
 NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
-
-# (delta_low, delta_high) when not given. TV thresholds bound a probability difference, KL ones a
-# divergence in nats (the paper's Binary-TV 0.15 / Binary-KL 0.05 scale), ratio ones the PPO clip.
-DEFAULT_DELTAS = {
-    "binary_tv": (0.15, 0.15),
-    "topk_tv": (0.15, 0.15),
-    "binary_kl": (0.05, 0.05),
-    "topk_kl": (0.05, 0.05),
-    "ratio": (0.2, 0.28),
-    "none": (0.0, 0.0),
-}
-
-IGNORE_INDEX = -100
 
 
 def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:
@@ -90,7 +78,7 @@ def aggregate_loss(
     An empty batch (no response token) gives 0 in every mode.
     """
     check_aggregation(loss_agg_mode, loss_scale_factor)
-    if mask.shape != loss_mat.shape:
+    if mask.shape != loss_mat.shape:  # a broadcast mask would silently change the normaliser
         raise ValueError(f"mask must have the loss's shape {tuple(loss_mat.shape)}, got {tuple(mask.shape)}")
     if loss_mat.dim() == 1:
         loss_mat, mask = loss_mat.unsqueeze(0), mask.unsqueeze(0)
@@ -130,7 +118,10 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
 
     masked = 1.0 - out.mask
     mismatch = (out.logp.exp() - rollout_logprobs.exp()).abs()
-    ratio = torch.exp((out.logp - rollout_logprobs).clamp(max=20.0))
+    # A token impossible under both policies (both log-probs -inf) has ratio 0, as its weight (docs/contract.md);
+    # a row without a distribution keeps its NaN, so the metric shows it.
+    impossible = torch.isneginf(out.logp) & torch.isneginf(rollout_logprobs)
+    ratio = torch.where(impossible, 0.0, torch.exp((out.logp - rollout_logprobs).clamp(max=20.0)))
     return {
         "masked_frac": mean(masked, v),
         "masked_frac_pos": mean(masked, v * (advantages > 0)),
@@ -142,6 +133,18 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
         "ratio_max": vmax(ratio),
         "num_tokens": n,
     }
+
+
+def broadcast_advantages(advantages: Tensor, lead: torch.Size, layout: str) -> Tensor:
+    """Advantages as ``lead`` (the rows' shape): per token as given, or per sequence (``[B]``, or TRL's
+    ``[B, 1]``) expanded over the ``T`` tokens of ``[B, T]`` rows."""
+    if advantages.shape == lead:
+        return advantages
+    if len(lead) == 2 and advantages.shape in (lead[:1], torch.Size((lead[0], 1))):
+        return advantages.reshape(lead[0], 1).expand(lead)
+    raise ValueError(
+        f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} or {(lead[0], 1)} (per sequence, "
+        f"for [B, T, *] {layout}), got {tuple(advantages.shape)}")
 
 
 def _check_shape(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
@@ -210,6 +213,9 @@ def dppo_loss(
     """
     mode = canonical_mode(mode)
     check_aggregation(loss_agg_mode, loss_scale_factor)
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    check_token_ids("tokens", tokens)
+    check_token_ids("topk_ids", topk_ids)
     forward = dppo_loss_forward
     if vocab_parallel_group is not None or _is_dtensor(logits):
         logits, tokens, rollout_logprobs, advantages, response_mask, topk_ids, topk_logprobs, anchor_logprobs, \
@@ -222,19 +228,12 @@ def dppo_loss(
     _check_shape("rollout_logprobs", rollout_logprobs, lead)
     _check_shape("response_mask", response_mask, lead)
     _check_shape("anchor_logprobs", anchor_logprobs, lead)
-    if advantages.shape != lead:
-        if logits.dim() == 3 and advantages.shape == lead[:1]:
-            advantages = advantages.unsqueeze(-1).expand(lead)
-        else:
-            raise ValueError(
-                f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} (per sequence, "
-                f"for [B, T, V] logits), got {tuple(advantages.shape)}")
+    advantages = broadcast_advantages(advantages, lead, "logits")
     for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
         if t is not None and t.shape[:-1] != lead:
             raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
-    lo_default, hi_default = DEFAULT_DELTAS[mode]
-    delta_low = lo_default if delta_low is None else delta_low
-    delta_high = hi_default if delta_high is None else delta_high
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+        check_inplace_backward(logits)
 
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     valid = torch.ones(lead, dtype=torch.bool, device=logits.device) if response_mask is None else response_mask.bool()
@@ -283,6 +282,9 @@ def _vocab_parallel_inputs(logits, tokens, rollout_logprobs, advantages, respons
 class DPPOLoss(nn.Module):
     """``nn.Module`` form of :func:`dppo_loss` holding the settings; ``forward`` takes the tensors.
 
+    The settings are checked here, at construction (the same rules as the op's: a known mode, a finite
+    temperature > 0, thresholds that are None or finite and >= 0, ratio_cap > 0, a known loss_agg_mode).
+
     Example::
 
         crit = DPPOLoss(mode="binary_tv", delta_low=0.15, delta_high=0.15)
@@ -305,6 +307,10 @@ class DPPOLoss(nn.Module):
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__()
+        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
+        for name, flag in (("compute_entropy", compute_entropy), ("inplace_backward", inplace_backward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         check_aggregation(loss_agg_mode, loss_scale_factor)
         self.mode = canonical_mode(mode)
         self.temperature = temperature

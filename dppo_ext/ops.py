@@ -8,8 +8,15 @@ logits; ``divergence``, ``mask``, ``weight`` and ``lse`` are constants.
 
 ``inplace_backward=True`` routes through a small ``torch.autograd.Function`` that calls the
 in-place backward op ``dppo_loss_backward_``: the gradient is written into the logits buffer, so
-the loss adds no ``[N, V]`` tensor at all. The logits are consumed by the backward: do not read
-them afterwards, and do not use it when something else in the graph saved the same logits tensor.
+the loss adds no ``[N, V]`` tensor at all. The logits are consumed by the backward, and autograd is
+told so (their version counter moves): a node that saved the same logits (or a view of them) and
+runs its backward later fails with autograd's "modified by an inplace operation" error instead of
+computing a wrong gradient. Refused with an error naming ``inplace_backward``: leaf logits that
+require grad (their values would be replaced by the gradient), logits whose producer saved them
+(``x.exp()``, softmax, sigmoid, ...), and a second backward through the same graph.
+
+Not supported, with a clear error: double backward (``create_graph=True`` followed by a
+differentiation of the gradient) and ``torch.func`` transforms (``grad``, ``vmap``, ...).
 """
 
 from __future__ import annotations
@@ -19,29 +26,15 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .contract import MODE_ALIASES, MODES, canonical_mode, resolve_deltas
+
 __all__ = ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "dppo_loss_forward", "dppo_loss_backward"]
 
-MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
-# Other projects' names for our modes, accepted wherever a mode is (docs/names.md): verl's
-# ``policy_loss.loss_mode`` and the paper's verl fork (sail-sg/Stable-RL, also our trainer's --loss).
-MODE_ALIASES = {
-    "dppo_tv": "binary_tv",
-    "dppo_kl": "binary_kl",
-    "dppo_binary_tv": "binary_tv",
-    "dppo_binary_kl": "binary_kl",
-    "dppo_topk_tv": "topk_tv",
-    "dppo_topk_kl": "topk_kl",
-}
-
-
-def canonical_mode(mode: str) -> str:
-    """``mode`` as one of ``MODES`` (an alias of ``MODE_ALIASES`` is translated); ValueError otherwise."""
-    if isinstance(mode, str):
-        if mode in MODES:
-            return mode
-        if mode in MODE_ALIASES:
-            return MODE_ALIASES[mode]
-    raise ValueError(f"mode must be one of {MODES} (or an alias: {tuple(MODE_ALIASES)}), got {mode!r}")
+_NO_DOUBLE_BACKWARD = (
+    "{what} does not support double backward: its backward is a fused kernel without a derivative of its own, "
+    "so second-order gradients (backward/autograd.grad with create_graph=True, then differentiating the "
+    "gradient) cannot be computed. Call backward without create_graph=True."
+)
 
 
 class DPPOOutputs(NamedTuple):
@@ -107,6 +100,48 @@ def _backward(ctx, grad_loss, grad_logp, _g_div, _g_mask, _g_weight, grad_entrop
 torch.library.register_autograd("dppo::dppo_loss_forward", _backward, setup_context=_setup_context)
 
 
+def _backward_not_differentiable(ctx, *grads):
+    raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="dppo_loss_forward"))
+
+
+# The backward op runs under autograd only when its caller asked for create_graph=True; its output then
+# carries this node, so first-order gradients still work and a second-order one raises instead of the
+# silent zero that an op without an autograd formula would give.
+torch.library.register_autograd(
+    "dppo::dppo_loss_backward", _backward_not_differentiable, setup_context=lambda ctx, inputs, output: None)
+
+
+def check_no_functorch(api: str, *tensors: Optional[Tensor]) -> None:
+    """Refuse torch.func transforms (grad, vmap, jacrev, ...): the op's autograd formula is a plain-autograd one."""
+    if torch.compiler.is_compiling():
+        return
+    if any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        raise RuntimeError(
+            f"{api} does not support torch.func transforms (torch.func.grad, vmap, jacrev, ...): its fused kernels "
+            "have a hand-written backward that only plain autograd runs. Use loss.backward() or "
+            "torch.autograd.grad instead."
+        )
+
+
+def check_inplace_backward(logits: Tensor, name: str = "logits") -> None:
+    """Refuse the uses of ``inplace_backward=True`` that would silently corrupt a tensor or a gradient."""
+    if torch.compiler.is_compiling():
+        return
+    if logits.is_leaf or (logits._base is not None and logits._base.is_leaf):
+        raise ValueError(
+            f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a view of one), "
+            f"with its gradient. Pass inplace_backward=False, or pass the output of the layer that computes the "
+            f"logits (e.g. the LM head's output), which the backward may consume."
+        )
+    fn = logits.grad_fn
+    if fn is not None and any(attr.startswith("_saved_result") for attr in dir(fn)):
+        raise ValueError(
+            f"inplace_backward=True cannot be used on {name} produced by {type(fn).__name__}: that node saved its "
+            f"output (as x.exp(), softmax or sigmoid do) for its own backward, which the in-place gradient would "
+            f"overwrite. Pass inplace_backward=False."
+        )
+
+
 class _DPPOInplace(torch.autograd.Function):
     """The op with a backward that writes the logits gradient into the logits buffer."""
 
@@ -114,13 +149,26 @@ class _DPPOInplace(torch.autograd.Function):
     def forward(ctx, logits, *args):
         out = torch.ops.dppo.dppo_loss_forward(logits, *args)
         _setup_context(ctx, (logits,) + args, out)
+        ctx.consumed = False
         return out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, _g_div, _g_mask, _g_weight, grad_entropy, _g_lse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="dppo_loss_forward(inplace_backward=True)"))
+        if ctx.consumed:
+            raise RuntimeError(
+                "inplace_backward=True: the backward of this loss already ran and overwrote the logits with their "
+                "gradient, so it cannot run again (backward(retain_graph=True) a second time). Use "
+                "inplace_backward=False to backpropagate through the same graph more than once."
+            )
         logits, tokens, advantages, mask, weight, entropy, lse = ctx.saved_tensors
         gt, ge, ent = _grad_args(ctx, advantages, mask, weight, grad_loss, grad_logp, grad_entropy, entropy)
         torch.ops.dppo.dppo_loss_backward_(gt, ge, logits, tokens, lse, ent, ctx.temperature)
+        # Tell autograd the logits changed: any node that saved them and runs later now fails its
+        # saved-tensor version check instead of reading the gradient as if it were the logits.
+        torch.autograd.graph.increment_version(logits)
+        ctx.consumed = True
         return (logits,) + (None,) * 12
 
 
@@ -134,8 +182,8 @@ def dppo_loss_forward(
     anchor_logprobs: Optional[Tensor] = None,
     mode: str = "binary_tv",
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     compute_entropy: bool = True,
     inplace_backward: bool = False,
@@ -152,17 +200,23 @@ def dppo_loss_forward(
         anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
         mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
         temperature: logits are divided by it (must match the rollout's temperature).
-        delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides).
+        delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides); ``None`` takes
+            ``DEFAULT_DELTAS[mode]`` (``dppo_ext.contract``), as every other entry point does.
         ratio_cap: cap C of the importance weight.
         compute_entropy: also compute the entropy of softmax(logits / T) (else zeros).
-        inplace_backward: write the gradient into ``logits`` during backward (consumes the logits).
+        inplace_backward: write the gradient into ``logits`` during backward (consumes the logits;
+            see the module docstring for the uses it refuses).
 
     Returns:
-        ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``.
+        ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``. A row whose
+        scaled logits hold a NaN or +inf or are all -inf has NaN outputs (docs/contract.md).
     """
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    check_no_functorch("dppo_loss_forward", logits)
     args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, canonical_mode(mode),
             float(temperature), float(delta_low), float(delta_high), float(ratio_cap), bool(compute_entropy))
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+        check_inplace_backward(logits)
         return DPPOOutputs(*_DPPOInplace.apply(logits, *args))
     return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *args))
 

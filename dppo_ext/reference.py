@@ -22,25 +22,14 @@ import math
 
 import torch
 
-IGNORE_INDEX = -100
-MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
-TOPK_MODES = ("topk_tv", "topk_kl")
+from .contract import DEFAULT_DELTAS, IGNORE_INDEX, MODES, TOPK_MODES, resolve_deltas
+
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum-norm",
 )
 MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)
-# (delta_low, delta_high) that dppo_loss_full_reference uses when a threshold is None: the paper's
-# scale (Binary-TV 0.15 as a probability difference, KL 0.05 nats) and the PPO/DAPO clip for ratio.
-DEFAULT_DELTAS = {
-    "binary_tv": (0.15, 0.15),
-    "topk_tv": (0.15, 0.15),
-    "binary_kl": (0.05, 0.05),
-    "topk_kl": (0.05, 0.05),
-    "ratio": (0.2, 0.28),
-    "none": (0.0, 0.0),
-}
 OUTPUT_KEYS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
 METRIC_KEYS = (
     "masked_frac",
@@ -116,8 +105,8 @@ def dppo_loss_reference(
     anchor_logprobs: torch.Tensor | None = None,
     mode: str = "binary_tv",
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: float | None = None,
+    delta_high: float | None = None,
     ratio_cap: float = 10.0,
     compute_entropy: bool = True,
 ) -> dict[str, torch.Tensor]:
@@ -132,15 +121,19 @@ def dppo_loss_reference(
         topk_logprobs: [N, K] rollout log-probs of those ids (top-K modes).
         anchor_logprobs: [N] optional log-probs that replace the rollout's in the mask test only.
         mode: one of ``MODES``.
-        temperature, delta_low, delta_high, ratio_cap: the contract's scalars.
+        temperature, delta_low, delta_high, ratio_cap: the contract's scalars (a None threshold takes
+            ``DEFAULT_DELTAS[mode]``).
         compute_entropy: if False the entropy output is all zeros.
 
     Returns:
         dict with ``OUTPUT_KEYS``, each [N] in the accumulation dtype. ``loss``, ``logp`` and
-        ``entropy`` carry gradients w.r.t. ``logits``; the others are detached constants.
+        ``entropy`` carry gradients w.r.t. ``logits``; the others are detached constants. A row
+        without a distribution (its scaled logits hold a NaN or +inf, or are all -inf, so its lse is
+        not finite) has NaN outputs and a NaN gradient.
     """
-    if mode not in MODES:
+    if mode not in MODES:  # the oracle takes the canonical names only (aliases are the API's business)
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     if mode in TOPK_MODES and (topk_ids is None or topk_logprobs is None):
         raise ValueError(f"mode {mode!r} needs topk_ids and topk_logprobs")
     acc = accumulation_dtype(logits.dtype)
@@ -151,7 +144,10 @@ def dppo_loss_reference(
     scaled = logits.to(acc) / temperature
     log_probs = torch.log_softmax(scaled, dim=-1)  # [N, V], the naive full-vocabulary buffer
     lse = torch.logsumexp(scaled, dim=-1).detach()
-    logp = torch.where(valid, torch.gather(log_probs, 1, safe_tokens[:, None]).squeeze(1), zero)
+    # Rows without a distribution: NaN (0 elsewhere), added to every output so that the value and
+    # the gradient of such a row are NaN, as torch.nn.functional.cross_entropy's are.
+    poison = torch.where(torch.isfinite(lse), zero, math.nan)
+    logp = torch.where(valid, torch.gather(log_probs, 1, safe_tokens[:, None]).squeeze(1) + poison, zero)
 
     m = rollout_logprobs.to(acc)
     la = anchor_logprobs.to(acc) if anchor_logprobs is not None else m
@@ -182,11 +178,12 @@ def dppo_loss_reference(
         invalid = torch.where(
             positive, (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low)
         )
-    mask = (~invalid).to(acc)
+    mask = (~invalid).to(acc) + poison
 
     log_ratio = lp - m
     weight = torch.clamp(torch.exp(torch.clamp(log_ratio, max=LOG_RATIO_CLAMP)), max=ratio_cap)
-    weight = torch.where(torch.isnan(log_ratio), zero, weight)
+    # Both log-probs -inf (a token impossible under both policies, finite logits): weight 0.
+    weight = torch.where(torch.isneginf(lp) & torch.isneginf(m), zero, weight) + poison
 
     coef = -adv * weight * mask
     loss = torch.where(coef == 0, zero, coef * logp)
@@ -201,11 +198,11 @@ def dppo_loss_reference(
     outputs = {
         "loss": loss,
         "logp": logp,
-        "divergence": divergence,
+        "divergence": divergence + poison,
         "mask": mask,
         "weight": weight,
-        "entropy": entropy,
-        "lse": lse,
+        "entropy": entropy + poison,
+        "lse": lse + poison,
     }
     return {key: torch.where(valid, value, zero) for key, value in outputs.items()}
 
@@ -292,7 +289,7 @@ def dppo_loss_full_reference(
     Args:
         logits: [..., V] (e.g. [B, T, V]).
         tokens, rollout_logprobs: [...] matching ``logits.shape[:-1]``.
-        advantages: [...] per token, or [B] per sequence when ``logits`` is [B, T, V].
+        advantages: [...] per token, or [B] (or [B, 1]) per sequence when ``logits`` is [B, T, V].
         response_mask: [...] bool or 0/1; None means every token counts. Tokens with mask 0
             (or token id -100) are padding.
         topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...].
@@ -309,14 +306,13 @@ def dppo_loss_full_reference(
         num_tokens = number of valid tokens.
         Empty selections give 0.
     """
-    if mode not in MODES:
+    if mode not in MODES:  # the oracle takes the canonical names only (aliases are the API's business)
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    delta_low = DEFAULT_DELTAS[mode][0] if delta_low is None else delta_low
-    delta_high = DEFAULT_DELTAS[mode][1] if delta_high is None else delta_high
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     lead = logits.shape[:-1]
     vocab = logits.shape[-1]
-    if len(lead) == 2 and advantages.shape == lead[:1]:
-        advantages = advantages[:, None].expand(lead)
+    if len(lead) == 2 and advantages.shape in (lead[:1], (lead[0], 1)):
+        advantages = advantages.reshape(-1, 1).expand(lead)
     if response_mask is None:
         valid = tokens != IGNORE_INDEX
     else:
@@ -347,8 +343,8 @@ def dppo_loss_full_reference(
     logp = out["logp"].detach()
     m = rollout_logprobs.reshape(-1).to(acc)
     mismatch = (logp.exp() - m.exp()).abs()
-    log_ratio = logp - m
-    ratio = torch.where(torch.isnan(log_ratio), torch.zeros_like(logp), torch.exp(torch.clamp(log_ratio, max=LOG_RATIO_CLAMP)))
+    impossible = torch.isneginf(logp) & torch.isneginf(m)  # a NaN row keeps its NaN
+    ratio = torch.where(impossible, torch.zeros_like(logp), torch.exp(torch.clamp(logp - m, max=LOG_RATIO_CLAMP)))
     metrics = {
         "masked_frac": _masked_mean(masked_out, flat_valid),
         "masked_frac_pos": _masked_mean(masked_out, flat_valid & (adv > 0)),

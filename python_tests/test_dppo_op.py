@@ -371,9 +371,18 @@ def test_inplace_backward(device, dtype, mode, layout):
     ref_logits = inputs["logits"].detach().clone().requires_grad_(True)
     _weighted_sum(dppo_loss_forward(**dict(inputs, logits=ref_logits))._asdict(), g).backward()
 
-    # column_slice: the logits are a [:, 2:V+2] view of a wider buffer; only that window is written.
-    logits = inputs["logits"].detach()
-    logits = (logits.clone() if layout == "contiguous" else logits).requires_grad_(True)
+    # The logits are a non-leaf (as a model's output is: inplace_backward refuses leaves) computed
+    # from the leaf `source`; column_slice: a [:, 2:V+2] view of a wider buffer, only that window is
+    # written.
+    n, v = inputs["logits"].shape
+    if layout == "contiguous":
+        source = inputs["logits"].detach().clone().requires_grad_(True)
+        logits = source.clone()
+    else:
+        source = torch.zeros(n, v + 5, dtype=dtype, device=device)
+        source[:, 2 : v + 2] = inputs["logits"].detach()
+        source.requires_grad_(True)
+        logits = source.clone()[:, 2 : v + 2]
     assert logits.is_contiguous() == (layout == "contiguous")
     seen = []
     logits.register_hook(seen.append)
@@ -384,11 +393,12 @@ def test_inplace_backward(device, dtype, mode, layout):
     assert grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr(), \
         "inplace_backward must write the gradient into the logits' storage"
     torch.testing.assert_close(grad, ref_logits.grad, rtol=0, atol=0)
-    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=0, atol=0)
+    window = source.grad if layout == "contiguous" else source.grad[:, 2 : v + 2]
+    torch.testing.assert_close(window, ref_logits.grad, rtol=0, atol=0)
     if layout == "column_slice":
-        n, v = logits.shape
-        wide = torch.as_strided(logits.detach(), (n, v + 5), (v + 5, 1), logits.storage_offset() - 2)
-        assert (wide[:, :2] == 0).all() and (wide[:, v + 2 :] == 0).all(), "writes outside the logits view"
+        assert (source.grad[:, :2] == 0).all() and (source.grad[:, v + 2 :] == 0).all()
+        buffer = torch.as_strided(logits.detach(), (n, v + 5), (v + 5, 1), logits.storage_offset() - 2)
+        assert (buffer[:, :2] == 0).all() and (buffer[:, v + 2 :] == 0).all(), "writes outside the logits view"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -68,7 +68,7 @@ inline float hmax(const FVec& v) {
   alignas(64) float buf[kFV];
   v.store(buf);
   float s = buf[0];
-  for (int64_t i = 1; i < kFV; ++i) s = buf[i] > s ? buf[i] : s;
+  for (int64_t i = 1; i < kFV; ++i) s = nan_max(s, buf[i]);  // a NaN lane must survive (row_has_distribution)
   return s;
 }
 
@@ -85,7 +85,7 @@ float row_max(const scalar_t* z, int64_t v) {
     m1 = at::vec::maximum(m1, b);
   }
   float m = hmax(at::vec::maximum(m0, m1));
-  for (; j < v; ++j) m = std::max(m, static_cast<float>(z[j]));
+  for (; j < v; ++j) m = nan_max(m, static_cast<float>(z[j]));  // at::vec::maximum above propagates NaN too
   return m;
 }
 
@@ -132,7 +132,7 @@ void row_sums(const scalar_t* z, int64_t lo, int64_t hi, float inv_t, float mx, 
 
 double row_max(const double* z, int64_t v) {
   double m = -INFINITY;
-  for (int64_t j = 0; j < v; ++j) m = std::max(m, z[j]);
+  for (int64_t j = 0; j < v; ++j) m = nan_max(m, z[j]);
   return m;
 }
 
@@ -207,15 +207,16 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       } else {
         div = binary_divergence(args.mode, lp, l1p, la);
       }
-      const acc_t msk = trust_mask(args.mode, adv[i], lp, la, div, acc_t(args.delta_low), acc_t(args.delta_high));
-      const acc_t w = is_weight(lp, m, acc_t(args.ratio_cap));
-      out_loss[i] = token_loss(loss_coef(adv[i], w, msk), lp);
-      out_logp[i] = lp;
-      out_div[i] = div;
-      out_mask[i] = msk;
-      out_weight[i] = w;
-      out_ent[i] = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
-      out_lse[i] = lse;
+      const acc_t ent = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
+      const RowOutputs<acc_t> r = finish_row(args.mode, adv[i], lp, la, m, div, ent, lse, acc_t(args.delta_low),
+                                             acc_t(args.delta_high), acc_t(args.ratio_cap));
+      out_loss[i] = r.loss;
+      out_logp[i] = r.logp;
+      out_div[i] = r.divergence;
+      out_mask[i] = r.mask;
+      out_weight[i] = r.weight;
+      out_ent[i] = r.entropy;
+      out_lse[i] = r.lse;
     }
   });
 }

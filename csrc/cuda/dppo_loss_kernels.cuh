@@ -196,7 +196,7 @@ __device__ __forceinline__ void add_packs(EntState<acc_t>& st, const Pack<scalar
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       if (kExclude && j0 + u * jstride + k == a) continue;
-      zmax = std::fmax(zmax, static_cast<acc_t>(pk[u].v[k]));
+      zmax = nan_max(zmax, static_cast<acc_t>(pk[u].v[k]));  // fmax would drop a NaN
     }
   }
   if (zmax == static_cast<acc_t>(-INFINITY)) return;  // nothing but -inf (or the target): no mass
@@ -337,15 +337,15 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   } else {
     div = binary_divergence(p.mode, lp, l1p, la);
   }
-  const ep_t msk = trust_mask(p.mode, adv, lp, la, div, p.delta_low, p.delta_high);
-  const ep_t w = is_weight(lp, m, p.ratio_cap);
-  p.out_loss[i] = static_cast<acc_t>(token_loss(loss_coef(adv, w, msk), lp));
-  p.out_logp[i] = static_cast<acc_t>(lp);
-  p.out_div[i] = static_cast<acc_t>(div);
-  p.out_mask[i] = static_cast<acc_t>(msk);
-  p.out_weight[i] = static_cast<acc_t>(w);
-  p.out_ent[i] = kEntropy ? static_cast<acc_t>(entropy_from_state(full.sum, full.wsum)) : acc_t(0);
-  p.out_lse[i] = static_cast<acc_t>(lse);
+  const ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
+  const RowOutputs<ep_t> r = finish_row(p.mode, adv, lp, la, m, div, ent, lse, p.delta_low, p.delta_high, p.ratio_cap);
+  p.out_loss[i] = static_cast<acc_t>(r.loss);
+  p.out_logp[i] = static_cast<acc_t>(r.logp);
+  p.out_div[i] = static_cast<acc_t>(r.divergence);
+  p.out_mask[i] = static_cast<acc_t>(r.mask);
+  p.out_weight[i] = static_cast<acc_t>(r.weight);
+  p.out_ent[i] = static_cast<acc_t>(r.entropy);
+  p.out_lse[i] = static_cast<acc_t>(r.lse);
 }
 
 // One block per row: grid (N).

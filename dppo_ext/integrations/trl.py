@@ -41,6 +41,7 @@ inputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -54,9 +55,10 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..contract import DEFAULT_DELTAS, MODE_ALIASES, MODES, TOPK_MODES, canonical_mode, check_settings, resolve_deltas
 from ..fused_linear import fused_linear_dppo_loss_per_row
-from ..loss import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, aggregate_loss, dppo_metrics
-from ..ops import MODE_ALIASES, MODES, DPPOOutputs, canonical_mode, dppo_loss_forward
+from ..loss import AGG_MODES, IGNORE_INDEX, NORM_AGG_MODES, aggregate_loss, dppo_metrics
+from ..ops import DPPOOutputs, dppo_loss_forward
 from ..rollout.vllm_logging import install_benign_warning_filters
 from ..rollout.vllm_outputs import ranked_topk_rows
 
@@ -65,7 +67,6 @@ logger = logging.getLogger(__name__)
 # TRL releases this integration is written and tested against (it overrides GRPOTrainer internals).
 SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 TESTED_TRL = "1.16.0"
-TOPK_MODES = ("topk_tv", "topk_kl")
 # Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                      "logits_scaling")
@@ -74,6 +75,15 @@ _TRL_DEFAULT_LOSS_TYPE = "dapo"
 _TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 # Metrics aggregated across processes by max instead of mean.
 _MAX_METRICS = ("mismatch_max", "ratio_max")
+# GRPOConfig fields of TRL's own policy losses that the DPPO loss does not read (loss_type is mapped to an
+# aggregation and the ratio clips epsilon / epsilon_high / delta are refused, see _check_trl_loss_fields); setting
+# one to a non-default value gets a warning. (vllm_importance_sampling_correction is not listed: both of its values
+# give the same DPPO loss, whose weight min(pi / mu, C) already corrects against mu.)
+_IGNORED_TRL_LOSS_FIELDS = (
+    "importance_sampling_level", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+    "vespo_k_neg", "vespo_lambda_neg", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+)
 
 
 def check_trl_version(version: str) -> None:
@@ -173,9 +183,10 @@ class DPPOGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        self._warn_ignored_trl_fields()  # before GRPOConfig's own __post_init__ rewrites any of them
         super().__post_init__()
-        if not (isinstance(self.dppo_mode, str) and (self.dppo_mode in MODES or self.dppo_mode in MODE_ALIASES)):
-            raise ValueError(f"dppo_mode must be one of {MODES} or an alias {tuple(MODE_ALIASES)}, got {self.dppo_mode!r}")
+        check_settings(self.dppo_mode, self.temperature, self.dppo_delta_low, self.dppo_delta_high,
+                       self.dppo_ratio_cap, prefix="dppo_")
         self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_topk < 0:
             raise ValueError(f"dppo_topk must be >= 0, got {self.dppo_topk}")
@@ -191,12 +202,6 @@ class DPPOGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"dppo_loss_agg_mode={self.dppo_loss_agg_mode!r} divides by max_completion_length, which must be a "
                 f"positive int, got {self.max_completion_length!r}")
-        for name in ("dppo_delta_low", "dppo_delta_high"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {value}")
-        if not self.dppo_ratio_cap > 0:
-            raise ValueError(f"dppo_ratio_cap must be > 0, got {self.dppo_ratio_cap}")
         if self.dppo_chunk_size is not None and self.dppo_chunk_size < 1:
             raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
         if self.dppo_vllm_dtype not in VLLM_DTYPES:
@@ -224,14 +229,22 @@ class DPPOGRPOConfig(GRPOConfig):
                 f"dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / epsilon_high) and "
                 f"leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
 
+    def _warn_ignored_trl_fields(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+        changed = {name: getattr(self, name) for name in _IGNORED_TRL_LOSS_FIELDS
+                   if name in defaults and getattr(self, name) != defaults[name]}
+        if changed:
+            warnings.warn(
+                f"DPPOGRPOConfig: the DPPO loss ignores TRL's own loss settings {changed}; set the DPPO ones instead "
+                f"(dppo_mode, dppo_delta_low, dppo_delta_high, dppo_ratio_cap, dppo_loss_agg_mode)",
+                UserWarning,
+                stacklevel=4,
+            )
+
     @property
     def dppo_deltas(self) -> tuple[float, float]:
         """``(delta_low, delta_high)`` with the mode's defaults filled in."""
-        low, high = DEFAULT_DELTAS[self.dppo_mode]
-        return (
-            low if self.dppo_delta_low is None else self.dppo_delta_low,
-            high if self.dppo_delta_high is None else self.dppo_delta_high,
-        )
+        return resolve_deltas(self.dppo_mode, self.dppo_delta_low, self.dppo_delta_high)
 
 
 @dataclass
@@ -258,6 +271,13 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
     (generation, TRL's own log-prob passes). Models that transform the LM head's output (logit soft-capping or
     scaling in their forward) are rejected: the loss would see different logits than the model's.
     """
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or not hasattr(model, "base_model"):
+        raise ValueError(
+            f"add_dppo_head needs a causal LM with an LM head (model.get_output_embeddings() with a weight, and "
+            f"model.base_model), got {type(model).__name__} whose output embeddings are {type(head).__name__}; "
+            f"load the model with AutoModelForCausalLM"
+        )
     text_config = model.config.get_text_config()
     transforms = {name: getattr(text_config, name, None) for name in _LOGIT_TRANSFORMS}
     transforms = {name: value for name, value in transforms.items() if value is not None and value != 1.0}

@@ -1,0 +1,103 @@
+"""The constants and setting checks of docs/contract.md (and the mode names of docs/names.md), in one place.
+
+Every entry point that computes the loss (``ops.dppo_loss_forward``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
+functions, the TRL integration) and the readable reference take their modes, the ignore index and the per-mode
+default thresholds from here, so a threshold left at ``None`` means the same thing everywhere. No compiled code is
+imported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "TOPK_MODES", "canonical_mode", "check_settings",
+           "check_token_ids", "resolve_deltas"]
+
+MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
+TOPK_MODES = ("topk_tv", "topk_kl")
+# Other projects' names for our modes, accepted wherever a mode is (docs/names.md): verl's
+# ``policy_loss.loss_mode`` and the paper's verl fork (sail-sg/Stable-RL, also our trainer's --loss).
+MODE_ALIASES = {
+    "dppo_tv": "binary_tv",
+    "dppo_kl": "binary_kl",
+    "dppo_binary_tv": "binary_tv",
+    "dppo_binary_kl": "binary_kl",
+    "dppo_topk_tv": "topk_tv",
+    "dppo_topk_kl": "topk_kl",
+}
+# A token id of -100 marks a padding row (torch.nn.functional.cross_entropy's ignore_index).
+IGNORE_INDEX = -100
+# (delta_low, delta_high) when a threshold is None. TV thresholds bound a probability difference, KL ones a
+# divergence in nats (the paper's Binary-TV 0.15 / Binary-KL 0.05 scale), ratio ones the PPO/DAPO clip.
+DEFAULT_DELTAS = {
+    "binary_tv": (0.15, 0.15),
+    "topk_tv": (0.15, 0.15),
+    "binary_kl": (0.05, 0.05),
+    "topk_kl": (0.05, 0.05),
+    "ratio": (0.2, 0.28),
+    "none": (0.0, 0.0),
+}
+
+
+def canonical_mode(mode: str, name: str = "mode") -> str:
+    """``mode`` as one of ``MODES`` (an alias of ``MODE_ALIASES`` is translated); ValueError otherwise.
+
+    ``name`` is the argument's name in the message.
+    """
+    if isinstance(mode, str):
+        if mode in MODES:
+            return mode
+        if mode in MODE_ALIASES:
+            return MODE_ALIASES[mode]
+    raise ValueError(f"{name} must be one of {MODES} (or an alias: {tuple(MODE_ALIASES)}), got {mode!r}")
+
+
+def resolve_deltas(mode: str, delta_low: Optional[float], delta_high: Optional[float]) -> tuple[float, float]:
+    """``(delta_low, delta_high)`` with ``None`` replaced by ``DEFAULT_DELTAS[mode]`` (aliases accepted)."""
+    low, high = DEFAULT_DELTAS[canonical_mode(mode)]
+    return (low if delta_low is None else delta_low, high if delta_high is None else delta_high)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_settings(
+    mode: str,
+    temperature: float,
+    delta_low: Optional[float],
+    delta_high: Optional[float],
+    ratio_cap: float,
+    *,
+    prefix: str = "",
+    temperature_name: str = "temperature",
+) -> None:
+    """The scalar settings' rules of the op (csrc/checks.h), for settings given before any tensor exists.
+
+    ``prefix`` is prepended to the names of mode, thresholds and cap in the messages (``"dppo_"`` for the TRL
+    config fields); ``temperature_name`` is the temperature's name.
+    """
+    canonical_mode(mode, f"{prefix}mode")
+    if not _is_number(temperature) or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"{temperature_name} must be a finite number > 0, got {temperature!r}")
+    for name, value in (("delta_low", delta_low), ("delta_high", delta_high)):
+        if value is None:
+            continue
+        if not _is_number(value) or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{prefix}{name} must be a finite number >= 0 or None (the mode's default), got {value!r}")
+    if not _is_number(ratio_cap) or not ratio_cap > 0:
+        raise ValueError(f"{prefix}ratio_cap must be a number > 0, got {ratio_cap!r}")
+
+
+def check_token_ids(name: str, ids: Optional[torch.Tensor]) -> None:
+    """Token ids must be an integer tensor: ``.long()`` would silently truncate fractional float ids."""
+    if ids is None:
+        return
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must hold integer token ids (an integer dtype such as torch.int64), got dtype {ids.dtype}; "
+            f"convert ids you know to be whole numbers with {name}.long()"
+        )
