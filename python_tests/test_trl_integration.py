@@ -247,7 +247,7 @@ def test_config_errors(tmp_path, tiny_model):
     with pytest.raises(ValueError, match=r"divides by max_completion_length, which must be a positive int, got None"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_loss_agg_mode="token-sum-norm", max_completion_length=None,
                        use_cpu=True)
-    with pytest.raises(ValueError, match=r"dppo_delta_low must be >= 0 or None, got -0.1"):
+    with pytest.raises(ValueError, match=r"dppo_delta_low must be a finite number >= 0 or None .*got -0.1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_delta_low=-0.1, use_cpu=True)
     with pytest.raises(ValueError, match=r"does not combine DPPO with TRL's \['entropy_coef'\]"):
         make_trainer(tiny_model, tmp_path, entropy_coef=0.01)
@@ -400,3 +400,42 @@ def test_no_vllm_version_warning_for_the_pinned_vllm():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "You have version 0.33.0" in out.stderr, "other vLLM versions must still warn"
     assert f"You have version {dppo_trl.TESTED_VLLM}" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("dppo_delta_low", math.nan, r"dppo_delta_low must be a finite number >= 0 or None .*got nan"),
+        ("dppo_delta_high", math.nan, r"dppo_delta_high must be a finite number >= 0 or None .*got nan"),
+        ("dppo_delta_high", math.inf, r"dppo_delta_high must be a finite number >= 0 or None .*got inf"),
+        ("dppo_ratio_cap", math.nan, r"dppo_ratio_cap must be a number > 0, got nan"),
+    ],
+)
+def test_config_rejects_nonfinite_thresholds(tmp_path, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+def test_config_warns_about_trl_loss_fields_it_ignores(tmp_path):
+    """Fields of TRL's own losses that DPPO does not read (loss_type and the ratio clips: test_trl_loss_fields)."""
+    with pytest.warns(UserWarning, match=r"ignores TRL's own loss settings \{'importance_sampling_level': 'sequence', "
+                                         r"'sapo_temperature_neg': 2.0, 'vllm_importance_sampling_clip_max': 5.0\}"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, importance_sampling_level="sequence",
+                       sapo_temperature_neg=2.0, vllm_importance_sampling_clip_max=5.0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # TRL's defaults (and the DPPO fields) warn about nothing
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_mode="ratio", dppo_delta_high=0.3,
+                       loss_type="grpo")
+
+
+def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    with pytest.raises(ValueError, match=r"add_dppo_head needs a causal LM with an LM head .*got LlamaModel.*"
+                                         r"AutoModelForCausalLM"):
+        add_dppo_head(LlamaModel(config), args, 1.0)
