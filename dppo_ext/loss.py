@@ -10,6 +10,7 @@ gradient.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -47,8 +48,8 @@ def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = N
             raise ValueError(
                 f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
                 f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
-        if not loss_scale_factor > 0:
-            raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r}")
+        if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0):  # inf would silently zero the loss
+            raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r} (a finite number)")
 
 
 def aggregate_loss(

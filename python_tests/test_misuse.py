@@ -24,7 +24,15 @@ import pytest
 import torch
 from dppo_testing import DEVICES, DTYPES, sample_inputs
 
-from dppo_ext import DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, fused_linear_dppo, fused_linear_dppo_loss
+from dppo_ext import (
+    DEFAULT_DELTAS,
+    DPPOLoss,
+    FusedLinearDPPOLoss,
+    aggregate_loss,
+    dppo_loss,
+    fused_linear_dppo_loss,
+    fused_linear_dppo_loss_per_row,
+)
 from dppo_ext import reference
 from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import MODES, OUTPUT_KEYS, accumulation_dtype, dppo_loss_full_reference, dppo_loss_reference
@@ -216,7 +224,7 @@ def test_fused_linear_nan_weight_row_makes_the_loss_nan(vocab_chunk_size):
     weight[11] = math.nan  # one LM-head row: every logits row gets a NaN column
     weight.requires_grad_(True)
     hidden = kw["hidden"].clone().requires_grad_(True)
-    loss, metrics = fused_linear_dppo(**dict(kw, hidden=hidden, weight=weight), vocab_chunk_size=vocab_chunk_size)
+    loss, metrics = fused_linear_dppo_loss(**dict(kw, hidden=hidden, weight=weight), vocab_chunk_size=vocab_chunk_size)
     assert torch.isnan(loss)
     assert torch.isnan(metrics["entropy_mean"]) and torch.isnan(metrics["masked_frac"])
     loss.backward()
@@ -224,8 +232,8 @@ def test_fused_linear_nan_weight_row_makes_the_loss_nan(vocab_chunk_size):
     # A NaN in one hidden state: only that row.
     hidden = kw["hidden"].clone()
     hidden[2, 0] = math.nan
-    out = fused_linear_dppo_loss(**dict(kw, hidden=hidden))
-    clean = fused_linear_dppo_loss(**kw)
+    out = fused_linear_dppo_loss_per_row(**dict(kw, hidden=hidden))
+    clean = fused_linear_dppo_loss_per_row(**kw)
     keep = torch.arange(hidden.shape[0]) != 2
     for key in OUTPUT_KEYS:
         value = getattr(out, key)
@@ -361,7 +369,7 @@ def test_double_backward_inplace_and_fused_linear():
         torch.autograd.grad(loss, x, create_graph=True)
     fk = _fused_inputs()
     hidden = fk["hidden"].clone().requires_grad_(True)
-    loss = fused_linear_dppo_loss(**dict(fk, hidden=hidden)).loss.sum()
+    loss = fused_linear_dppo_loss_per_row(**dict(fk, hidden=hidden)).loss.sum()
     with pytest.raises(RuntimeError, match=r"fused_linear_dppo_loss does not support double backward"):
         torch.autograd.grad(loss, hidden, create_graph=True)
 
@@ -379,7 +387,9 @@ def test_torch_func_transforms_are_refused_plainly():
                                                      for k, v in rest.items()}).loss)(z[:, None])
     fk = _fused_inputs()
     with pytest.raises(RuntimeError, match=r"fused_linear_dppo_loss does not support torch.func transforms"):
-        torch.func.grad(lambda w: fused_linear_dppo_loss(**dict(fk, weight=w)).loss.sum())(fk["weight"])
+        torch.func.grad(lambda w: fused_linear_dppo_loss_per_row(**dict(fk, weight=w)).loss.sum())(fk["weight"])
+    with pytest.raises(RuntimeError, match=r"fused_linear_dppo_loss does not support torch.func transforms"):
+        torch.func.grad(lambda h: fused_linear_dppo_loss(**dict(fk, hidden=h))[0])(fk["hidden"])
 
 
 # ---- token ids, defaults, settings, advantages --------------------------------------------------
@@ -397,9 +407,9 @@ def test_fractional_float_tokens_are_refused():
         dppo_loss_forward(**dict(kw, tokens=tokens))
     fk = _fused_inputs()
     with pytest.raises(TypeError, match=r"tokens must hold integer token ids"):
-        fused_linear_dppo(**dict(fk, tokens=fk["tokens"].double()))
-    with pytest.raises(TypeError, match=r"tokens must have dtype Long"):
         fused_linear_dppo_loss(**dict(fk, tokens=fk["tokens"].double()))
+    with pytest.raises(TypeError, match=r"tokens must have dtype Long"):
+        fused_linear_dppo_loss_per_row(**dict(fk, tokens=fk["tokens"].double()))
     # Integer ids of another width are fine and give the same loss.
     loss32, _ = dppo_loss(**dict(kw, tokens=kw["tokens"].int(), topk_ids=kw["topk_ids"].int()))
     loss64, _ = dppo_loss(**kw)
@@ -435,8 +445,8 @@ def test_every_entry_point_uses_the_mode_defaults(mode):
     weight = torch.randn(v, 6, generator=gen, dtype=torch.float64)
     fused = {k: implicit[k] for k in ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs",
                                       "mode", "temperature", "ratio_cap")}
-    got = fused_linear_dppo_loss(hidden, weight, **fused)
-    want = fused_linear_dppo_loss(hidden, weight, **fused, delta_low=low, delta_high=high)
+    got = fused_linear_dppo_loss_per_row(hidden, weight, **fused)
+    want = fused_linear_dppo_loss_per_row(hidden, weight, **fused, delta_low=low, delta_high=high)
     torch.testing.assert_close(got.mask, want.mask, rtol=0, atol=0)
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
 
@@ -458,10 +468,14 @@ def test_every_entry_point_uses_the_mode_defaults(mode):
         (dict(inplace_backward=1), TypeError, r"inplace_backward must be a bool, got 1"),
     ],
 )
-def test_dppo_loss_module_checks_its_settings_at_construction(settings, exc, match):
+@pytest.mark.parametrize("module", (DPPOLoss, FusedLinearDPPOLoss), ids=lambda m: m.__name__)
+def test_loss_modules_check_their_settings_at_construction(module, settings, exc, match):
+    settings = dict(settings)
     mode = settings.pop("mode", "binary_tv")
+    if module is FusedLinearDPPOLoss and "inplace_backward" in settings:
+        settings, exc, match = {"chunk_size": 0}, ValueError, r"chunk_size must be a positive int or None, got 0"
     with pytest.raises(exc, match=match):
-        DPPOLoss(mode, **settings)
+        module(mode, **settings)
 
 
 def test_module_defaults_and_valid_settings_construct():
@@ -489,16 +503,23 @@ def test_trl_layout_advantages_b1_broadcast_like_b():
     hidden = torch.randn(b, t, 4, generator=gen, dtype=torch.float64)
     weight = torch.randn(flat["logits"].shape[-1], 4, generator=gen, dtype=torch.float64)
     fused = {k: flat[k] for k in ("tokens", "rollout_logprobs")}
-    got, _ = fused_linear_dppo(hidden, weight, advantages=adv[:, None], **fused)
-    want, _ = fused_linear_dppo(hidden, weight, advantages=adv, **fused)
+    got, _ = fused_linear_dppo_loss(hidden, weight, advantages=adv[:, None], **fused)
+    want, _ = fused_linear_dppo_loss(hidden, weight, advantages=adv, **fused)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factor", (math.inf, math.nan))
+def test_aggregate_loss_refuses_a_nonfinite_scale_factor(factor):
+    """loss_scale_factor=inf would give a loss of exactly 0 (and no gradient) without a word."""
+    with pytest.raises(ValueError, match=r"loss_scale_factor must be > 0 or None, got (inf|nan)"):
+        aggregate_loss(torch.ones(3, 4), torch.ones(3, 4), "seq-mean-token-sum-norm", factor)
 
 
 def test_aggregate_loss_refuses_a_mask_that_would_broadcast():
     loss_mat = torch.ones(3, 4)
-    with pytest.raises(ValueError, match=r"mask must have loss_mat's shape \(3, 4\), got \(4,\)"):
+    with pytest.raises(ValueError, match=r"mask must have the loss's shape \(3, 4\), got \(4,\)"):
         aggregate_loss(loss_mat, torch.ones(4))
-    with pytest.raises(ValueError, match=r"mask must have loss_mat's shape \(3, 4\), got \(3, 1\)"):
+    with pytest.raises(ValueError, match=r"mask must have the loss's shape \(3, 4\), got \(3, 1\)"):
         aggregate_loss(loss_mat, torch.ones(3, 1), "seq-mean-token-sum")
 
 
