@@ -299,23 +299,7 @@ DPPO_HOST_DEVICE T grad_target(T logp_a, T g_t, T g_h, T entropy, T inv_t) {
   return (g_t * one_minus_p - ent) * inv_t;
 }
 
-// ---- the per-row epilogue ----------------------------------------------------------------------
-// Everything a kernel does for a row once it has lp = log pi, the divergence D and the rollout/anchor
-// log-probs: the mask, the importance weight and the loss. Kernels that end a row call this, so the
-// composition (which log-prob feeds which test) is written once.
-template <typename T>
-struct RowResult {
-  T loss, mask, weight;
-};
-
-template <typename T>
-DPPO_HOST_DEVICE RowResult<T> finish_row(Mode mode, T adv, T lp, T m, T la, T div, T delta_low, T delta_high,
-                                         T ratio_cap) {
-  const T msk = trust_mask(mode, adv, lp, la, div, delta_low, delta_high);
-  const T w = is_weight(lp, m, ratio_cap);
-  return {token_loss(loss_coef(adv, w, msk), lp), msk, w};
-}
-
+// The divergence of the top-K modes from their accumulated buckets.
 template <typename T>
 DPPO_HOST_DEVICE T topk_divergence(Mode mode, const TopkAcc<T>& acc) {
   return mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);

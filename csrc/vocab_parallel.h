@@ -101,14 +101,17 @@ DPPO_HOST_DEVICE VpRowOut<T> vp_merge_row(const S* stats, int64_t rank_stride, c
   } else {
     div = binary_divergence(args.mode, lp, l1p, la);
   }
-  const RowResult<T> res = finish_row(args.mode, adv, lp, m, la, div, T(args.delta_low), T(args.delta_high),
-                                      T(args.ratio_cap));
-  out.loss = res.loss;
-  out.logp = lp;
-  out.divergence = div;
-  out.mask = res.mask;
-  out.weight = res.weight;
-  out.entropy = args.compute_entropy ? entropy_from_state(total, ent.wsum) : T(0);
+  const T entropy = args.compute_entropy ? entropy_from_state(total, ent.wsum) : T(0);
+  // dppo_math.h's per-row epilogue, the single-device kernels' own (a row without a distribution is all NaN).
+  const RowOutputs<T> r = finish_row(args.mode, adv, lp, la, m, div, entropy, out.lse, T(args.delta_low),
+                                     T(args.delta_high), T(args.ratio_cap));
+  out.loss = r.loss;
+  out.logp = r.logp;
+  out.divergence = r.divergence;
+  out.mask = r.mask;
+  out.weight = r.weight;
+  out.entropy = r.entropy;
+  out.lse = r.lse;
   return out;
 }
 

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import DPPOOutputs, _grad_args, canonical_mode
+from .contract import resolve_deltas
+from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, _grad_args, canonical_mode, check_inplace_backward, check_no_functorch
 
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
@@ -186,14 +187,25 @@ class _VocabParallelDPPO(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.compute_entropy = compute_entropy
         ctx.inplace = inplace
+        ctx.consumed = False
         ctx.mark_non_differentiable(divergence, mask, weight, lse)
         return outs
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="the vocab-parallel DPPO loss"))
+        if ctx.consumed:  # the same rule as ops._DPPOInplace
+            raise RuntimeError(
+                "inplace_backward=True: the backward of this loss already ran and overwrote the logits with their "
+                "gradient, so it cannot run again (backward(retain_graph=True) a second time). Use "
+                "inplace_backward=False to backpropagate through the same graph more than once.")
         logits, local_tokens, foreign, adv, mask, weight, entropy, lse = ctx.saved_tensors
         gt, ge, ent = _grad_args(ctx, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
         grad = _slice_backward(gt, ge, ent, logits, local_tokens, foreign, lse, ctx.temperature, ctx.inplace)
+        if ctx.inplace:  # autograd must know the logits were overwritten (ops._DPPOInplace)
+            torch.autograd.graph.increment_version(logits)
+            ctx.consumed = True
         return (grad,) + (None,) * 15
 
 
@@ -219,8 +231,8 @@ def dppo_loss_forward_vocab_parallel(
     anchor_logprobs: Optional[Tensor] = None,
     mode: str = "binary_tv",
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     compute_entropy: bool = True,
     inplace_backward: bool = False,
@@ -249,6 +261,10 @@ def dppo_loss_forward_vocab_parallel(
     if logits.shape[1] == 0:
         raise ValueError("every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
                          f"got logits of shape {tuple(logits.shape)}")
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+        check_inplace_backward(logits)
     offsets = _resolve_offsets(logits.shape[1], group, vocab_offsets)
     args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, canonical_mode(mode),
             float(temperature),
@@ -338,6 +354,8 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="fused_linear_dppo_loss (vocab-parallel)"))
         hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse = ctx.saved_tensors
         gt, ge, ent = _grad_args(ctx, adv, mask, row_weight, g_loss, g_logp, g_entropy, entropy)
         n = hidden.shape[0]
@@ -391,8 +409,8 @@ def fused_linear_dppo_loss_vocab_parallel(
     anchor_logprobs: Optional[Tensor] = None,
     mode: str = "binary_tv",
     temperature: float = 1.0,
-    delta_low: float = 0.2,
-    delta_high: float = 0.2,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
     ratio_cap: float = 10.0,
     compute_entropy: bool = True,
     chunk_size: Optional[int] = None,
@@ -412,6 +430,7 @@ def fused_linear_dppo_loss_vocab_parallel(
     """
     from .fused_linear import _check_inputs, plan_chunks
 
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     _check_inputs(hidden, weight, bias, tokens, {"rollout_logprobs": rollout_logprobs, "advantages": advantages,
                                                  "anchor_logprobs": anchor_logprobs}, topk_ids, topk_logprobs)
     if weight.shape[0] == 0:

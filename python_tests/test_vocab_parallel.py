@@ -132,6 +132,38 @@ def test_all_minus_inf_slice_is_empty():
     compare_grads("-inf slice", inputs, g, got_grad, want_grad)
 
 
+@pytest.mark.parametrize("kind", ("nan_one_slice", "nan_row", "posinf", "neginf_row"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+def test_simulated_nonfinite_rows_are_nan_like_single_device(dtype, kind):
+    """A row without a distribution (docs/contract.md) is all NaN across ranks too, its gradient NaN in every
+    slice; the other rows are untouched. The NaN sits in one rank's slice only for nan_one_slice / posinf."""
+    inputs = sample_inputs("cpu", dtype, "binary_tv", "v129", seed=7)
+    offsets = split_offsets(129, 3)
+    inputs = place_tokens(inputs, offsets)
+    z = inputs["logits"].clone()
+    bad = 5
+    col = offsets[1] + 3 if int(inputs["tokens"][bad]) != offsets[1] + 3 else offsets[1] + 4
+    if kind == "nan_one_slice":
+        z[bad, col] = float("nan")
+    elif kind == "nan_row":
+        z[bad] = float("nan")
+    elif kind == "posinf":
+        z[bad, col] = float("inf")
+    else:
+        z[bad] = -float("inf")
+    inputs = dict(inputs, logits=z)
+    g = upstream(z.shape[0], accumulation_dtype(dtype), tie_rows(dict(inputs, logits=z.nan_to_num())))
+    want_out, want_grad = single_device(inputs, g)
+    got_out, got_grad = simulate(inputs, offsets, g, inplace=False)
+    keep = torch.arange(z.shape[0]) != bad
+    for key, value in got_out.items():
+        assert torch.isnan(value[bad]), f"{kind}: {key} of the non-finite row is {value[bad].item()}"
+        assert torch.isnan(want_out[key][bad]), key
+        torch.testing.assert_close(value[keep], want_out[key][keep])
+    assert torch.isnan(got_grad[bad]).all()
+    torch.testing.assert_close(got_grad[keep], want_grad[keep])
+
+
 @pytest.mark.parametrize("mode", ("binary_kl", "topk_tv"))
 def test_opcheck(mode):
     inputs = sample_inputs("cpu", torch.float32, mode, "v129", anchor=True)

@@ -45,7 +45,7 @@ inline float hreduce(const FVec& v, bool is_max) {
   alignas(64) float buf[kFV];
   v.store(buf);
   float s = buf[0];
-  for (int64_t i = 1; i < kFV; ++i) s = is_max ? std::max(s, buf[i]) : s + buf[i];
+  for (int64_t i = 1; i < kFV; ++i) s = is_max ? nan_max(s, buf[i]) : s + buf[i];  // a NaN lane must survive
   return s;
 }
 
@@ -60,7 +60,7 @@ float slice_max(const scalar_t* z, int64_t v) {
     m1 = at::vec::maximum(m1, b);
   }
   float m = hreduce(at::vec::maximum(m0, m1), true);
-  for (; j < v; ++j) m = std::max(m, static_cast<float>(z[j]));
+  for (; j < v; ++j) m = nan_max(m, static_cast<float>(z[j]));
   return m;
 }
 
@@ -100,7 +100,7 @@ void slice_sums(const scalar_t* z, int64_t lo, int64_t hi, float inv_t, float mx
 
 double slice_max(const double* z, int64_t v) {
   double m = -INFINITY;
-  for (int64_t j = 0; j < v; ++j) m = std::max(m, z[j]);
+  for (int64_t j = 0; j < v; ++j) m = nan_max(m, z[j]);
   return m;
 }
 
