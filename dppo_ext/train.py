@@ -289,8 +289,7 @@ def _run_locked(
     atomic_write_text(out_dir / "config.json", json.dumps(config.to_dict(), indent=2))
     if checkpoint_dir is None:
         atomic_write_text(out_dir / INPUTS_FILE, json.dumps(data_fingerprints(config), indent=2))
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    torch.set_num_threads(resolve_threads(config.threads))
     seed_everything(config.seed)
     if checkpoint_dir is not None:
         policy_path = str(checkpoint_dir / MODEL_DIR)
@@ -327,6 +326,32 @@ def _run_locked(
     return summary
 
 
+def resolve_threads(threads: int) -> int:
+    """``--threads``: a positive count as given; 0 = the CPUs this process may run on."""
+    if threads > 0:
+        return threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def restart_with_passive_omp_waits(config: TrainConfig) -> None:
+    """Restart the CLI once with ``OMP_WAIT_POLICY=PASSIVE`` when it will run more than one thread.
+
+    OpenMP's default lets idle threads spin; on a CPU shared with other work a spinning thread holds a
+    core that the thread it waits for needs, and the tiny model's forward/backward ran ~10x slower on 2
+    threads than on 1 on this project's 2-core machine under load, while with passive waits 2 threads
+    were ~2x faster than 1. The setting is read when OpenMP loads (with torch), hence the restart; a
+    value already in the environment is kept.
+    """
+    if resolve_threads(config.threads) <= 1 or "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "dppo_ext.train", *sys.argv[1:]])
+
+
 def set_library_verbosity(*, verbose: bool) -> None:
     """Quiet (default) or verbose vLLM and transformers.
 
@@ -357,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"dppo-train: error: {err}", file=sys.stderr)
         return 2
+    if argv is None:  # the real command line (not a call from Python): it may restart itself once
+        restart_with_passive_omp_waits(config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print("dppo-train settings:\n" + config.describe(), flush=True)
     try:

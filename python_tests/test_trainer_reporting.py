@@ -145,3 +145,34 @@ def test_cli_run_with_vllm_is_quiet_by_default(tmp_path):
     benign = [entry[1].replace("%s", "") for entry in vllm_logging.BENIGN_VLLM_WARNINGS]
     assert not [line for line in vllm_lines if any(b and b in line for b in benign)], vllm_lines
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4
+
+
+def test_threads_default_is_every_usable_cpu():
+    import os
+
+    from dppo_ext.train import resolve_threads
+
+    assert TrainConfig().threads == 0
+    assert resolve_threads(0) == len(os.sched_getaffinity(0))
+    assert resolve_threads(3) == 3
+
+
+def test_cli_restarts_once_with_passive_omp_waits(monkeypatch, tmp_path):
+    """More than one thread: the CLI restarts itself with OMP_WAIT_POLICY=PASSIVE (read when OpenMP loads), unless
+    the variable is already set or it runs one thread."""
+    import os
+    import sys
+
+    from dppo_ext import train
+
+    calls = []
+    monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, list(args), os.environ.get("OMP_WAIT_POLICY"))))
+    monkeypatch.setattr(sys, "argv", ["dppo-train", "--threads", "2", "--out", str(tmp_path)])
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))
+    assert calls == [(sys.executable, [sys.executable, "-m", "dppo_ext.train", "--threads", "2", "--out", str(tmp_path)],
+                      "PASSIVE")]
+    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))  # now set: no second restart
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=1))
+    assert len(calls) == 1

@@ -91,7 +91,8 @@ class TrainConfig:
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
-    threads: int = _opt(1, "torch CPU threads (0 = torch's default; 1 suits the tiny model on a small shared CPU)")
+    threads: int = _opt(0, "torch CPU threads of the trainer and the in-process vLLM engine; 0 = every CPU this process "
+                        "may use")
     # run management
     out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json); must be empty "
                     "unless --resume or --overwrite")
