@@ -7,26 +7,58 @@
 
 The ops are registered as ``torch.ops.dppo.*`` by the native library ``dppo_ext._C``; the math
 contract is in docs/contract.md, other projects' names for our settings in docs/names.md.
+
+The names below that need the library load it on first use (module ``__getattr__``), so the
+pure-Python parts (``dppo_ext.reference``, the tasks, the models) import without it, and
+a missing or mismatched library is reported by ``dppo_ext._native`` with the command that
+rebuilds it.
 """
 
-import torch  # noqa: F401  (loads libtorch/libc10, which the native library links against)
+from __future__ import annotations
 
-try:
-    from . import _C  # noqa: F401  (loads the library: registers torch.ops.dppo.*)
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    raise ImportError(
-        f"dppo_ext's native library dppo_ext._C could not be loaded ({exc}). Build it from the repository "
-        "root with: pip install --no-build-isolation --no-deps -e .  (it must be built against the torch "
-        "that is installed now)") from exc
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ._C import __version__, cuda_compiled  # noqa: E402
-from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row  # noqa: E402
-from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics  # noqa: E402
-from .ops import MODE_ALIASES, MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward  # noqa: E402
-from .vocab_parallel import dppo_loss_forward_vocab_parallel  # noqa: E402
+from ._version import __version__
 
-__all__ = [
-    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "FusedLinearDPPOLoss", "MODES", "MODE_ALIASES",
-    "__version__", "aggregate_loss", "cuda_compiled", "dppo_loss", "dppo_loss_backward", "dppo_loss_forward",
-    "dppo_loss_forward_vocab_parallel", "dppo_metrics", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row",
-]
+# Public name -> the submodule that defines it. Importing any of these loads dppo_ext._C.
+_LAZY = {
+    "cuda_compiled": "_native",
+    "FusedLinearDPPOLoss": "fused_linear",
+    "fused_linear_dppo_loss": "fused_linear",
+    "fused_linear_dppo_loss_per_row": "fused_linear",
+    "AGG_MODES": "loss",
+    "DEFAULT_DELTAS": "loss",
+    "DPPOLoss": "loss",
+    "aggregate_loss": "loss",
+    "dppo_loss": "loss",
+    "dppo_metrics": "loss",
+    "MODE_ALIASES": "ops",
+    "MODES": "ops",
+    "DPPOOutputs": "ops",
+    "dppo_loss_backward": "ops",
+    "dppo_loss_forward": "ops",
+    "dppo_loss_forward_vocab_parallel": "vocab_parallel",
+}
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+if TYPE_CHECKING:
+    from ._native import cuda_compiled
+    from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
+    from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics
+    from .ops import MODE_ALIASES, MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward
+    from .vocab_parallel import dppo_loss_forward_vocab_parallel
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

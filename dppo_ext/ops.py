@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import _native  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
 from .contract import MODE_ALIASES, MODES, canonical_mode, resolve_deltas
 
 __all__ = ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "dppo_loss_forward", "dppo_loss_backward"]

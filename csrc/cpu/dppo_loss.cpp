@@ -10,12 +10,14 @@
 //           lse; the target column in the accumulation dtype via grad_target (expm1 form). The
 //           in-place variant writes into logits.
 // Rows run in parallel (at::parallel_for); fp16/bf16/fp32 accumulate in float, fp64 in double.
+// The build compiles this file once per instruction set (CPU_CAPABILITY = DEFAULT, AVX2, AVX512,
+// each with its compiler flags) into namespace dppo::CPU_CAPABILITY; cpu/dispatch.cpp registers the
+// ops and picks one build at run time.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <cstdlib>
 #include <string>
@@ -27,8 +29,14 @@
 
 #include "../dppo_math.h"
 #include "../op_inputs.h"
+#include "dispatch.h"
+
+#ifndef CPU_CAPABILITY
+#error "cpu/dppo_loss.cpp is compiled once per instruction set with CPU_CAPABILITY=DEFAULT|AVX2|AVX512 (setup.py, CMakeLists.txt)"
+#endif
 
 namespace dppo {
+namespace CPU_CAPABILITY {
 namespace {
 
 using at::vec::Vectorized;
@@ -374,10 +382,7 @@ void dppo_loss_backward_inplace_cpu(const at::Tensor& grad_target, const c10::op
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(dppo, CPU, m) {
-  m.impl("dppo_loss_forward", &dppo_loss_forward_cpu);
-  m.impl("dppo_loss_backward", &dppo_loss_backward_cpu);
-  m.impl("dppo_loss_backward_", &dppo_loss_backward_inplace_cpu);
-}
+const CpuKernels kernels{&dppo_loss_forward_cpu, &dppo_loss_backward_cpu, &dppo_loss_backward_inplace_cpu};
 
+}  // namespace CPU_CAPABILITY
 }  // namespace dppo
