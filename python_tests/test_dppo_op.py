@@ -493,3 +493,31 @@ def _scalar_row(kw: dict, i: int) -> dict[str, float]:
     entropy = -sum(math.exp(x) * x for x in lq)
     return {"loss": 0.0 if coef == 0 else coef * lp, "logp": lp, "divergence": d, "mask": keep, "weight": w,
             "entropy": entropy, "lse": lse}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_dtype_id)
+def test_topk_kl_rest_mass_precision(device, dtype):
+    """K = 300, pi -> 1, the trainer's top-K mass 1 - 1e-10: the rest bucket q_rest ~ 1e-10 lies far
+    below float's resolution near 1, so the top-K log-probs and sums must be formed in double from
+    the row's partial sums (as the CUDA epilogue does); in float, q_rest rounds to the 1e-12 floor
+    and topk_kl is off by ~0.05 nats."""
+    v, k = 1000, 300
+    z = torch.zeros(2, v, dtype=torch.float64)
+    z[:, 0] = 30.0                                   # pi -> 1 on token 0, one of the top-K ids
+    z[:, k:] = 30.0 + math.log(1e-10 / (v - k))      # the 700 tokens outside the top-K hold 1e-10
+    ids = torch.arange(k).repeat(2, 1)
+    p = torch.full((2, k), 0.49 / (k - 1), dtype=torch.float64)
+    p[:, 0] = 0.5                                    # rollout: rest mass 0.01 ...
+    p[1] *= 0.9                                      # ... and 0.109
+    tokens = torch.tensor([0, 0])
+    args = dict(
+        logits=z.to(dtype).to(device), tokens=tokens.to(device),
+        rollout_logprobs=torch.log(p[torch.arange(2), tokens]).float().to(device),
+        advantages=torch.tensor([1.0, -1.0]).to(device), topk_ids=ids.to(device),
+        topk_logprobs=torch.log(p).float().to(device), mode="topk_kl", temperature=1.0)
+    got = dppo_loss_forward(**args).divergence.double().cpu()
+    want = dppo_loss_reference(
+        z.to(dtype).double(), tokens, torch.log(p[torch.arange(2), tokens]), torch.tensor([1.0, -1.0]),
+        topk_ids=ids, topk_logprobs=torch.log(p), mode="topk_kl")["divergence"]
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), f"topk_kl {got.tolist()} vs float64 {want.tolist()}"

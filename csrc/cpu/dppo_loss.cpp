@@ -206,12 +206,17 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       const acc_t la = anchor_lp ? anchor_lp[i] : m;
       acc_t div;
       if (topk) {
-        TopkAcc<acc_t> acc = topk_init<acc_t>();
+        // The top-K log-probs and sums are formed in double, as the CUDA epilogue does: with pi -> 1
+        // the rest masses 1 - sum_k lie far below float's resolution near 1 (a trainer rest mass of
+        // 1e-10 is lost in the float total other + e_a itself, rounds to the 1e-12 floor and shifts
+        // topk_kl by ~0.05 nats at K = 300).
+        TopkAcc<double> acc = topk_init<double>();
+        const double log_total_d = std::log(static_cast<double>(other) + static_cast<double>(ea));
         for (int64_t c = 0; c < k; ++c) {
-          const acc_t lq = (static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t - mx) - log_total;
-          topk_add(acc, topk_lp[i * k + c], lq);
+          const acc_t s = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
+          topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s) - mx) - log_total_d);
         }
-        div = args.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);
+        div = static_cast<acc_t>(args.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc));
       } else {
         div = binary_divergence(args.mode, lp, l1p, la);
       }
