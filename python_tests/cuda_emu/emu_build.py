@@ -1,0 +1,163 @@
+"""Build and load the CPU emulation of the CUDA kernels (torch.ops.dppo_cuda_emu.*).
+
+One translation unit, dppo_loss_emu.cpp, compiles csrc/cuda/dppo_loss_kernels.cuh (the header nvcc
+compiles, unchanged) with the host compiler against the emulation layer cuda_emu.h and the CPU
+torch's headers, into a shared library with an op namespace of its own. A test tool: it is built
+into build/cuda_emu/ (or a folder given), never into the wheel.
+
+Variants: ``plain`` (-O1), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer). Sanitized
+libraries need the sanitizer runtime preloaded into Python: see ``sanitizer_env``.
+
+    python python_tests/cuda_emu/emu_build.py [--variant plain|asan|tsan] [--csrc DIR] [--out DIR]
+
+prints the library's path (rebuilt only when a source, flag, compiler or torch changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+VARIANTS = ("plain", "asan", "tsan")
+LIB_NAME = "dppo_cuda_emu.so"
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _flags(variant: str) -> list[str]:
+    # -ffp-contract=off: the kernels' __fmul_rn / __dmul_rn are plain products here and must not be
+    # fused into an FMA with the subtraction that follows (the nvcc build relies on the same rounding).
+    flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fvisibility=hidden",
+             "-fvisibility-inlines-hidden", "-Wall", "-Wno-unknown-pragmas", "-pthread",
+             "-U_FORTIFY_SOURCE"]  # fiber switches _longjmp between stacks, which fortify forbids
+    if variant == "plain":
+        flags.append("-g0")
+    elif variant == "asan":
+        flags += ["-g1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+    elif variant == "tsan":
+        flags += ["-g1", "-fsanitize=thread"]
+    else:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return flags
+
+
+def _inputs(csrc: Path) -> list[Path]:
+    files = sorted(HERE.glob("*.h")) + sorted(HERE.glob("*.cpp")) + sorted((HERE / "stubs").rglob("*.h"))
+    files += sorted(csrc.glob("*.h")) + sorted((csrc / "cuda").glob("*.cuh"))
+    return files
+
+
+def command(variant: str, csrc: Path, out: Path) -> list[str]:
+    """The compiler command line that builds the emulator library at `out`."""
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [_cxx(), *_flags(variant), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           "-I", str(HERE / "stubs"), "-I", str(csrc / "cuda"), "-I", str(HERE)]
+    for inc in cpp_extension.include_paths():
+        cmd += ["-isystem", inc]
+    cmd += [str(HERE / "dppo_loss_emu.cpp"), "-o", str(out)]
+    for lib in cpp_extension.library_paths():
+        cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    return cmd
+
+
+def build(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None = None, quiet: bool = False) -> Path:
+    """Builds (if not current) and returns the path of the emulator library."""
+    import torch
+
+    csrc = Path(csrc or REPO / "csrc").resolve()
+    if not (csrc / "cuda" / "dppo_loss_kernels.cuh").is_file():
+        raise FileNotFoundError(f"no cuda/dppo_loss_kernels.cuh under csrc={csrc}")
+    h = hashlib.sha256()
+    for f in _inputs(csrc):
+        h.update(str(f.relative_to(f.anchor)).encode())
+        h.update(f.read_bytes())
+    cxx_version = subprocess.run([_cxx(), "--version"], capture_output=True, text=True, check=True).stdout
+    h.update(" ".join(_flags(variant) + [cxx_version, torch.__version__, str(csrc)]).encode())
+    digest = h.hexdigest()[:16]
+    out_dir = Path(out_dir or REPO / "build" / "cuda_emu" / f"{variant}-{digest}")
+    lib = out_dir / LIB_NAME
+    if lib.is_file() and (out_dir / "hash").is_file() and (out_dir / "hash").read_text() == digest:
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (LIB_NAME + f".tmp{os.getpid()}")
+    cmd = command(variant, csrc, tmp)
+    if not quiet:
+        print(f"[cuda_emu] building the {variant} emulator ({csrc}) ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the CUDA emulator build failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
+    os.replace(tmp, lib)
+    (out_dir / "hash").write_text(digest)
+    if not quiet:
+        print(f"[cuda_emu] built {lib} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    return lib
+
+
+def load(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None = None):
+    """Builds if needed, loads the library into this process and returns torch.ops.dppo_cuda_emu.
+    One emulator library per process (its op namespace can be registered once)."""
+    import torch
+
+    lib = build(variant, csrc, out_dir)
+    torch.ops.load_library(str(lib))
+    ops = torch.ops.dppo_cuda_emu
+    if ops.sanitizer() != {"plain": "none", "asan": "address", "tsan": "thread"}[variant]:
+        raise RuntimeError(f"{lib} is not the {variant} build (sanitizer {ops.sanitizer()!r})")
+    return ops
+
+
+def sanitizer_env(variant: str) -> dict[str, str]:
+    """Environment additions that let Python load a sanitized emulator (the sanitizer runtime must
+    be the first library loaded, hence LD_PRELOAD). Empty for the plain build."""
+    if variant == "plain":
+        return {}
+    # libstdc++ too: Python does not link it, and a sanitizer that starts before it is loaded cannot
+    # intercept __cxa_throw (the first C++ exception then aborts the process).
+    paths = []
+    for name in ({"asan": "libasan.so", "tsan": "libtsan.so"}[variant], "libstdc++.so"):
+        path = subprocess.run([_cxx(), f"-print-file-name={name}"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        if not os.path.isabs(path):
+            raise RuntimeError(f"{_cxx()} does not know where {name} is (got {path!r})")
+        paths.append(os.path.realpath(path))
+    env = {"LD_PRELOAD": " ".join(paths)}
+    if variant == "asan":
+        # Python and torch leak by design at exit; the test run is about the kernels' memory accesses.
+        env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1:halt_on_error=1"
+    else:
+        env["TSAN_OPTIONS"] = "halt_on_error=1:abort_on_error=1:report_signal_unsafe=0"
+    return env
+
+
+def tsan_prefix() -> list[str]:
+    """ThreadSanitizer maps its shadow at fixed addresses; with the kernel's default ASLR entropy
+    (mmap_rnd_bits 32 on x86-64) it fails at start. `setarch -R` turns randomization off for the child."""
+    return ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", choices=VARIANTS, default="plain")
+    ap.add_argument("--csrc", type=Path, default=None, help="the csrc tree to compile (default: the repo's)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: build/cuda_emu/<variant>-<hash>)")
+    args = ap.parse_args()
+    print(build(args.variant, args.csrc, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Mutation check of the CUDA-emulator tests: plant known bugs into a copy of the kernels header
+and assert that the emulated test grid catches every one of them.
+
+For each mutant: copy csrc/ to a temporary folder, replace one exact piece of
+csrc/cuda/dppo_loss_kernels.cuh (the piece must occur exactly once, so a refactor of the header
+makes this script fail loudly instead of planting nothing), build the emulator from the copy, run
+test_cuda_emu.py against it (stopping at the first failure) and require the failure output to show
+the expected symptom. A mutant that compiles and passes the tests is a hole in the harness.
+
+    python python_tests/cuda_emu/mutation_check.py [--only NAME ...] [--tsan] [--keep] [--jobs N]
+
+--tsan also runs the missing-__syncthreads mutant under ThreadSanitizer (thread mode) and requires
+a data-race report. Exit status 0 only when every mutant was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import emu_build  # noqa: E402
+
+HEADER = "cuda/dppo_loss_kernels.cuh"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    why: str
+    old: str
+    new: str
+    variant: str   # how the tests run against it: fiber | asan | tsan
+    expect: str    # a regex the failing run's output must contain
+
+
+MUTANTS = [
+    Mutant("no-syncthreads", "block reduction reads the other warps' partials without __syncthreads",
+           "    sm[2][warp] = st.wsum;\n  }\n  __syncthreads();\n",
+           "    sm[2][warp] = st.wsum;\n  }\n",
+           "fiber", r"forward \w+: \d+/\d+ off"),
+    Mutant("split-range+1", "each vocabulary split reads one 16-byte vector past its share (double counting)",
+           "  const int64_t ve = vb + per < nvec ? vb + per : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
+           "  const int64_t ve = vb + per + 1 < nvec ? vb + per + 1 : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
+           "fiber", r"forward \w+: \d+/\d+ off"),
+    Mutant("butterfly-stops-at-2", "the warp butterfly stops before offset 1 (lanes merge only half the warp)",
+           "  for (int off = kWarp / 2; off > 0; off /= 2) {\n    EntState<acc_t> o;",
+           "  for (int off = kWarp / 2; off > 1; off /= 2) {\n    EntState<acc_t> o;",
+           "fiber", r"forward \w+: \d+/\d+ off"),
+    Mutant("lane-mask-0x7fffffff", "the shuffle's member mask leaves out lane 31",
+           "    o.mx = __shfl_xor_sync(0xffffffffu, st.mx, off);",
+           "    o.mx = __shfl_xor_sync(0x7fffffffu, st.mx, off);",
+           "fiber", r"lane 31 calls it with mask 0x7fffffff, which does not include it"),
+    Mutant("backward-tail-v+1", "the last split's scalar tail of the backward writes one element past the row",
+           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v, rg);",
+           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v + 1, rg);",
+           "asan", r"AddressSanitizer: (heap-buffer-overflow|SEGV)"),
+    Mutant("finish-skips-splits", "the finishing kernel's threads stride over 2 x 128 splits (splits 128..255 lost)",
+           "  for (int64_t s = threadIdx.x; s < n_split; s += kFinishThreads) {",
+           "  for (int64_t s = threadIdx.x; s < n_split; s += 2 * kFinishThreads) {",
+           "fiber", r"forward \w+: \d+/\d+ off"),
+    Mutant("misaligned-head", "the unaligned head is computed for 8-byte instead of 16-byte vectors",
+           "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 16) / sizeof(scalar_t));",
+           "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 8) / sizeof(scalar_t));",
+           "fiber", r"is not 16-byte aligned"),
+]
+TSAN_MUTANT = Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
+                     MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race")
+
+
+def plant(mutant: Mutant, dest: Path) -> Path:
+    """A copy of csrc/ under dest with the mutant planted; returns the copy's csrc folder."""
+    csrc = dest / "csrc"
+    shutil.copytree(REPO / "csrc", csrc)
+    header = csrc / HEADER
+    text = header.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise SystemExit(f"mutant {mutant.name}: the piece to replace occurs {count} times in {HEADER} "
+                         f"(expected once): update mutation_check.py to the header")
+    header.write_text(text.replace(mutant.old, mutant.new))
+    return csrc
+
+
+def run_tests(mutant: Mutant, csrc: Path, out_dir: Path) -> tuple[int, str]:
+    variant = {"fiber": "plain"}.get(mutant.variant, mutant.variant)
+    emu_build.build(variant, csrc, out_dir)
+    env = dict(os.environ, DPPO_CUDA_EMU=mutant.variant, DPPO_CUDA_EMU_CSRC=str(csrc), DPPO_CUDA_EMU_OUT=str(out_dir),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("DPPO_CUDA_SPLIT", None)
+    env.update(emu_build.sanitizer_env(variant))
+    if mutant.variant == "tsan":
+        env["OMP_NUM_THREADS"] = "1"
+    cmd = emu_build.tsan_prefix() if mutant.variant == "tsan" else []
+    cmd += [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(HERE / "test_cuda_emu.py"),
+            "-k", "match_reference"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutant under TSan")
+    ap.add_argument("--keep", action="store_true", help="keep the mutant trees and logs")
+    ap.add_argument("--jobs", type=int, default=0, help="mutants at once (default: one per core)")
+    args = ap.parse_args()
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.tsan:
+        mutants.append(TSAN_MUTANT)
+    work = Path(tempfile.mkdtemp(prefix="dppo_mutants_"))
+    t_all = time.monotonic()
+
+    def one(i: int, m: Mutant) -> bool:
+        t0 = time.monotonic()
+        folder = work / f"m{i}"
+        csrc = plant(m, folder)
+        try:
+            rc, out = run_tests(m, csrc, folder / "build")
+        except RuntimeError as e:  # the mutant did not compile: a broken mutation, not a catch
+            rc, out = -1, str(e)
+        (folder / "log.txt").write_text(out)
+        # pytest exits 1 when tests failed; a sanitizer aborts the process (negative or 134 / 66).
+        ran = rc != -1 and rc not in (0, 2, 3, 4, 5)
+        caught = ran and re.search(m.expect, out) is not None
+        status = "caught" if caught else ("NOT CAUGHT" if rc == 0 else f"NOT CAUGHT AS EXPECTED (exit {rc})")
+        msg = f"[mutation] {m.name:24s} {status:12s} {time.monotonic() - t0:5.0f}s  ({m.why})"
+        if not caught:
+            msg += "\n" + "\n".join(out.splitlines()[-30:])
+        print(msg, flush=True)
+        return caught
+
+    # Each mutant is a single-threaded build and test run: one per core.
+    jobs = args.jobs or max(1, min(len(mutants), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda im: one(*im), enumerate(mutants)))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"[mutation] kept {work}")
+    n_caught = sum(results)
+    print(f"[mutation] {n_caught}/{len(results)} mutants caught in {time.monotonic() - t_all:.0f}s")
+    sys.exit(0 if n_caught == len(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
