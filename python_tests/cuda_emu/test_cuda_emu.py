@@ -152,11 +152,15 @@ EXTRA = [
 # Built only when the emulator runs (the greedy covering costs ~0.5 s of collection time).
 GRID = pairwise_grid() + EXTRA if VARIANT else []
 ASAN_CASES = [c for c in GRID if c.v in (3, 41, 1000, 4099) and c.split != 100]
+# ThreadSanitizer sees the shared-memory reductions of the forward kernels (block_reduce_state,
+# block_sum_topk) in the one-block-per-row, split and finishing kernels; an OS thread per CUDA
+# thread under TSan is slow, so few blocks.
 TSAN_CASES = [
-    Case(torch.float32, 1000, True, "topk_kl", 64, True, False, 3, False),
-    Case(torch.bfloat16, 41, False, "binary_kl", 5, True, True, 150, False),
-    Case(torch.float32, 4099, False, "binary_tv", 5, False, True, None, False),
+    Case(torch.float32, 1000, True, "topk_kl", 64, True, False, 2, False),
+    Case(torch.bfloat16, 41, False, "binary_kl", 5, False, True, 1, False),
 ]
+# The other tests check host-side logic and the CUDA epilogue: the fiber and ASan runs cover them.
+not_tsan = pytest.mark.skipif(VARIANT == "tsan", reason="covered by the fiber and ASan runs")
 
 
 def selected_cases() -> list[Case]:
@@ -325,6 +329,7 @@ def test_emulated_kernels_match_reference(emu, split_env, case: Case):
         assert same_bits(buf2[outside], untouched[outside]), "the in-place backward wrote into the gaps between rows"
 
 
+@not_tsan
 def test_grid_covers_every_pair():
     """The grid holds every value of every dimension (pairs are covered by construction) and stays
     small enough for every CI run."""
@@ -334,6 +339,7 @@ def test_grid_covers_every_pair():
     assert len(GRID) < 120, f"{len(GRID)} cases: the pairwise grid should stay small"
 
 
+@not_tsan
 def test_split_override_sets_the_grid(emu, split_env):
     """DPPO_CUDA_SPLIT decides the blocks per row of the forward and the backward; without it the
     launch policy splits a short batch with a long vocabulary. And the emulator found the kernels'
@@ -364,6 +370,7 @@ def test_split_override_sets_the_grid(emu, split_env):
     assert stats[3] >= 2 and stats[4] > 0, f"no __shared__ variables found to poison: {stats}"
 
 
+@not_tsan
 @pytest.mark.parametrize("value", ["0", "-3", "65536", "two", "7x"])
 def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
     c = Case(torch.float32, 41, False, "binary_tv", 1, False, False, None, False)
@@ -373,6 +380,7 @@ def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
         emu.dppo_loss_forward(*op_args(x, c))
 
 
+@not_tsan
 def test_schemas_match_the_real_ops(emu):
     """The emulator's ops keep the schemas of torch.ops.dppo (ops.cpp), so the tests call the
     kernels exactly as users do."""
@@ -384,6 +392,7 @@ def test_schemas_match_the_real_ops(emu):
         assert emulated == real, f"{name}: emulator schema ({emulated}) differs from ops.cpp ({real})"
 
 
+@not_tsan
 @pytest.mark.parametrize("split", [None, 1, 7])
 def test_topk_kl_rest_mass_precision(emu, split_env, split):
     """K = 300, pi -> 1, trainer top-K mass 1 - 1e-10 (python_tests/test_dppo_op.py has the same
