@@ -223,3 +223,27 @@ def test_quick_sweep_runs_resumes_and_skips(tmp_path):
     table = (tmp_path / "report" / "table.md").read_text()
     assert all(f"| {m} | 1 | 3 |" in table for m in QUICK_METHODS)
     assert (tmp_path / "report" / f"figure_{QUICK_CONDITION}.png").stat().st_size > 10_000
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(tiny_dir, tmp_path):
+    import math
+
+    trainer = _trainer(tiny_dir, tmp_path)
+    with torch.no_grad():  # one NaN row of the LM head: every logits row is NaN, so are loss and grads
+        trainer.model.get_output_embeddings().weight[3].fill_(float("nan"))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    record = trainer.train_step()
+    assert record["skipped_optimizer_steps"] == 4 and record["optimizer_steps"] == 0
+    assert math.isnan(record["loss"]) and math.isnan(record["ratio_max"])
+    for name, p in trainer.model.named_parameters():  # no NaN reached the weights or AdamW's moments
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, equal_nan=True)
+    assert not trainer.optimizer.state
+
+
+def test_nan_max_keeps_a_nan_whichever_side_it_is_on():
+    import math
+
+    from dppo_ext.trainer.loop import _nan_max
+
+    assert _nan_max(0.0, 2.0) == 2.0 and _nan_max(3.0, 1.0) == 3.0
+    assert math.isnan(_nan_max(0.0, math.nan)) and math.isnan(_nan_max(math.nan, 5.0))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -216,6 +217,7 @@ class Trainer:
         tokens_seen = 0.0
         mismatch_sum, mismatch_max, mismatch_tokens = 0.0, 0.0, 0.0
         losses, grad_norms = [], []
+        skipped_steps = 0
         first = True
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(batch.size, generator=generator)
@@ -251,13 +253,20 @@ class Trainer:
                     tokens_seen += n_tok
                     for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean"):
                         sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
-                    sums["ratio_max"] = max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
+                    sums["ratio_max"] = _nan_max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
                     if first:
                         mismatch_sum += float(metrics["mismatch_mean"]) * n_tok
-                        mismatch_max = max(mismatch_max, float(metrics["mismatch_max"]))
+                        mismatch_max = _nan_max(mismatch_max, float(metrics["mismatch_max"]))
                         mismatch_tokens += n_tok
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
+                if math.isfinite(float(grad_norm)):
+                    self.optimizer.step()
+                else:
+                    # A NaN/inf gradient would poison the weights (and AdamW's moments) for good:
+                    # skip this optimizer step and say so; the record keeps the non-finite loss.
+                    skipped_steps += 1
+                    logger.warning("step %d: non-finite gradient norm (%s, mini-batch loss %s); optimizer step "
+                                   "skipped", self.step, float(grad_norm), mb_loss)
                 losses.append(mb_loss)
                 grad_norms.append(float(grad_norm))
                 first = False
@@ -270,7 +279,8 @@ class Trainer:
             grad_norm=sum(grad_norms) / len(grad_norms),
             mismatch_mean=mismatch_sum / max(mismatch_tokens, 1.0),
             mismatch_max=mismatch_max,
-            optimizer_steps=len(losses),
+            optimizer_steps=len(losses) - skipped_steps,
+            skipped_optimizer_steps=skipped_steps,
             lr=lr,
         )
         return out
@@ -414,6 +424,11 @@ class Trainer:
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max() that keeps a NaN (Python's max(0.0, nan) is 0.0, which would hide a NaN step)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _micro_share(agg_mode: str, micro: RolloutBatch, mb_tokens: float, mb_seqs: float) -> float:
