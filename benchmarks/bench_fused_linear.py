@@ -54,7 +54,7 @@ def run_case(args: argparse.Namespace) -> dict:
     """Child process: build the inputs, run the step, return measured peak bytes and times."""
     import torch
 
-    import dppo_ext  # noqa: F401  (registers torch.ops.dppo)
+    import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo)
     from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row, plan_chunks
     from dppo_ext.ops import dppo_loss_forward
 

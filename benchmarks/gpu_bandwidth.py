@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-import dppo_ext  # noqa: F401  (registers torch.ops.dppo.*)
+import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo.*)
 
 log = logging.getLogger("gpu_bandwidth")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

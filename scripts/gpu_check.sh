@@ -145,7 +145,7 @@ import sys
 
 import torch
 
-import dppo_ext  # noqa: F401  (registers torch.ops.dppo.*)
+import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo.*)
 from dppo_ext.reference import dppo_loss_reference
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")

@@ -384,7 +384,7 @@ def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
 def test_schemas_match_the_real_ops(emu):
     """The emulator's ops keep the schemas of torch.ops.dppo (ops.cpp), so the tests call the
     kernels exactly as users do."""
-    import dppo_ext  # noqa: F401  (registers torch.ops.dppo)
+    import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo)
 
     for name in ("dppo_loss_forward", "dppo_loss_backward", "dppo_loss_backward_"):
         real = str(getattr(torch.ops.dppo, name).default._schema).split("(", 1)[1]
