@@ -41,7 +41,10 @@ def pytest_step(step: str, extra: list[str]) -> int:
     if step == "tsan":
         env["OMP_NUM_THREADS"] = "1"  # torch's own (uninstrumented) OpenMP threads stay out of the picture
         cmd += emu_build.tsan_prefix()
+    # -s: a sanitizer reports on fd 2 and aborts; pytest's output capture would swallow the report.
     cmd += [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_cuda_emu.py"), *extra]
+    if variant != "plain":
+        cmd.append("-s")
     t1 = time.monotonic()
     rc = subprocess.run(cmd, env=env, cwd=REPO).returncode
     print(f"[cuda_emu] {step}: build {t_build:.0f}s, tests {time.monotonic() - t1:.0f}s, exit {rc}", flush=True)
