@@ -182,7 +182,8 @@ def _build_backend(src: Path, kind: str, outdir: Path, env: dict[str, str]) -> P
     """``python -m build --<kind> --no-isolation`` when the build package is installed, else the
     same PEP 517 hook of setuptools.build_meta that it calls."""
     outdir.mkdir(parents=True, exist_ok=True)
-    if importlib.util.find_spec("build") is not None:
+    spec = importlib.util.find_spec("build")
+    if spec is not None and spec.origin is not None:  # (a build/ output folder is a namespace package)
         cmd = [sys.executable, "-m", "build", f"--{kind}", "--no-isolation", "--skip-dependency-check",
                "--outdir", str(outdir), str(src)]
     else:
@@ -228,7 +229,7 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path):
 
     proc = _python(
         "import sys, torch, dppo_ext\n"
-        "sys.path.append(sys.argv[1])\n"
+        f"sys.path.append({str(REPO / 'python_tests')!r})\n"
         "from dppo_testing import sample_inputs, reference_outputs\n"
         "from dppo_ext.ops import dppo_loss_forward\n"
         "inputs = sample_inputs('cpu', torch.float64, 'binary_tv', 'v129')\n"
