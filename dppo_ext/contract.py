@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "TOPK_MODES", "canonical_mode", "check_settings",
-           "check_token_ids", "resolve_deltas"]
+__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "TOPK_MODES",
+           "canonical_mode", "check_settings", "check_token_ids", "resolve_deltas"]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
 TOPK_MODES = ("topk_tv", "topk_kl")
@@ -28,6 +28,19 @@ MODE_ALIASES = {
     "dppo_topk_tv": "topk_tv",
     "dppo_topk_kl": "topk_kl",
 }
+# Loss aggregation (docs/aggregation.md). The names and formulas are current verl's ``agg_loss``
+# (verl-project/verl, verl/trainer/ppo/core_algos.py, since its PR 5417), plus ``token-sum-norm``: the
+# formula the paper's verl fork (sail-sg/Stable-RL) runs under the name ``seq-mean-token-sum-norm``.
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "token-sum-norm",
+)
+# Modes divided by a horizon: ``loss_scale_factor``, default the padded length T = mask.shape[-1].
+NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 # A token id of -100 marks a padding row (torch.nn.functional.cross_entropy's ignore_index).
 IGNORE_INDEX = -100
 # (delta_low, delta_high) when a threshold is None. TV thresholds bound a probability difference, KL ones a

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .contract import DEFAULT_DELTAS, IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas
+from .contract import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_settings, check_token_ids, resolve_deltas
 from .ops import DPPOOutputs, check_inplace_backward, dppo_loss_forward
 
 __all__ = [
@@ -24,19 +24,6 @@ __all__ = [
     "dppo_metrics",
 ]
 
-# Loss aggregation (docs/aggregation.md). The names and formulas are current verl's ``agg_loss``
-# (verl-project/verl, verl/trainer/ppo/core_algos.py, since its PR 5417), plus ``token-sum-norm``: the
-# formula the paper's verl fork (sail-sg/Stable-RL) runs under the name ``seq-mean-token-sum-norm``.
-AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "token-sum-norm",
-)
-# Modes divided by a horizon: ``loss_scale_factor``, default the padded length T = mask.shape[-1].
-NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 
 
 def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:

@@ -22,11 +22,9 @@ import math
 
 import torch
 
-from .contract import DEFAULT_DELTAS, IGNORE_INDEX, MODES, TOPK_MODES, resolve_deltas
+from .contract import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, MODES, TOPK_MODES, resolve_deltas
 
-LOSS_AGG_MODES = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum-norm",
-)
+LOSS_AGG_MODES = AGG_MODES
 MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)

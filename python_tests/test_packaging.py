@@ -79,7 +79,9 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 def test_pure_python_parts_import_without_native_library(tmp_path):
     root = _copy_package(tmp_path, with_library=False)
     proc = _python(
-        "import torch, dppo_ext, dppo_ext.reference as ref, dppo_ext.tasks, dppo_ext.models\n"
+        "import torch, dppo_ext, dppo_ext.reference as ref, dppo_ext.tasks, dppo_ext.models, dppo_ext.contract\n"
+        "from dppo_ext.trainer.config import TrainConfig\n"
+        "TrainConfig(loss='dppo_topk_kl', top_k=4, loss_agg_mode='token-sum').validate()\n"
         "out = ref.dppo_loss_reference(torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.full((3,), -1.6),\n"
         "                              torch.ones(3), mode='binary_tv')\n"
         "assert out['loss'].shape == (3,)\n"

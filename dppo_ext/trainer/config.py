@@ -16,10 +16,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.loss import AGG_MODES
+from dppo_ext.contract import AGG_MODES
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.reporting import REPORT_TARGETS
-from dppo_ext.trainer.losses import LOSSES
+from dppo_ext.trainer.losses import LOSSES, canonical_loss
 
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
 LOSS_MODES = {name: spec.mode for name, spec in LOSSES.items()}
@@ -235,10 +235,16 @@ def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
     are not compared.
     """
     current = config.to_dict()
+
+    def same(name: str) -> bool:
+        if name == "loss" and isinstance(saved[name], str):  # an alias names the same loss (dppo_tv = dppo_binary_tv)
+            return canonical_loss(saved[name]) == canonical_loss(current[name])
+        return saved[name] == current[name]
+
     return [
         f"--{_flag(name)} {saved[name]!r} -> {current[name]!r}"
         for name in current
-        if name in saved and name not in RESUME_MAY_CHANGE and saved[name] != current[name]
+        if name in saved and name not in RESUME_MAY_CHANGE and not same(name)
     ]
 
 

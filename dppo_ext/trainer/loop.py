@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dppo_ext.loss import NORM_AGG_MODES
+from dppo_ext.contract import NORM_AGG_MODES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
 from dppo_ext.trainer.advantages import group_advantages
