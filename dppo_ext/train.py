@@ -391,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RunError, DataFormatError, MetricsFormatError) as err:
         print(f"dppo-train: error: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:  # a setting the run cannot use (e.g. --num-eval beyond the data, --device cuda without one)
+        logger.debug("dppo-train: the run stopped on a ValueError", exc_info=True)
+        print(f"dppo-train: error: {err} (--log-level debug shows where it was raised)", file=sys.stderr)
+        return 2
     acc = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print(
         f"dppo-train done: {summary['loss']} with {summary['engine']} rollouts, {summary['steps']} steps: "

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -437,6 +438,33 @@ def test_float_flags_are_all_covered():
 def test_int_ranges_and_types(overrides, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**overrides).validate()
+
+
+def test_a_setting_the_run_cannot_use_is_one_error_line_not_a_traceback(tmp_path: Path, capsys):
+    """A plain ValueError from the run's set-up (here: more held-out problems than the task has)
+    ends the CLI with status 2 and the message, before anything is written."""
+    from dppo_ext.train import main
+
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--engine", "hf", "--steps", "1", "--max-operand", "9", "--num-eval", "100000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(r"dppo-train: error: num_eval=100000 .* \(--log-level debug shows where it was raised\)", err), err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_resume_treats_a_verl_alias_as_the_same_loss():
+    """``--loss dppo_tv`` is verl's name of ``dppo_binary_tv``: resuming with the other name is
+    not a changed setting, while another loss still is."""
+    from dppo_ext.trainer.config import resume_config_changes
+
+    saved = _tiny_run_config("/tmp/unused", loss="dppo_tv").to_dict()
+    assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_tv")) == []
+    assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_tv")) == []
+    assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_kl")) == [
+        "--loss 'dppo_tv' -> 'dppo_binary_kl'"]
+    assert resume_config_changes({**saved, "loss": "dppo_kl"}, _tiny_run_config("/tmp/unused", loss="dppo_binary_kl")) == []
 
 
 # ---------------------------------------------------------------- whole runs (HF engine)

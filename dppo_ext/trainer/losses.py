@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ANCHORS", "LOSSES", "LossSpec"]
+__all__ = ["ANCHORS", "LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
 
 ANCHORS = ("rollout", "recompute")
 TIS_CAP = 10.0
@@ -71,3 +71,11 @@ LOSSES: dict[str, LossSpec] = {
     "dppo_tv": LossSpec("binary_tv", source="verl dppo_tv = dppo_binary_tv"),
     "dppo_kl": LossSpec("binary_kl", source="verl dppo_kl = dppo_binary_kl"),
 }
+
+# --loss names that are another name of a loss above (verl's); a resumed run treats them as the same loss.
+LOSS_ALIASES = {"dppo_tv": "dppo_binary_tv", "dppo_kl": "dppo_binary_kl"}
+
+
+def canonical_loss(name: str) -> str:
+    """``name`` with a verl alias replaced by our ``--loss`` name (``dppo_tv`` -> ``dppo_binary_tv``)."""
+    return LOSS_ALIASES.get(name, name)
