@@ -28,25 +28,20 @@ constexpr int kVpEpilogueThreads = 128;
 template <typename scalar_t>
 using vp_acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-// NaN-propagating max (fmax would drop a NaN logit; the CPU kernel's at::vec::maximum keeps it).
-template <typename T>
-__device__ __forceinline__ T vp_nan_max(T a, T b) {
-  return (b != b || b > a) ? b : a;
-}
-
-// Block-wide reduction of one value; op is max (vp_nan_max) or sum. Every thread gets the result.
+// Block-wide reduction of one value; op is max (dppo_math.h's NaN-propagating nan_max) or sum. Every
+// thread gets the result.
 template <bool kMax, typename T>
 __device__ T vp_block_reduce(T x, T* smem) {
   for (int off = 16; off > 0; off /= 2) {
     const T y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = kMax ? vp_nan_max(x, y) : x + y;
+    x = kMax ? nan_max(x, y) : x + y;
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __syncthreads();  // smem may still be read by a previous reduction
   if (lane == 0) smem[warp] = x;
   __syncthreads();
   x = smem[0];
-  for (int w = 1; w < kVpThreads / 32; ++w) x = kMax ? vp_nan_max(x, smem[w]) : x + smem[w];
+  for (int w = 1; w < kVpThreads / 32; ++w) x = kMax ? nan_max(x, smem[w]) : x + smem[w];
   return x;
 }
 
@@ -71,7 +66,7 @@ __global__ void __launch_bounds__(kVpThreads) vp_stats_kernel(
   const scalar_t* z = logits + i * ld;
   const int64_t al = (a >= start && a < start + v) ? a - start : -1;
   acc_t m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += kVpThreads) m = vp_nan_max(m, static_cast<acc_t>(z[j]));
+  for (int64_t j = threadIdx.x; j < v; j += kVpThreads) m = nan_max(m, static_cast<acc_t>(z[j]));
   const acc_t mx = vp_block_reduce<true>(m, smem) * inv_t;
   acc_t sum = 0, wsum = 0;
   if (mx != -INFINITY) {  // an all -inf slice is an empty state
