@@ -58,10 +58,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def _checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, detached tensor) pairs of ``model.state_dict()``."""
+def _checkpoint_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, detached tensor) pairs of ``model.state_dict()``, floating tensors in ``dtype``.
+
+    An engine in a narrower dtype than the trainer (bf16 rollouts of an fp32 model) would round each
+    weight on load anyway (``copy_``, round to nearest even, as ``Tensor.to``), but it warns "Attempted
+    to load weight ... with dtype torch.float32 into parameter with dtype torch.bfloat16" for every
+    directly loaded tensor on every sync; rounding here gives the same weights without the warnings.
+    """
     for name, tensor in _unwrap(model).state_dict().items():
-        yield name, tensor.detach()
+        tensor = tensor.detach()
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 class VLLMEngine(RolloutEngine):
@@ -188,7 +195,8 @@ class VLLMEngine(RolloutEngine):
         install_benign_warning_filters()
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": _checkpoint_weights(model), "is_checkpoint_format": True},
+            kwargs={"weights_iterator": _checkpoint_weights(model, getattr(torch, self.dtype)),
+                    "is_checkpoint_format": True},
         )
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
