@@ -441,10 +441,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_simd() -> str:
+    """The widest x86 vector extension the host reports (``avx512f``, ``avx2``, ``none``), or ``unknown``."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    return next((f for f in ("avx512f", "avx2") if f in flags), "none")
+
+
 def machine_info(device: str) -> dict:
     """What a reader needs to judge the figures: hardware, software, threads, load, command."""
     info = {
         "cpu_model": cpu_model(),
+        "cpu_simd": cpu_simd(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),

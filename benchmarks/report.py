@@ -107,7 +107,12 @@ def markdown(results: dict) -> str:
     """The README section: machine + command, speed table, memory table, scaling, acceptance."""
     m, cfg, records = results["machine"], results["config"], results["records"]
     lines = ["## Benchmarks: fused DPPO loss vs the naive full-vocabulary loss", ""]
-    dev = m.get("gpu", f"{m['cpu_model']}, {m['cpu_count']} cores ({m['torch_threads']} torch threads)")
+    simd = ""
+    if "gpu" not in m and m.get("cpu_simd"):
+        simd = f", widest SIMD {m['cpu_simd']}"
+        if m.get("dppo_ext_cpu_capability"):
+            simd += f", dppo_ext CPU kernels: {m['dppo_ext_cpu_capability']}"
+    dev = m.get("gpu", f"{m['cpu_model']}{simd}, {m['cpu_count']} cores ({m['torch_threads']} torch threads)")
     load = ", ".join(f"{x:.1f}" for x in m["loadavg_start"])
     load_end = ", ".join(f"{x:.1f}" for x in m.get("loadavg_end", ()))
     lines += [
