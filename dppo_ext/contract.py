@@ -9,12 +9,12 @@ imported.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 __all__ = ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "TOPK_MODES",
-           "canonical_mode", "check_settings", "check_token_ids", "resolve_deltas"]
+           "OpSettings", "canonical_mode", "check_settings", "check_token_ids", "resolve_deltas", "resolve_op_settings"]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
 TOPK_MODES = ("topk_tv", "topk_kl")
@@ -72,6 +72,42 @@ def resolve_deltas(mode: str, delta_low: Optional[float], delta_high: Optional[f
     """``(delta_low, delta_high)`` with ``None`` replaced by ``DEFAULT_DELTAS[mode]`` (aliases accepted)."""
     low, high = DEFAULT_DELTAS[canonical_mode(mode)]
     return (low if delta_low is None else delta_low, high if delta_high is None else delta_high)
+
+
+class OpSettings(NamedTuple):
+    """The scalar settings of one call of a per-row entry point, as :func:`resolve_op_settings` returns them."""
+
+    mode: str
+    temperature: float
+    delta_low: float
+    delta_high: float
+    ratio_cap: float
+    compute_entropy: bool
+
+    def op_args(self) -> tuple[str, float, float, float, float, bool]:
+        """The settings in the op schema's order and types (``str mode, float temperature, float delta_low, float
+        delta_high, float ratio_cap, bool compute_entropy``)."""
+        return (self.mode, float(self.temperature), float(self.delta_low), float(self.delta_high),
+                float(self.ratio_cap), bool(self.compute_entropy))
+
+
+def resolve_op_settings(
+    mode: str,
+    temperature: float,
+    delta_low: Optional[float],
+    delta_high: Optional[float],
+    ratio_cap: float,
+    compute_entropy: bool,
+) -> OpSettings:
+    """The settings every per-row entry point (the op wrapper, fused linear, vocab-parallel) starts from.
+
+    ``mode`` made canonical (ValueError for an unknown one) and ``None`` thresholds replaced by
+    ``DEFAULT_DELTAS[mode]``; the other values are kept as given, so that the entry point's tensor checks run before
+    :meth:`OpSettings.op_args` converts them to the schema's types.
+    """
+    mode = canonical_mode(mode)
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    return OpSettings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
 
 
 def _is_number(value: object) -> bool:

@@ -48,7 +48,7 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from .contract import IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas
+from .contract import IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas, resolve_op_settings
 from .loss import aggregate_loss, broadcast_advantages, check_aggregation, dppo_metrics
 from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
 
@@ -395,7 +395,7 @@ def fused_linear_dppo_loss_per_row(
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each [N] in float32 (float64 for
         float64 inputs).
     """
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
     if vocab_parallel_group is not None:
         if vocab_chunk_size is not None or weight_context is not None:
@@ -405,10 +405,8 @@ def fused_linear_dppo_loss_per_row(
 
         return fused_linear_dppo_loss_vocab_parallel(
             hidden, weight, tokens, rollout_logprobs, advantages, bias=bias, topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, mode=mode, temperature=temperature,
-            delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap, compute_entropy=compute_entropy,
-            chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, group=vocab_parallel_group,
-            vocab_offsets=vocab_offsets)
+            topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, **settings._asdict(), chunk_size=chunk_size,
+            memory_budget_bytes=memory_budget_bytes, group=vocab_parallel_group, vocab_offsets=vocab_offsets)
     _check_inputs(
         hidden,
         weight,
@@ -441,12 +439,7 @@ def fused_linear_dppo_loss_per_row(
         topk_ids,
         topk_logprobs,
         anchor_logprobs,
-        canonical_mode(mode),
-        float(temperature),
-        float(delta_low),
-        float(delta_high),
-        float(ratio_cap),
-        bool(compute_entropy),
+        *settings.op_args(),
         plan,
         weight_context or contextlib.nullcontext,
     )

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import _native  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
-from .contract import MODE_ALIASES, MODES, canonical_mode, resolve_deltas
+from .contract import MODE_ALIASES, MODES, canonical_mode, resolve_op_settings
 
 __all__ = ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "dppo_loss_forward", "dppo_loss_backward"]
 
@@ -212,10 +212,9 @@ def dppo_loss_forward(
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``. A row whose
         scaled logits hold a NaN or +inf or are all -inf has NaN outputs (docs/contract.md).
     """
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("dppo_loss_forward", logits)
-    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, canonical_mode(mode),
-            float(temperature), float(delta_low), float(delta_high), float(ratio_cap), bool(compute_entropy))
+    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, *settings.op_args())
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         check_inplace_backward(logits)
         return DPPOOutputs(*_DPPOInplace.apply(logits, *args))

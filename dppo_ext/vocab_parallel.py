@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .contract import resolve_deltas
-from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, _grad_args, canonical_mode, check_inplace_backward, check_no_functorch
+from .contract import resolve_op_settings
+from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, _grad_args, check_inplace_backward, check_no_functorch
 
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
@@ -261,15 +261,13 @@ def dppo_loss_forward_vocab_parallel(
     if logits.shape[1] == 0:
         raise ValueError("every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
                          f"got logits of shape {tuple(logits.shape)}")
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         check_inplace_backward(logits)
     offsets = _resolve_offsets(logits.shape[1], group, vocab_offsets)
-    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, canonical_mode(mode),
-            float(temperature),
-            float(delta_low), float(delta_high), float(ratio_cap), bool(compute_entropy), group, offsets,
-            bool(inplace_backward))
+    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, *settings.op_args(),
+            group, offsets, bool(inplace_backward))
     return DPPOOutputs(*_VocabParallelDPPO.apply(logits, *args))
 
 
@@ -430,7 +428,7 @@ def fused_linear_dppo_loss_vocab_parallel(
     """
     from .fused_linear import _check_inputs, plan_chunks
 
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     _check_inputs(hidden, weight, bias, tokens, {"rollout_logprobs": rollout_logprobs, "advantages": advantages,
                                                  "anchor_logprobs": anchor_logprobs}, topk_ids, topk_logprobs)
     if weight.shape[0] == 0:
@@ -441,6 +439,5 @@ def fused_linear_dppo_loss_vocab_parallel(
                        memory_budget_bytes=memory_budget_bytes)
     outs = _FusedLinearVocabParallel.apply(
         hidden, weight, bias, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs,
-        canonical_mode(mode), float(temperature), float(delta_low), float(delta_high), float(ratio_cap), bool(compute_entropy),
-        plan.chunk_rows, group, offsets, bool(reduce_hidden_grad))
+        *settings.op_args(), plan.chunk_rows, group, offsets, bool(reduce_hidden_grad))
     return DPPOOutputs(*outs)
