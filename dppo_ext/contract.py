@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "TOPK_MODES",
-           "OpSettings", "canonical_mode", "check_settings", "check_token_ids", "resolve_deltas", "resolve_op_settings"]
+           "OpSettings", "canonical_mode", "check_aggregation", "check_settings", "check_token_ids", "resolve_deltas",
+           "resolve_loss_settings", "resolve_op_settings"]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
 TOPK_MODES = ("topk_tv", "topk_kl")
@@ -108,6 +109,35 @@ def resolve_op_settings(
     mode = canonical_mode(mode)
     delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     return OpSettings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+
+
+def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:
+    """Raise ``ValueError`` unless ``loss_agg_mode`` is one of ``AGG_MODES`` and ``loss_scale_factor`` fits it."""
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
+    if loss_scale_factor is not None:
+        if loss_agg_mode not in NORM_AGG_MODES:
+            raise ValueError(
+                f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
+                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
+        if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0):  # inf would silently zero the loss
+            raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r} (a finite number)")
+
+
+def resolve_loss_settings(
+    mode: str,
+    delta_low: Optional[float],
+    delta_high: Optional[float],
+    loss_agg_mode: str,
+    loss_scale_factor: Optional[float],
+) -> tuple[str, float, float]:
+    """``(mode, delta_low, delta_high)`` of an aggregating entry point (``dppo_loss``, ``fused_linear_dppo_loss``):
+    the mode made canonical, the aggregation checked (:func:`check_aggregation`), then ``None`` thresholds replaced
+    by ``DEFAULT_DELTAS[mode]``; ValueError for an unknown mode or aggregation."""
+    mode = canonical_mode(mode)
+    check_aggregation(loss_agg_mode, loss_scale_factor)
+    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    return mode, delta_low, delta_high
 
 
 def _is_number(value: object) -> bool:

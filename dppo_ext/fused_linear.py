@@ -48,8 +48,9 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from .contract import IGNORE_INDEX, canonical_mode, check_settings, check_token_ids, resolve_deltas, resolve_op_settings
-from .loss import aggregate_loss, broadcast_advantages, check_aggregation, dppo_metrics
+from .contract import (IGNORE_INDEX, canonical_mode, check_aggregation, check_settings, check_token_ids,
+                       resolve_loss_settings, resolve_op_settings)
+from .loss import aggregate_loss, broadcast_advantages, dppo_metrics
 from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
 
 __all__ = [
@@ -497,9 +498,7 @@ def fused_linear_dppo_loss(
     Returns:
         ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
     """
-    mode = canonical_mode(mode)
-    check_aggregation(loss_agg_mode, loss_scale_factor)
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    mode, delta_low, delta_high = resolve_loss_settings(mode, delta_low, delta_high, loss_agg_mode, loss_scale_factor)
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
     lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]

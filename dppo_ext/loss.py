@@ -16,27 +16,14 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .contract import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_settings, check_token_ids, resolve_deltas
+from .contract import (AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_aggregation,
+                       check_settings, check_token_ids, resolve_loss_settings)
 from .ops import DPPOOutputs, check_inplace_backward, dppo_loss_forward
 
 __all__ = [
     "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "NORM_AGG_MODES", "aggregate_loss", "check_aggregation", "dppo_loss",
     "dppo_metrics",
 ]
-
-
-
-def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:
-    """Raise ``ValueError`` unless ``loss_agg_mode`` is one of ``AGG_MODES`` and ``loss_scale_factor`` fits it."""
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {loss_agg_mode!r}")
-    if loss_scale_factor is not None:
-        if loss_agg_mode not in NORM_AGG_MODES:
-            raise ValueError(
-                f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
-                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
-        if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0):  # inf would silently zero the loss
-            raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r} (a finite number)")
 
 
 def aggregate_loss(
@@ -199,9 +186,7 @@ def dppo_loss(
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
         :func:`dppo_metrics`).
     """
-    mode = canonical_mode(mode)
-    check_aggregation(loss_agg_mode, loss_scale_factor)
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+    mode, delta_low, delta_high = resolve_loss_settings(mode, delta_low, delta_high, loss_agg_mode, loss_scale_factor)
     check_token_ids("tokens", tokens)
     check_token_ids("topk_ids", topk_ids)
     forward = dppo_loss_forward
