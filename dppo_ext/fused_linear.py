@@ -48,9 +48,9 @@ from typing import Callable, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from .contract import (IGNORE_INDEX, canonical_mode, check_aggregation, check_settings, check_token_ids,
+from .contract import (canonical_mode, check_aggregation, check_settings, check_token_ids,
                        resolve_loss_settings, resolve_op_settings)
-from .loss import aggregate_loss, broadcast_advantages, dppo_metrics
+from .loss import _check_row_shapes, _check_topk_shapes, _flat_rows, aggregate_loss, broadcast_advantages, dppo_metrics
 from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
 
 __all__ = [
@@ -502,38 +502,24 @@ def fused_linear_dppo_loss(
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
     lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
-    for name, t in (("tokens", tokens), ("rollout_logprobs", rollout_logprobs), ("response_mask", response_mask),
-                    ("anchor_logprobs", anchor_logprobs)):
-        if t is not None and t.shape != lead:
-            raise ValueError(f"{name} must have shape {tuple(lead)} (hidden's leading dims), got {tuple(t.shape)}")
+    _check_row_shapes(lead, "hidden's leading dims", tokens=tokens, rollout_logprobs=rollout_logprobs,
+                      response_mask=response_mask, anchor_logprobs=anchor_logprobs)
     check_token_ids("tokens", tokens)
     check_token_ids("topk_ids", topk_ids)
     advantages = broadcast_advantages(advantages, lead, "hidden")
-    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
-        if t is not None and t.shape[:-1] != lead:
-            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
-    rows = lead.numel()
-    accum = _accum_dtype(hidden.dtype)
-    valid = (
-        torch.ones(lead, dtype=torch.bool, device=hidden.device) if response_mask is None else response_mask.bool()
-    )
-    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
-
-    def flat(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-        return None if t is None else t.reshape(rows, *t.shape[len(lead):]).to(dtype)
-
-    rollout = flat(rollout_logprobs, accum)
-    adv = flat(advantages, accum)
+    _check_topk_shapes(lead, topk_ids, topk_logprobs)
+    rows = _flat_rows(lead, _accum_dtype(hidden.dtype), hidden.device, tokens, rollout_logprobs, advantages,
+                      response_mask, topk_ids, topk_logprobs, anchor_logprobs)
     out = fused_linear_dppo_loss_per_row(
-        hidden.reshape(rows, hidden_size),
+        hidden.reshape(lead.numel(), hidden_size),
         weight,
-        flat_tokens.reshape(rows),
-        rollout,
-        adv,
+        rows.tokens,
+        rows.rollout_logprobs,
+        rows.advantages,
         bias=bias,
-        topk_ids=flat(topk_ids, torch.long),
-        topk_logprobs=flat(topk_logprobs, accum),
-        anchor_logprobs=flat(anchor_logprobs, accum),
+        topk_ids=rows.topk_ids,
+        topk_logprobs=rows.topk_logprobs,
+        anchor_logprobs=rows.anchor_logprobs,
         mode=mode,
         temperature=temperature,
         delta_low=delta_low,
@@ -547,8 +533,8 @@ def fused_linear_dppo_loss(
         vocab_parallel_group=vocab_parallel_group,
         vocab_offsets=vocab_offsets,
     )
-    loss = aggregate_loss(out.loss.reshape(lead), valid, loss_agg_mode, loss_scale_factor)
-    return loss, dppo_metrics(out, rollout, adv, valid.reshape(rows))
+    loss = aggregate_loss(out.loss.reshape(lead), rows.valid, loss_agg_mode, loss_scale_factor)
+    return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, rows.valid.reshape(lead.numel()))
 
 
 class FusedLinearDPPOLoss(nn.Module):

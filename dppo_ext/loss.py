@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -122,9 +122,45 @@ def broadcast_advantages(advantages: Tensor, lead: torch.Size, layout: str) -> T
         f"for [B, T, *] {layout}), got {tuple(advantages.shape)}")
 
 
-def _check_shape(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
-    if t is not None and t.shape != shape:
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading dims), got {tuple(t.shape)}")
+def _check_row_shapes(lead: torch.Size, dims: str, **tensors: Optional[Tensor]) -> None:
+    """Every given tensor (None passes) must have the rows' shape ``lead``, which ``dims`` names in the message."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} ({dims}), got {tuple(t.shape)}")
+
+
+def _check_topk_shapes(lead: torch.Size, topk_ids: Optional[Tensor], topk_logprobs: Optional[Tensor]) -> None:
+    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
+        if t is not None and t.shape[:-1] != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
+
+
+class _FlatRows(NamedTuple):
+    """An aggregating entry point's inputs as the per-row op takes them (``_flat_rows``)."""
+
+    valid: Tensor  # [*lead] bool, the response tokens
+    tokens: Tensor  # [N] int64, IGNORE_INDEX where not valid
+    rollout_logprobs: Tensor  # [N], accumulation dtype
+    advantages: Tensor  # [N], accumulation dtype
+    topk_ids: Optional[Tensor]  # [N, K] int64
+    topk_logprobs: Optional[Tensor]  # [N, K], accumulation dtype
+    anchor_logprobs: Optional[Tensor]  # [N], accumulation dtype
+
+
+def _flat_rows(lead: torch.Size, acc: torch.dtype, device: torch.device, tokens: Tensor, rollout_logprobs: Tensor,
+               advantages: Tensor, response_mask: Optional[Tensor], topk_ids: Optional[Tensor],
+               topk_logprobs: Optional[Tensor], anchor_logprobs: Optional[Tensor]) -> _FlatRows:
+    """The checked ``[*lead, ...]`` inputs flattened to ``N = lead.numel()`` rows, float ones in ``acc``; a row
+    outside ``response_mask`` gets the token ``IGNORE_INDEX``, which the op skips."""
+    valid = torch.ones(lead, dtype=torch.bool, device=device) if response_mask is None else response_mask.bool()
+    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
+    rows = lead.numel()
+
+    def flat(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+        return None if t is None else t.reshape(rows, *t.shape[len(lead):]).to(dtype)
+
+    return _FlatRows(valid, flat_tokens.reshape(rows), flat(rollout_logprobs, acc), flat(advantages, acc),
+                     flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc))
 
 
 def dppo_loss(
@@ -197,34 +233,23 @@ def dppo_loss(
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    _check_shape("tokens", tokens, lead)
-    _check_shape("rollout_logprobs", rollout_logprobs, lead)
-    _check_shape("response_mask", response_mask, lead)
-    _check_shape("anchor_logprobs", anchor_logprobs, lead)
+    _check_row_shapes(lead, "the logits' leading dims", tokens=tokens, rollout_logprobs=rollout_logprobs,
+                      response_mask=response_mask, anchor_logprobs=anchor_logprobs)
     advantages = broadcast_advantages(advantages, lead, "logits")
-    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
-        if t is not None and t.shape[:-1] != lead:
-            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
+    _check_topk_shapes(lead, topk_ids, topk_logprobs)
     if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
         check_inplace_backward(logits)
 
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    valid = torch.ones(lead, dtype=torch.bool, device=logits.device) if response_mask is None else response_mask.bool()
-    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
-    rows = lead.numel()
-
-    def flat(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-        return None if t is None else t.reshape(rows, *t.shape[len(lead):]).to(dtype)
-
-    rollout = flat(rollout_logprobs, acc)
-    adv = flat(advantages, acc)
+    rows = _flat_rows(lead, acc, logits.device, tokens, rollout_logprobs, advantages, response_mask, topk_ids,
+                      topk_logprobs, anchor_logprobs)
     out = forward(
-        logits.reshape(rows, vocab), flat_tokens.reshape(rows), rollout, adv,
-        flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc),
+        logits.reshape(lead.numel(), vocab), rows.tokens, rows.rollout_logprobs, rows.advantages, rows.topk_ids,
+        rows.topk_logprobs, rows.anchor_logprobs,
         mode=mode, temperature=temperature, delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap,
         compute_entropy=compute_entropy, inplace_backward=inplace_backward)
-    loss = aggregate_loss(out.loss.reshape(lead), valid.reshape(lead), loss_agg_mode, loss_scale_factor)
-    metrics = dppo_metrics(out, rollout, adv, valid.reshape(rows))
+    loss = aggregate_loss(out.loss.reshape(lead), rows.valid, loss_agg_mode, loss_scale_factor)
+    metrics = dppo_metrics(out, rows.rollout_logprobs, rows.advantages, rows.valid.reshape(lead.numel()))
     return loss, metrics
 
 
