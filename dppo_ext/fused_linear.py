@@ -46,11 +46,10 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
-from torch import nn
 
-from .contract import (canonical_mode, check_aggregation, check_settings, check_token_ids,
-                       resolve_loss_settings, resolve_op_settings)
-from .loss import _check_row_shapes, _check_topk_shapes, _flat_rows, aggregate_loss, broadcast_advantages, dppo_metrics
+from .contract import check_token_ids, resolve_loss_settings, resolve_op_settings
+from .loss import (_check_row_shapes, _check_topk_shapes, _flat_rows, _LossModule, aggregate_loss, broadcast_advantages,
+                   dppo_metrics)
 from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
 
 __all__ = [
@@ -537,7 +536,7 @@ def fused_linear_dppo_loss(
     return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, rows.valid.reshape(lead.numel()))
 
 
-class FusedLinearDPPOLoss(nn.Module):
+class FusedLinearDPPOLoss(_LossModule):
     """``nn.Module`` form of :func:`fused_linear_dppo_loss` (as Liger's ``LigerFusedLinearGRPOLoss``).
 
     Holds the settings; ``forward`` takes the hidden states, the LM-head weight (and bias) and the rollout tensors.
@@ -567,26 +566,13 @@ class FusedLinearDPPOLoss(nn.Module):
         vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
-        super().__init__()
-        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
-        if not isinstance(compute_entropy, bool):
-            raise TypeError(f"compute_entropy must be a bool, got {compute_entropy!r}")
-        check_aggregation(loss_agg_mode, loss_scale_factor)
+        super().__init__(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
+                         compute_entropy, vocab_parallel_group, vocab_offsets)
         plan_chunks(1, 1, 1, torch.float32, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
                     memory_budget_bytes=memory_budget_bytes)  # the chunking settings' own checks
-        self.mode = canonical_mode(mode)
-        self.temperature = temperature
-        self.delta_low = delta_low
-        self.delta_high = delta_high
-        self.ratio_cap = ratio_cap
-        self.loss_agg_mode = loss_agg_mode
-        self.loss_scale_factor = loss_scale_factor
-        self.compute_entropy = compute_entropy
         self.chunk_size = chunk_size
         self.vocab_chunk_size = vocab_chunk_size
         self.memory_budget_bytes = memory_budget_bytes
-        self.vocab_parallel_group = vocab_parallel_group
-        self.vocab_offsets = vocab_offsets
 
     def forward(
         self,
@@ -605,14 +591,9 @@ class FusedLinearDPPOLoss(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_dppo_loss(
             hidden, weight, tokens, rollout_logprobs, advantages, bias=bias, response_mask=response_mask,
-            mode=self.mode, topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
-            temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
-            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
-            compute_entropy=self.compute_entropy, chunk_size=self.chunk_size, vocab_chunk_size=self.vocab_chunk_size,
-            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context,
-            vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
+            chunk_size=self.chunk_size, vocab_chunk_size=self.vocab_chunk_size,
+            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context, **self._settings())
 
     def extra_repr(self) -> str:
-        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
-                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
-                f"loss_scale_factor={self.loss_scale_factor}, chunk_size={self.chunk_size}")
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .contract import (AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_aggregation,
-                       check_settings, check_token_ids, resolve_loss_settings)
+                       check_loss_settings, check_token_ids, resolve_loss_settings)
 from .ops import DPPOOutputs, check_inplace_backward, dppo_loss_forward
 
 __all__ = [
@@ -277,7 +277,53 @@ def _vocab_parallel_inputs(logits, tokens, rollout_logprobs, advantages, respons
     return (logits, *local, forward)
 
 
-class DPPOLoss(nn.Module):
+class _LossModule(nn.Module):
+    """The settings that ``DPPOLoss`` and ``FusedLinearDPPOLoss`` share: checked at construction
+    (:func:`dppo_ext.contract.check_loss_settings`, with ``flags`` the module's own bool settings), stored, and passed
+    to the loss function by ``_settings()``."""
+
+    def __init__(
+        self,
+        mode: str,
+        temperature: float,
+        delta_low: Optional[float],
+        delta_high: Optional[float],
+        ratio_cap: float,
+        loss_agg_mode: str,
+        loss_scale_factor: Optional[float],
+        compute_entropy: bool,
+        vocab_parallel_group: Optional["torch.distributed.ProcessGroup"],
+        vocab_offsets: Optional[Sequence[int]],
+        **flags: bool,
+    ) -> None:
+        super().__init__()
+        check_loss_settings(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
+                            compute_entropy=compute_entropy, **flags)
+        self.mode = canonical_mode(mode)
+        self.temperature = temperature
+        self.delta_low = delta_low
+        self.delta_high = delta_high
+        self.ratio_cap = ratio_cap
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
+        self.compute_entropy = compute_entropy
+        self.vocab_parallel_group = vocab_parallel_group
+        self.vocab_offsets = vocab_offsets
+
+    def _settings(self) -> dict:
+        """The shared settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
+        return dict(mode=self.mode, temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
+                    ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode,
+                    loss_scale_factor=self.loss_scale_factor, compute_entropy=self.compute_entropy,
+                    vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
+                f"loss_scale_factor={self.loss_scale_factor}")
+
+
+class DPPOLoss(_LossModule):
     """``nn.Module`` form of :func:`dppo_loss` holding the settings; ``forward`` takes the tensors.
 
     The settings are checked here, at construction (the same rules as the op's: a known mode, a finite
@@ -304,23 +350,9 @@ class DPPOLoss(nn.Module):
         vocab_parallel_group: Optional["torch.distributed.ProcessGroup"] = None,
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
-        super().__init__()
-        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
-        for name, flag in (("compute_entropy", compute_entropy), ("inplace_backward", inplace_backward)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
-        check_aggregation(loss_agg_mode, loss_scale_factor)
-        self.mode = canonical_mode(mode)
-        self.temperature = temperature
-        self.delta_low = delta_low
-        self.delta_high = delta_high
-        self.ratio_cap = ratio_cap
-        self.loss_agg_mode = loss_agg_mode
-        self.loss_scale_factor = loss_scale_factor
-        self.compute_entropy = compute_entropy
+        super().__init__(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
+                         compute_entropy, vocab_parallel_group, vocab_offsets, inplace_backward=inplace_backward)
         self.inplace_backward = inplace_backward
-        self.vocab_parallel_group = vocab_parallel_group
-        self.vocab_offsets = vocab_offsets
 
     def forward(
         self,
@@ -335,14 +367,6 @@ class DPPOLoss(nn.Module):
         anchor_logprobs: Optional[Tensor] = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return dppo_loss(
-            logits, tokens, rollout_logprobs, advantages, response_mask=response_mask, mode=self.mode,
-            topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
-            temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
-            ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor,
-            compute_entropy=self.compute_entropy, inplace_backward=self.inplace_backward,
-            vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
-
-    def extra_repr(self) -> str:
-        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
-                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
-                f"loss_scale_factor={self.loss_scale_factor}")
+            logits, tokens, rollout_logprobs, advantages, response_mask=response_mask, topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, inplace_backward=self.inplace_backward,
+            **self._settings())
