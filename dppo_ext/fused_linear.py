@@ -50,7 +50,7 @@ import torch
 from .contract import check_token_ids, resolve_loss_settings, resolve_op_settings
 from .loss import (_check_row_shapes, _check_topk_shapes, _flat_rows, _LossModule, aggregate_loss, broadcast_advantages,
                    dppo_metrics)
-from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, check_no_functorch
+from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, _acc_dtype, check_no_functorch
 
 __all__ = [
     "FusedLinearDPPOLoss", "FusedLinearPlan", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row", "plan_chunks",
@@ -128,10 +128,6 @@ def plan_chunks(
     return FusedLinearPlan(chunk_rows, tile_rows, vocab_block)
 
 
-def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -202,7 +198,7 @@ class _FusedLinearDPPO(torch.autograd.Function):
         weight_context: Callable[[], ContextManager],
     ):
         n, vocab = hidden.shape[0], weight.shape[0]
-        accum = _accum_dtype(hidden.dtype)
+        accum = _acc_dtype(hidden.dtype)
         outs = [torch.zeros(n, dtype=accum, device=hidden.device) for _ in range(7)]
         if n > 0:
             buf = hidden.new_empty(min(plan.chunk_rows, n), vocab)
@@ -249,7 +245,7 @@ class _FusedLinearDPPO(torch.autograd.Function):
         need_bias = need_bias and bias is not None
         n, hidden_size = hidden.shape
         vocab = weight.shape[0]
-        accum = _accum_dtype(hidden.dtype)
+        accum = _acc_dtype(hidden.dtype)
         temperature, plan = ctx.temperature, ctx.plan
 
         grad_target = torch.zeros(n, dtype=accum, device=hidden.device)
@@ -507,7 +503,7 @@ def fused_linear_dppo_loss(
     check_token_ids("topk_ids", topk_ids)
     advantages = broadcast_advantages(advantages, lead, "hidden")
     _check_topk_shapes(lead, topk_ids, topk_logprobs)
-    rows = _flat_rows(lead, _accum_dtype(hidden.dtype), hidden.device, tokens, rollout_logprobs, advantages,
+    rows = _flat_rows(lead, _acc_dtype(hidden.dtype), hidden.device, tokens, rollout_logprobs, advantages,
                       response_mask, topk_ids, topk_logprobs, anchor_logprobs)
     out = fused_linear_dppo_loss_per_row(
         hidden.reshape(lead.numel(), hidden_size),

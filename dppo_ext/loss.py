@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .contract import (AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_aggregation,
                        check_loss_settings, check_token_ids, resolve_loss_settings)
-from .ops import DPPOOutputs, check_inplace_backward, dppo_loss_forward
+from .ops import DPPOOutputs, _acc_dtype, _inplace_applies, dppo_loss_forward
 
 __all__ = [
     "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "NORM_AGG_MODES", "aggregate_loss", "check_aggregation", "dppo_loss",
@@ -237,11 +237,8 @@ def dppo_loss(
                       response_mask=response_mask, anchor_logprobs=anchor_logprobs)
     advantages = broadcast_advantages(advantages, lead, "logits")
     _check_topk_shapes(lead, topk_ids, topk_logprobs)
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
-        check_inplace_backward(logits)
-
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    rows = _flat_rows(lead, acc, logits.device, tokens, rollout_logprobs, advantages, response_mask, topk_ids,
+    _inplace_applies(inplace_backward, logits)
+    rows = _flat_rows(lead, _acc_dtype(logits.dtype), logits.device, tokens, rollout_logprobs, advantages, response_mask, topk_ids,
                       topk_logprobs, anchor_logprobs)
     out = forward(
         logits.reshape(lead.numel(), vocab), rows.tokens, rows.rollout_logprobs, rows.advantages, rows.topk_ids,

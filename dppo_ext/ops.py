@@ -37,6 +37,12 @@ _NO_DOUBLE_BACKWARD = (
     "gradient) cannot be computed. Call backward without create_graph=True."
 )
 
+_BACKWARD_CONSUMED = (
+    "inplace_backward=True: the backward of this loss already ran and overwrote the logits with their gradient, so it "
+    "cannot run again (backward(retain_graph=True) a second time). Use inplace_backward=False to backpropagate "
+    "through the same graph more than once."
+)
+
 
 class DPPOOutputs(NamedTuple):
     """Per-row outputs of the op, each ``[N]`` in float32 (float64 for float64 logits)."""
@@ -143,6 +149,15 @@ def check_inplace_backward(logits: Tensor, name: str = "logits") -> None:
         )
 
 
+def _inplace_applies(inplace_backward: bool, logits: Tensor) -> bool:
+    """Whether ``inplace_backward=True`` takes effect (autograd will differentiate ``logits``); when it does, its
+    unsafe uses are refused first (:func:`check_inplace_backward`)."""
+    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
+        check_inplace_backward(logits)
+        return True
+    return False
+
+
 class _DPPOInplace(torch.autograd.Function):
     """The op with a backward that writes the logits gradient into the logits buffer."""
 
@@ -158,11 +173,7 @@ class _DPPOInplace(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="dppo_loss_forward(inplace_backward=True)"))
         if ctx.consumed:
-            raise RuntimeError(
-                "inplace_backward=True: the backward of this loss already ran and overwrote the logits with their "
-                "gradient, so it cannot run again (backward(retain_graph=True) a second time). Use "
-                "inplace_backward=False to backpropagate through the same graph more than once."
-            )
+            raise RuntimeError(_BACKWARD_CONSUMED)
         logits, tokens, advantages, mask, weight, entropy, lse = ctx.saved_tensors
         gt, ge, ent = _grad_args(ctx, advantages, mask, weight, grad_loss, grad_logp, grad_entropy, entropy)
         torch.ops.dppo.dppo_loss_backward_(gt, ge, logits, tokens, lse, ent, ctx.temperature)
@@ -215,8 +226,7 @@ def dppo_loss_forward(
     settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("dppo_loss_forward", logits)
     args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, *settings.op_args())
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
-        check_inplace_backward(logits)
+    if _inplace_applies(inplace_backward, logits):
         return DPPOOutputs(*_DPPOInplace.apply(logits, *args))
     return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *args))
 

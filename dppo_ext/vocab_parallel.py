@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .contract import resolve_op_settings
-from .ops import _NO_DOUBLE_BACKWARD, DPPOOutputs, _grad_args, check_inplace_backward, check_no_functorch
+from .ops import (_BACKWARD_CONSUMED, _NO_DOUBLE_BACKWARD, DPPOOutputs, _acc_dtype, _grad_args, _inplace_applies,
+                  check_no_functorch)
 
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
@@ -45,10 +46,6 @@ __all__ = [
 ]
 
 _HEADER_ROWS = 1  # the all-gathered payload's extra row: (V_local, vocab_start) of the sending rank
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("dppo::dppo_vocab_parallel_stats")
@@ -196,10 +193,7 @@ class _VocabParallelDPPO(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="the vocab-parallel DPPO loss"))
         if ctx.consumed:  # the same rule as ops._DPPOInplace
-            raise RuntimeError(
-                "inplace_backward=True: the backward of this loss already ran and overwrote the logits with their "
-                "gradient, so it cannot run again (backward(retain_graph=True) a second time). Use "
-                "inplace_backward=False to backpropagate through the same graph more than once.")
+            raise RuntimeError(_BACKWARD_CONSUMED)
         logits, local_tokens, foreign, adv, mask, weight, entropy, lse = ctx.saved_tensors
         gt, ge, ent = _grad_args(ctx, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
         grad = _slice_backward(gt, ge, ent, logits, local_tokens, foreign, lse, ctx.temperature, ctx.inplace)
@@ -263,8 +257,7 @@ def dppo_loss_forward_vocab_parallel(
                          f"got logits of shape {tuple(logits.shape)}")
     settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
-    if inplace_backward and torch.is_grad_enabled() and logits.requires_grad:
-        check_inplace_backward(logits)
+    _inplace_applies(inplace_backward, logits)
     offsets = _resolve_offsets(logits.shape[1], group, vocab_offsets)
     args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, *settings.op_args(),
             group, offsets, bool(inplace_backward))
