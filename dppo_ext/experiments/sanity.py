@@ -101,6 +101,8 @@ CONDITIONS: dict[str, Condition] = {
                             methods=("pg_is", "cispo", "minirl", "dppo_binary_tv", "dppo_topk_tv")),
     "learn_fp32": Condition("the trainer's learning setup, fp32 rollouts (control without mismatch)",
                             {**LEARN, "rollout_dtype": "float32"}, methods=("pg_is", "dppo_binary_tv")),
+    "learn_bf16_lag4": Condition("the trainer's learning setup, bf16 rollouts 4 steps stale (asynchronous RL)",
+                                 {**LEARN, "rollout_lag": 4}, methods=("pg_is", "cispo", "minirl", "dppo_binary_tv")),
 }
 DEFAULT_CONDITIONS = ("bf16_lr3e-4", "fp32_lr3e-4")
 
