@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from dppo_ext.rollout import vllm_logging
 from dppo_ext.trainer.config import TrainConfig
@@ -131,20 +132,62 @@ def test_cli_run_with_vllm_is_quiet_by_default(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT", "VLLM_LOGGING_LEVEL")}
     env.update(PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_KVCACHE_SPACE="1")
-    flags = ["--engine", "vllm", "--max-operand", "9", "--num-eval", "16", "--warm-start-problems", "60",
+    flags = ["--engine", "vllm", "--rollout-dtype", "bfloat16", "--max-operand", "9", "--num-eval", "16",
+             "--warm-start-problems", "60",
              "--warm-start-steps", "20", "--steps", "3", "--prompts-per-step", "6", "--group-size", "4",
              "--num-minibatches", "2", "--eval-every", "2", "--eval-samples", "1", "--max-new-tokens", "4",
              "--threads", "1", "--out", str(tmp_path / "run")]
     out = subprocess.run([sys.executable, "-m", "dppo_ext.train", *flags], capture_output=True, text=True, env=env,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stderr.splitlines()
+    lines = (out.stdout + out.stderr).splitlines()  # vLLM's own log handler writes to stdout
     vllm_lines = [line for line in lines if "(MainProcess pid=" in line or ":vllm." in line]
     assert not [line for line in vllm_lines if " INFO " in line or line.startswith("INFO:")], vllm_lines
     assert not [line for line in lines if "Failed to load weights" in line]
+    # bf16 rollouts of the fp32 trainer: the sync hands vLLM bf16 weights, so no per-tensor dtype warning
+    assert not [line for line in lines if "Attempted to load weight" in line]
     benign = [entry[1].replace("%s", "") for entry in vllm_logging.BENIGN_VLLM_WARNINGS]
     assert not [line for line in vllm_lines if any(b and b in line for b in benign)], vllm_lines
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 4
+
+
+def test_vllm_sync_hands_weights_in_the_engine_dtype():
+    """The vLLM weight sync rounds floating tensors to the engine's dtype the way vLLM's own load
+    would (Tensor.to, round to nearest even) and leaves integer buffers alone."""
+    from dppo_ext.rollout.vllm_engine import _checkpoint_weights
+
+    model = torch.nn.Linear(3, 5)
+    model.register_buffer("steps", torch.arange(4))
+    model.weight.data[0, 0] = 1.0 + 2.0**-9  # not a bf16 value: rounds
+    weights = dict(_checkpoint_weights(model, torch.bfloat16))
+    assert set(weights) == {"weight", "bias", "steps"}
+    assert weights["weight"].dtype == weights["bias"].dtype == torch.bfloat16
+    assert torch.equal(weights["weight"], model.weight.detach().to(torch.bfloat16))
+    assert torch.equal(weights["bias"], model.bias.detach().to(torch.bfloat16))
+    assert weights["steps"].dtype == torch.int64 and torch.equal(weights["steps"], torch.arange(4))
+    same = dict(_checkpoint_weights(model, torch.float32))
+    assert torch.equal(same["weight"], model.weight.detach()) and same["weight"].dtype == torch.float32
+
+
+def test_vllm_sync_weights_passes_the_engine_dtype():
+    """sync_weights hands vLLM's reload the model's tensors already in the engine's dtype (a stand-in
+    for the LLM records what it receives), so the reload itself never narrows a weight."""
+    from dppo_ext.rollout.vllm_engine import VLLMEngine
+
+    class RecordingLLM:
+        def collective_rpc(self, method, kwargs):
+            self.method, self.weights = method, dict(kwargs["weights_iterator"])
+
+        def reset_prefix_cache(self):
+            pass
+
+    engine = object.__new__(VLLMEngine)  # no vLLM needed: only the sync path is exercised
+    engine.llm, engine.dtype = RecordingLLM(), "bfloat16"
+    model = torch.nn.Linear(4, 3)
+    engine.sync_weights(model)
+    assert engine.llm.method == "reload_weights"
+    assert {k: v.dtype for k, v in engine.llm.weights.items()} == {"weight": torch.bfloat16, "bias": torch.bfloat16}
+    assert torch.equal(engine.llm.weights["weight"], model.weight.detach().to(torch.bfloat16))
 
 
 def test_threads_default_is_every_usable_cpu():

@@ -20,6 +20,9 @@ __all__ = ["BENIGN_VLLM_WARNINGS", "quiet_vllm_logging", "verbose_vllm_logging"]
 BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", "RotaryEmbedding",
      "rotary cos/sin cache is not a checkpoint tensor; vLLM keeps the old (weight-independent) one"),
+    ("vllm.model_executor.models.utils", "Attempted to load weight %s with dtype %s into parameter with dtype", None,
+     "the engine runs in the rollout dtype asked for (bf16 rollouts of an fp32 model): vLLM rounds the fp32 "
+     "checkpoint to it when it starts; weight syncs hand it weights already in that dtype"),
     ("vllm.engine.arg_utils", "The global random seed is set to", None,
      "the trainer seeds its RNGs after the engine has started"),
     ("vllm.config.vllm", "Enforce eager set", None, "eager mode is the engine's choice on CPU"),
