@@ -1,6 +1,6 @@
 """The README and docs stay true: their Python snippets run, their links resolve, their trainer flags exist.
 
-- Every ```python block of README.md, docs/*.md and examples/*.md runs as written, in a fresh namespace,
+- Every ```python block of README.md, docs/*.md and examples/*.md runs as written, in a fresh process,
   unless the line right above its fence is a marker:
     <!-- docs-test: skip (why it cannot run here) -->   not run; the reason is required
     <!-- docs-test: with NAME -->                       run after the prelude NAME below, which defines the
@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,21 +95,21 @@ logits_local = logits
 PRELUDES = {"inputs": _INPUTS, "tp_group": _TP_GROUP}
 
 
-def _run_block(block: Block) -> None:
+def _run_block(block: Block, tmp_path: Path) -> None:
+    """Run the prelude and the snippet in a fresh Python process (a snippet that sets up torch.distributed must
+    not touch the process group of the test session, which an in-process vLLM engine may own); raise
+    AssertionError with the snippet's traceback when it fails."""
     prelude = ""
     if block.marker is not None:
         m = re.fullmatch(r"with\s+(\w+)", block.marker)
         assert m and m.group(1) in PRELUDES, f"{block.name}: unknown docs-test marker {block.marker!r}"
         prelude = PRELUDES[m.group(1)]
-    namespace: dict = {"__name__": "__docs_test__"}
-    try:
-        exec(compile(prelude, f"<prelude {block.marker}>", "exec"), namespace)
-        exec(compile(block.code, block.name, "exec"), namespace)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    script = tmp_path / "snippet.py"
+    script.write_text(f"# prelude ({block.marker})\n{prelude}\n# {block.name}\n{block.code}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{block.name} failed:\n{proc.stderr[-3000:]}"
 
 
 def test_every_python_block_is_run_or_skipped_with_a_reason():
@@ -124,15 +127,15 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
 
 @pytest.mark.parametrize("block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")],
                          ids=lambda b: b.name)
-def test_python_block_runs(block: Block):
-    _run_block(block)
+def test_python_block_runs(block: Block, tmp_path):
+    _run_block(block, tmp_path)
 
 
-def test_a_broken_block_fails():
+def test_a_broken_block_fails(tmp_path):
     """The runner reports a snippet that does not run (a check that cannot fail checks nothing)."""
     block = Block(ROOT / "README.md", 1, "python", "from dppo_ext import fused_linear_dppo\n", "with inputs")
-    with pytest.raises(ImportError, match="fused_linear_dppo"):
-        _run_block(block)
+    with pytest.raises(AssertionError, match=r"ImportError: cannot import name 'fused_linear_dppo'"):
+        _run_block(block, tmp_path)
 
 
 # ----------------------------------------------------------------------------- links
