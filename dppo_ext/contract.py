@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "TOPK_MODES",
-           "OpSettings", "canonical_mode", "check_aggregation", "check_loss_settings", "check_settings", "check_token_ids",
+           "OpSettings", "canonical_mode", "check_aggregation", "check_settings", "check_token_ids",
            "resolve_deltas", "resolve_loss_settings", "resolve_op_settings"]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
@@ -169,25 +169,6 @@ def check_settings(
             raise ValueError(f"{prefix}{name} must be a finite number >= 0 or None (the mode's default), got {value!r}")
     if not _is_number(ratio_cap) or not ratio_cap > 0:
         raise ValueError(f"{prefix}ratio_cap must be a number > 0, got {ratio_cap!r}")
-
-
-def check_loss_settings(
-    mode: str,
-    temperature: float,
-    delta_low: Optional[float],
-    delta_high: Optional[float],
-    ratio_cap: float,
-    loss_agg_mode: str,
-    loss_scale_factor: Optional[float],
-    **flags: bool,
-) -> None:
-    """The checks of a loss module's construction (``DPPOLoss``, ``FusedLinearDPPOLoss``), in this order: the op's
-    settings (:func:`check_settings`), each of ``flags`` (``compute_entropy=...``) a bool, then the aggregation."""
-    check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    check_aggregation(loss_agg_mode, loss_scale_factor)
 
 
 def check_token_ids(name: str, ids: Optional[torch.Tensor]) -> None:

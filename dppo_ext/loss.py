@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .contract import (AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, NORM_AGG_MODES, canonical_mode, check_aggregation,
-                       check_loss_settings, check_token_ids, resolve_loss_settings)
+                       check_settings, check_token_ids, resolve_loss_settings)
 from .ops import DPPOOutputs, _acc_dtype, _inplace_applies, dppo_loss_forward
 
 __all__ = [
@@ -276,7 +276,7 @@ def _vocab_parallel_inputs(logits, tokens, rollout_logprobs, advantages, respons
 
 class _LossModule(nn.Module):
     """The settings that ``DPPOLoss`` and ``FusedLinearDPPOLoss`` share: checked at construction
-    (:func:`dppo_ext.contract.check_loss_settings`, with ``flags`` the module's own bool settings), stored, and passed
+    (``flags``: the module's own bool settings), stored, and passed
     to the loss function by ``_settings()``."""
 
     def __init__(
@@ -294,8 +294,12 @@ class _LossModule(nn.Module):
         **flags: bool,
     ) -> None:
         super().__init__()
-        check_loss_settings(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
-                            compute_entropy=compute_entropy, **flags)
+        # checked in this order: the op's settings, each bool setting, then the aggregation
+        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
+        for name, flag in {"compute_entropy": compute_entropy, **flags}.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_aggregation(loss_agg_mode, loss_scale_factor)
         self.mode = canonical_mode(mode)
         self.temperature = temperature
         self.delta_low = delta_low
