@@ -443,3 +443,24 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
     with pytest.raises(ValueError, match=r"add_dppo_head needs a causal LM with an LM head .*got LlamaModel.*"
                                          r"AutoModelForCausalLM"):
         add_dppo_head(LlamaModel(config), args, 1.0)
+
+
+@pytest.mark.slow
+def test_example_script_runs_without_vllm(tmp_path):
+    """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it (own process: the example shuts the
+    process group down at the end) and prints one line per step with the recompute variant flagged."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "trl_dppo_grpo.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], out.stdout[-2000:]
+    assert all("recompute_variant 1" in line for line in steps), steps
