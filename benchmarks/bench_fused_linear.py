@@ -154,8 +154,13 @@ def main() -> None:
         sys.exit(f"the logits path needs about {rough_need / GIB:.1f} GiB but only "
                  f"{_mem_available_bytes() / GIB:.1f} GiB are available: use smaller --n/--vocab or --small")
 
+    from bench_common import machine_info  # imports torch: only the parent process needs it here
+
+    machine = machine_info(args.device)
     print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} {args.device} mode={args.mode} "
           f"warmup={args.warmup} repeats={args.repeats}", flush=True)
+    print(f"host: {machine['cpu_model']}, {machine['cpu_count']} cores, widest SIMD {machine['cpu_simd']}, "
+          f"torch {machine['torch']}, load {machine['loadavg_start'][0]:.1f}", flush=True)
     results = []
     passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
                    "--device", args.device, "--mode", args.mode, "--warmup", str(args.warmup),
@@ -183,7 +188,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "device", "mode", "warmup", "repeats",
                                              "chunk_size")}
-    (out_dir / "bench_fused_linear.json").write_text(json.dumps({"config": config, "results": results}, indent=2))
+    machine["loadavg_end"] = os.getloadavg()
+    (out_dir / "bench_fused_linear.json").write_text(
+        json.dumps({"config": config, "machine": machine, "results": results}, indent=2))
     _plot(results, config, out_dir / "bench_fused_linear.png")
     print(f"wrote {out_dir / 'bench_fused_linear.json'} and .png")
 

@@ -76,8 +76,6 @@ def main() -> None:
                 print(f"step {h['step']}: loss {h['loss']:.4f} reward {h['reward']:.3f} "
                       f"mismatch_max {h['dppo/mismatch_max']:.2e} masked_frac {h['dppo/masked_frac']:.3f} "
                       f"recompute_variant {h['dppo/recompute_variant']:.0f}", flush=True)
-        # Under `accelerate launch`, destroy the process group before exit (see docs/distributed.md, "Shutdown").
-        trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

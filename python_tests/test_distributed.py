@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,9 +55,16 @@ def launch(script: str, args: list[str], out: Path, processes: int = 2, timeout:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(_free_port()), str(SCRIPTS / script)]
-    proc = subprocess.run([*cmd, *args, "--out", str(out)], capture_output=True, text=True, timeout=timeout,
-                          env=_env(), cwd=str(out.parent))
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # Own session: on a timeout the whole tree goes (the launcher and its ranks), not only the launcher.
+    proc = subprocess.Popen([*cmd, *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=str(out.parent), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{script} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return json.loads(out.read_text())
 
 

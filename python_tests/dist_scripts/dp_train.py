@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from clean_exit import exit_after
 from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row
 from dppo_ext.ops import dppo_loss_forward
 
@@ -140,8 +141,7 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    exit_after(accelerator.wait_for_everyone)  # not gloo's teardown: see clean_exit.py
 
 
 if __name__ == "__main__":

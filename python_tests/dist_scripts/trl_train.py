@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from clean_exit import exit_after
 from dppo_ext.integrations.trl import DPPOGRPOConfig, DPPOGRPOTrainer
 
 
@@ -82,9 +83,7 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f)
-    # Destroy the process group while the interpreter is alive: left to interpreter finalization, gloo's worker
-    # threads can abort both ranks after a finished run ("terminate called without an active exception", seen in CI).
-    trainer.accelerator.end_training()
+    exit_after(trainer.accelerator.wait_for_everyone)  # not gloo's teardown: see clean_exit.py
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from clean_exit import exit_after
 from dppo_ext import dppo_loss, fused_linear_dppo_loss
 from dppo_ext.loss import AGG_MODES
 from dppo_ext.ops import MODES
@@ -224,8 +225,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"rank": rank, "world": world, "planned": [p[0] for p in plan], "checks": checks,
                    "coverage": coverage, "losses": losses}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_after(dist.barrier)  # not gloo's teardown: see clean_exit.py
 
 
 if __name__ == "__main__":
