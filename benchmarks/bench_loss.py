@@ -14,9 +14,10 @@ the eager full-vocabulary reference, ``torch.compile`` of that reference and, on
 - ``scaling``: extra memory and time as N grows (V fixed) and as V grows (N fixed), each point in
   a fresh process, for the fused op (plain and in-place) and the eager reference.
 
-Results go to ``--out-dir`` (default benchmarks/results/): ``bench_loss.json`` (every figure and
-the machine), ``bench_loss.csv`` (one row per contender and case), ``bench_loss.png`` (time and
-memory vs N and vs V, log scale) and ``README_table.md`` (the tables for the README).
+Results go to ``--out-dir`` (default benchmarks/results/, or artifacts/bench_loss_quick/ with ``--quick`` so
+that a smoke test never overwrites the committed figures): ``bench_loss.json`` (every figure and the machine),
+``bench_loss.csv`` (one row per contender and case), ``bench_loss.png`` (time and memory vs N and vs V, log
+scale) and ``README_table.md`` (the tables for the README).
 
     python benchmarks/bench_loss.py                 # the default suite (< 10 min on 2 CPU cores)
     python benchmarks/bench_loss.py --quick         # tiny sizes: a harness smoke test (~1 min)
@@ -62,7 +63,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--sections", type=_names, default=list(SECTIONS), help=f"comma list of {SECTIONS}")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out-dir", default=None,
+                   help="default: benchmarks/results/ (the committed figures); artifacts/bench_loss_quick/ with --quick")
     p.add_argument("--quick", action="store_true", help="tiny sizes and repeats: checks the harness, not the op")
     p.add_argument("--large", action="store_true",
                    help="larger scaling sizes (N up to 32768; compile in every scaling point); needs ~40 GiB")
@@ -115,6 +117,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for name in args.contenders + args.scaling_contenders:
         if name not in bc.ALL_CONTENDERS:
             p.error(f"contender {name!r} is not one of {bc.ALL_CONTENDERS}")
+    if args.out_dir is None:  # a harness smoke test never overwrites the committed results
+        here = os.path.dirname(os.path.abspath(__file__))
+        args.out_dir = (os.path.join(os.path.dirname(here), "artifacts", "bench_loss_quick") if args.quick
+                        else os.path.join(here, "results"))
     if args.quick:
         args.speed_n, args.speed_v, args.repeats, args.baseline_repeats = 256, 4096, 3, 2
         args.memory_n, args.memory_v = 512, 16384
