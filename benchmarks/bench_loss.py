@@ -20,7 +20,7 @@ that a smoke test never overwrites the committed figures): ``bench_loss.json`` (
 scale) and ``README_table.md`` (the tables for the README).
 
     python benchmarks/bench_loss.py                 # the default suite (< 10 min on 2 CPU cores)
-    python benchmarks/bench_loss.py --quick         # tiny sizes: a harness smoke test (~1 min)
+    python benchmarks/bench_loss.py --quick         # tiny sizes: a harness smoke test (153 s on 2 busy AVX2 cores)
     python benchmarks/bench_loss.py --device cuda   # on a GPU (adds GB/s and Liger when installed)
 """
 
