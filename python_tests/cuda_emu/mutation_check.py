@@ -10,8 +10,8 @@ and passes the tests is a hole in the harness.
 
     python python_tests/cuda_emu/mutation_check.py [--only NAME ...] [--tsan] [--keep] [--jobs N]
 
---tsan also runs the missing-__syncthreads mutant under ThreadSanitizer (thread mode) and requires
-a data-race report. Exit status 0 only when every mutant was caught.
+--tsan also runs the missing-__syncthreads mutants under ThreadSanitizer (thread mode) and requires
+a data-race report from each. Exit status 0 only when every mutant was caught.
 """
 
 from __future__ import annotations
@@ -105,8 +105,16 @@ MUTANTS += [
            "(id >= 0 && id < v)", "(id >= 0 && id <= v)",
            "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
 ]
-TSAN_MUTANT = Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
-                     MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race")
+TSAN_MUTANTS = [
+    Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
+           MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race"),
+    # Fibers run a block's threads round robin, so every thread reads the previous reduction's shared
+    # partials before warp 0 overwrites them: only OS threads under TSan can see this one.
+    Mutant("vp-no-syncthreads-before-reuse (tsan)",
+           "vp_block_reduce overwrites the shared partials while other warps may still read the previous ones",
+           "  __syncthreads();  // smem may still be read by a previous reduction\n", "",
+           "tsan", r"ThreadSanitizer: data race", VP_SELECT, VP_HEADER),
+]
 
 
 def plant(mutant: Mutant, dest: Path) -> Path:
@@ -143,13 +151,13 @@ def run_tests(mutant: Mutant, csrc: Path, out_dir: Path) -> tuple[int, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
-    ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutant under TSan")
+    ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutants under TSan")
     ap.add_argument("--keep", action="store_true", help="keep the mutant trees and logs")
     ap.add_argument("--jobs", type=int, default=0, help="mutants at once (default: one per core)")
     args = ap.parse_args()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.tsan:
-        mutants.append(TSAN_MUTANT)
+        mutants += TSAN_MUTANTS
     work = Path(tempfile.mkdtemp(prefix="dppo_mutants_"))
     t_all = time.monotonic()
 
