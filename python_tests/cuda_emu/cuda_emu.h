@@ -1,5 +1,6 @@
 // cuda_emu.h -- a small CUDA emulation layer that runs the project's kernels
-// (csrc/cuda/dppo_loss_kernels.cuh, unchanged) on the CPU, for the test suite only.
+// (csrc/cuda/dppo_loss_kernels.cuh and csrc/cuda/vocab_parallel_kernels.cuh, unchanged) on the CPU,
+// for the test suite only.
 //
 // What it provides: the CUDA keywords, threadIdx / blockIdx / blockDim / gridDim, dim3 / uint3 /
 // uint4 (16-byte aligned), __syncthreads, __shfl_xor_sync, __ldg / __ldcs / __stcs, __fmul_rn /

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -384,7 +385,12 @@ struct Worker final : ThreadCtx {
   unsigned char* next_exchange() override;
 };
 
+// Each warp has a lock of its own: warps of a block meet only at __syncthreads, as on a GPU. (With one
+// lock for the whole block, every shuffle would order the warps for ThreadSanitizer and hide a race
+// between warps, such as a shared buffer rewritten without the __syncthreads that guards its last read.)
+// Lock order: ThreadRun::m, then a warp's m.
 struct WarpBarrier {
+  std::mutex m;
   unsigned live = 0, arrived = 0, mask = 0;
   uint64_t gen = 0;
   std::source_location site;
@@ -398,7 +404,8 @@ struct ThreadRun {
   unsigned nthreads = 0;
   uint64_t block_seq = 0;  // the coordinator starts block k by setting this to k + 1
   unsigned finished = 0;
-  bool quit = false, abort = false;
+  bool quit = false;
+  std::atomic<bool> abort{false};  // read under a warp's lock too
   std::string error, where;
   dim3 grid, block;
   uint3 bidx{0, 0, 0};
@@ -420,18 +427,28 @@ struct ThreadRun {
     if (error.empty()) error = where + ", " + e;
     abort = true;
     cv_block.notify_all();
-    for (WarpBarrier& w : warps) w.cv.notify_all();
+    for (WarpBarrier& w : warps) {
+      std::lock_guard<std::mutex> wl(w.m);  // a lane between its predicate check and its wait must not miss this
+      w.cv.notify_all();
+    }
   }
-  void release_warp_locked(WarpBarrier& w, unsigned warp) {
-    if (w.arrived == 0 || w.arrived != w.live) return;
+  // With no lock held.
+  void report(const std::string& e) {
+    std::lock_guard<std::mutex> lk(m);
+    set_error(e);
+  }
+  // With w.m held: releases the warp's barrier once every live lane arrived. Returns the error to report
+  // (after w.m is released), or "".
+  std::string release_warp_locked(WarpBarrier& w, unsigned warp) {
+    if (w.arrived == 0 || w.arrived != w.live) return {};
     if (w.mask != w.live) {
-      set_error(std::string(w.what) + " at " + site_str(w.site) + " in warp " + std::to_string(warp) + " with mask " +
-                hex32(w.mask) + ", but the warp's live lanes are " + hex32(w.live));
-      return;
+      return std::string(w.what) + " at " + site_str(w.site) + " in warp " + std::to_string(warp) + " with mask " +
+             hex32(w.mask) + ", but the warp's live lanes are " + hex32(w.live);
     }
     w.arrived = 0;
     ++w.gen;
     w.cv.notify_all();
+    return {};
   }
   void release_block_locked() {
     if (arrived == 0 || arrived != live) return;
@@ -474,26 +491,30 @@ void Worker::sync_warp(unsigned mask, const std::source_location& s, const char*
   ThreadRun& r = *run;
   const unsigned warp = tid / 32, lane = tid % 32;
   WarpBarrier& w = r.warps[warp];
-  std::unique_lock<std::mutex> lk(r.m);
+  std::unique_lock<std::mutex> lk(w.m);
   if (r.abort) throw Aborted{};
+  std::string err;
   if (w.arrived == 0) {
     w.mask = mask;
     w.site = s;
     w.what = what;
   } else if (w.mask != mask || !same_site(w.site, s) || std::strcmp(w.what, what) != 0) {
-    r.set_error("lanes of warp " + std::to_string(warp) + " meet at different warp operations (" + w.what + " at " +
-                site_str(w.site) + " mask " + hex32(w.mask) + " vs " + what + " at " + site_str(s) + " mask " +
-                hex32(mask) + ")");
-    throw Aborted{};
+    err = "lanes of warp " + std::to_string(warp) + " meet at different warp operations (" + w.what + " at " +
+          site_str(w.site) + " mask " + hex32(w.mask) + " vs " + what + " at " + site_str(s) + " mask " + hex32(mask) +
+          ")";
   }
-  w.arrived |= 1u << lane;
-  const uint64_t my_gen = w.gen;
-  r.release_warp_locked(w, warp);
-  if (!w.cv.wait_until(lk, r.deadline(), [&] { return w.gen != my_gen || r.abort; })) {
-    r.set_error("deadlock: lane " + std::to_string(lane) + " of warp " + std::to_string(warp) + " waited " +
-                std::to_string(config().timeout_s) + " s at " + what + " " + site_str(s) + " (lanes arrived " +
-                hex32(w.arrived) + ", live " + hex32(w.live) + ")");
+  if (err.empty()) {
+    w.arrived |= 1u << lane;
+    const uint64_t my_gen = w.gen;
+    err = r.release_warp_locked(w, warp);
+    if (err.empty() && !w.cv.wait_until(lk, r.deadline(), [&] { return w.gen != my_gen || r.abort; })) {
+      err = "deadlock: lane " + std::to_string(lane) + " of warp " + std::to_string(warp) + " waited " +
+            std::to_string(config().timeout_s) + " s at " + what + " " + site_str(s) + " (lanes arrived " +
+            hex32(w.arrived) + ", live " + hex32(w.live) + ")";
+    }
   }
+  lk.unlock();
+  if (!err.empty()) r.report(err);
   if (r.abort) throw Aborted{};
 }
 
@@ -522,13 +543,21 @@ void worker_main(ThreadRun* r, unsigned tid) {
       std::lock_guard<std::mutex> lk(r->m);
       r->set_error("thread " + std::to_string(tid) + ": " + e.what());
     }
-    std::lock_guard<std::mutex> lk(r->m);
     // The thread exits: it drops out of the block barrier and its warp's barrier.
-    --r->live;
-    r->release_block_locked();
-    WarpBarrier& w = r->warps[tid / 32];
-    w.live &= ~(1u << (tid % 32));
-    r->release_warp_locked(w, tid / 32);
+    {
+      std::lock_guard<std::mutex> lk(r->m);
+      --r->live;
+      r->release_block_locked();
+    }
+    std::string err;
+    {
+      WarpBarrier& w = r->warps[tid / 32];
+      std::lock_guard<std::mutex> wl(w.m);
+      w.live &= ~(1u << (tid % 32));
+      err = r->release_warp_locked(w, tid / 32);
+    }
+    std::lock_guard<std::mutex> lk(r->m);
+    if (!err.empty()) r->set_error(err);
     if (++r->finished == r->nthreads) r->cv_done.notify_all();
   }
 }

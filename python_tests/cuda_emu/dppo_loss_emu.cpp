@@ -1,7 +1,9 @@
 // dppo_loss_emu.cpp -- the CUDA kernels of csrc/cuda/dppo_loss_kernels.cuh, compiled by the host
 // compiler under the CPU emulation layer (cuda_emu.h), registered as torch.ops.dppo_cuda_emu.*: the
 // same three ops as torch.ops.dppo (same schemas, CPU tensors in and out) plus the emulator's
-// controls. A test tool, built by python_tests/cuda_emu/emu_build.py; never part of the wheel.
+// controls. This translation unit also holds the emulator's engine (cuda_emu_engine.h); the
+// vocabulary-parallel ops join the same library from vocab_parallel_emu.cpp. A test tool, built by
+// python_tests/cuda_emu/emu_build.py; never part of the wheel.
 //
 // The entry points mirror csrc/cuda/dppo_loss.cu line for line, minus the device guard and the
 // is_cuda checks: the same input preparation (op_inputs.h), the same dispatch, and the same
@@ -17,22 +19,13 @@
 
 #include "dppo_loss_kernels.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
 #include "cuda_emu_engine.h"
+#include "emu_op.h"
 
 namespace dppo_cuda_emu {
 
 using dppo::BackwardInputs;
 using dppo::ForwardInputs;
 using dppo::ForwardOutputs;
-
-// Emulator failures (misuse found in a kernel) surface as RuntimeError naming the emulator.
-template <typename F>
-void guarded(const char* op, F&& f) {
-  try {
-    f();
-  } catch (const cuda_emu::Error& e) {
-    TORCH_CHECK(false, "CUDA emulator: ", op, ": ", e.what());
-  }
-}
 
 ForwardOutputs forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
                        const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,

@@ -1,8 +1,9 @@
 """Build and load the CPU emulation of the CUDA kernels (torch.ops.dppo_cuda_emu.*).
 
-One translation unit, dppo_loss_emu.cpp, compiles csrc/cuda/dppo_loss_kernels.cuh (the header nvcc
-compiles, unchanged) with the host compiler against the emulation layer cuda_emu.h and the CPU
-torch's headers, into a shared library with an op namespace of its own. A test tool: it is built
+Two translation units compile the kernels headers nvcc compiles, unchanged, with the host compiler
+against the emulation layer cuda_emu.h and the CPU torch's headers: dppo_loss_emu.cpp
+(csrc/cuda/dppo_loss_kernels.cuh, plus the emulator's engine and controls) and vocab_parallel_emu.cpp
+(csrc/cuda/vocab_parallel_kernels.cuh), linked into one shared library with an op namespace of its own. A test tool: it is built
 into build/cuda_emu/ (or a folder given), never into the wheel.
 
 Variants: ``plain`` (-O1), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer). Sanitized
@@ -28,6 +29,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VARIANTS = ("plain", "asan", "tsan")
 LIB_NAME = "dppo_cuda_emu.so"
+SOURCES = ("dppo_loss_emu.cpp", "vocab_parallel_emu.cpp")  # one library: the second registers a fragment
+KERNEL_HEADERS = ("dppo_loss_kernels.cuh", "vocab_parallel_kernels.cuh")
 
 
 def _cxx() -> str:
@@ -67,7 +70,7 @@ def command(variant: str, csrc: Path, out: Path) -> list[str]:
            "-I", str(HERE / "stubs"), "-I", str(csrc / "cuda"), "-I", str(HERE)]
     for inc in cpp_extension.include_paths():
         cmd += ["-isystem", inc]
-    cmd += [str(HERE / "dppo_loss_emu.cpp"), "-o", str(out)]
+    cmd += [str(HERE / src) for src in SOURCES] + ["-o", str(out)]
     for lib in cpp_extension.library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
@@ -79,8 +82,9 @@ def build(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None
     import torch
 
     csrc = Path(csrc or REPO / "csrc").resolve()
-    if not (csrc / "cuda" / "dppo_loss_kernels.cuh").is_file():
-        raise FileNotFoundError(f"no cuda/dppo_loss_kernels.cuh under csrc={csrc}")
+    for header in KERNEL_HEADERS:
+        if not (csrc / "cuda" / header).is_file():
+            raise FileNotFoundError(f"no cuda/{header} under csrc={csrc}")
     h = hashlib.sha256()
     for f in _inputs(csrc):
         h.update(str(f.relative_to(f.anchor)).encode())

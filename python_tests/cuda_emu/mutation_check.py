@@ -1,16 +1,17 @@
-"""Mutation check of the CUDA-emulator tests: plant known bugs into a copy of the kernels header
+"""Mutation check of the CUDA-emulator tests: plant known bugs into a copy of the kernels headers
 and assert that the emulated test grid catches every one of them.
 
-For each mutant: copy csrc/ to a temporary folder, replace one exact piece of
-csrc/cuda/dppo_loss_kernels.cuh (the piece must occur exactly once, so a refactor of the header
-makes this script fail loudly instead of planting nothing), build the emulator from the copy, run
-test_cuda_emu.py against it (stopping at the first failure) and require the failure output to show
-the expected symptom. A mutant that compiles and passes the tests is a hole in the harness.
+For each mutant: copy csrc/ to a temporary folder, replace one exact piece of a kernels header
+(csrc/cuda/dppo_loss_kernels.cuh or csrc/cuda/vocab_parallel_kernels.cuh; the piece must occur exactly
+once, so a refactor of the header makes this script fail loudly instead of planting nothing), build
+the emulator from the copy, run test_cuda_emu.py's tests of that header against it (stopping at the
+first failure) and require the failure output to show the expected symptom. A mutant that compiles
+and passes the tests is a hole in the harness.
 
     python python_tests/cuda_emu/mutation_check.py [--only NAME ...] [--tsan] [--keep] [--jobs N]
 
---tsan also runs the missing-__syncthreads mutant under ThreadSanitizer (thread mode) and requires
-a data-race report. Exit status 0 only when every mutant was caught.
+--tsan also runs the missing-__syncthreads mutants under ThreadSanitizer (thread mode) and requires
+a data-race report from each. Exit status 0 only when every mutant was caught.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, str(HERE))
 import emu_build  # noqa: E402
 
 HEADER = "cuda/dppo_loss_kernels.cuh"
+VP_HEADER = "cuda/vocab_parallel_kernels.cuh"
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,12 @@ class Mutant:
     variant: str   # how the tests run against it: fiber | asan | tsan
     expect: str    # a regex the failing run's output must contain
     select: str = "match_reference"  # pytest -k: which tests run against it
+    header: str = HEADER  # the kernels header (under csrc/) it is planted in
 
 
 WRONG_VALUES = r"forward \w+: \d+/\d+ off|mask differs away from a threshold|backward .*: \d+ off"
+VP_WRONG_VALUES = r"vocab-parallel (stats|forward) [\w -]+: \d+/\d+ off|mask differs away from a threshold"
+VP_SELECT = "vocab_parallel_emulated_kernels_match_reference"
 
 MUTANTS = [
     Mutant("no-syncthreads", "block reduction reads the other warps' partials without __syncthreads",
@@ -84,19 +89,43 @@ MUTANTS = [
            "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 8) / sizeof(scalar_t));",
            "fiber", r"is not 16-byte aligned"),
 ]
-TSAN_MUTANT = Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
-                     MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race")
+# The vocabulary-parallel kernels (vocab_parallel_kernels.cuh), against their own tests.
+MUTANTS += [
+    Mutant("vp-no-syncthreads", "vp_block_reduce reads the other warps' partials without __syncthreads",
+           "  if (lane == 0) smem[warp] = x;\n  __syncthreads();\n",
+           "  if (lane == 0) smem[warp] = x;\n",
+           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
+    Mutant("vp-owned-target<=", "a rank takes the first column of the next rank's slice for its own target",
+           "(a >= start && a < start + v)", "(a >= start && a <= start + v)",
+           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
+    Mutant("vp-target-in-other", "the non-target sum keeps the sampled token's term (j != al exclusion dropped)",
+           "      if (j != al) sum += e;\n", "      sum += e;\n",
+           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
+    Mutant("vp-topk-id<=", "a rank gathers the top-K id just past its slice as its own",
+           "(id >= 0 && id < v)", "(id >= 0 && id <= v)",
+           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
+]
+TSAN_MUTANTS = [
+    Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
+           MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race"),
+    # Fibers run a block's threads round robin, so every thread reads the previous reduction's shared
+    # partials before warp 0 overwrites them: only OS threads under TSan can see this one.
+    Mutant("vp-no-syncthreads-before-reuse (tsan)",
+           "vp_block_reduce overwrites the shared partials while other warps may still read the previous ones",
+           "  __syncthreads();  // smem may still be read by a previous reduction\n", "",
+           "tsan", r"ThreadSanitizer: data race", VP_SELECT, VP_HEADER),
+]
 
 
 def plant(mutant: Mutant, dest: Path) -> Path:
     """A copy of csrc/ under dest with the mutant planted; returns the copy's csrc folder."""
     csrc = dest / "csrc"
     shutil.copytree(REPO / "csrc", csrc)
-    header = csrc / HEADER
+    header = csrc / mutant.header
     text = header.read_text()
     count = text.count(mutant.old)
     if count != 1:
-        raise SystemExit(f"mutant {mutant.name}: the piece to replace occurs {count} times in {HEADER} "
+        raise SystemExit(f"mutant {mutant.name}: the piece to replace occurs {count} times in {mutant.header} "
                          f"(expected once): update mutation_check.py to the header")
     header.write_text(text.replace(mutant.old, mutant.new))
     return csrc
@@ -122,13 +151,13 @@ def run_tests(mutant: Mutant, csrc: Path, out_dir: Path) -> tuple[int, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
-    ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutant under TSan")
+    ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutants under TSan")
     ap.add_argument("--keep", action="store_true", help="keep the mutant trees and logs")
     ap.add_argument("--jobs", type=int, default=0, help="mutants at once (default: one per core)")
     args = ap.parse_args()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.tsan:
-        mutants.append(TSAN_MUTANT)
+        mutants += TSAN_MUTANTS
     work = Path(tempfile.mkdtemp(prefix="dppo_mutants_"))
     t_all = time.monotonic()
 

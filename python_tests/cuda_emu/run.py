@@ -7,7 +7,7 @@
   tsan       a small subset under ThreadSanitizer, one OS thread per CUDA thread (libtsan preloaded,
              address-space randomization off for the child, as TSan's fixed shadow mapping needs)
   mutations  mutation_check.py: planted kernel bugs must each be caught (add --tsan-mutant to also
-             require a TSan race report for the missing __syncthreads)
+             require a TSan race report for each missing-__syncthreads mutant)
 
 Each step builds its emulator library first (cached under build/cuda_emu/) and reports how long
 the build and the run took. Exit status 0 only when every step passed.

@@ -11,6 +11,13 @@ mode (all six), K (1, 5, 64, 300; top-K modes), entropy on/off, anchor log-probs
 150: empty splits, more splits than finishing threads). Every case has padding rows, a token with
 pi -> 1 and one with pi -> 0, and a row with mu = 0.
 
+The vocabulary-parallel kernels (csrc/cuda/vocab_parallel_kernels.cuh) run as W simulated ranks: the
+emulated stats kernel on each rank's column slice (uneven splits, W = 1, 2, 3; a slice wider than the
+256-thread block), stacked, then the emulated epilogue; against the float64 reference and against the CPU
+ops torch.ops.dppo.dppo_vocab_parallel_* (every rank's statistics and the merged outputs) for every mode x
+dtype x entropy x W, with padding rows, tokens and top-K ids on every rank and on slice boundaries; plus
+NaN / +inf / all -inf rows and slices, N = 0, and the launch shape.
+
 Selected by DPPO_CUDA_EMU (skipped when unset: the build takes a minute or more):
   fiber  the whole grid, fibers (plain -O1 build)
   asan   a subset under AddressSanitizer, fibers (run through run.py, which preloads libasan)
@@ -34,7 +41,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo, the CPU ops compared with)
 from dppo_ext.reference import dppo_loss_reference
+from vocab_parallel_testing import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emu_build  # noqa: E402
@@ -271,6 +280,22 @@ def check_close(tag: str, got: torch.Tensor, want: torch.Tensor, tol: float, ski
                            f"kernel {got[bad][:4].tolist()} exact {want[bad][:4].tolist()}")
 
 
+def check_forward(tag: str, out: tuple, want: tuple, mu_lp: torch.Tensor, tol: float) -> None:
+    """The seven forward outputs against `want` (the reference's, or another kernel's): each within `tol`,
+    except the loss and mask of rows whose mask flipped, and a mask may flip only where the divergence
+    (or pi - mu) sits on a threshold."""
+    div, pi = want[2].double(), want[1].double().exp()
+    mu = mu_lp.double().exp()
+    flipped = out[3].double() != want[3].double()
+    near = (pi - mu).abs() < 1e-5
+    for t in (DELTA_LOW, DELTA_HIGH, 1 - DELTA_LOW, 1 + DELTA_HIGH):
+        near |= (div - t).abs() < 1e-3
+    assert not (flipped & ~near).any(), (f"{tag}: mask differs away from a threshold at rows "
+                                         f"{flipped.nonzero().flatten().tolist()}")
+    for name, got, exact in zip(NAMES, out, want):
+        check_close(f"{tag} {name}", got, exact, tol, flipped if name in ("loss", "mask") else None)
+
+
 def check_grad(tag: str, got: torch.Tensor, want: torch.Tensor, tol: float, lse: torch.Tensor, gmag: torch.Tensor,
                acc: torch.dtype) -> None:
     """Error relative to each row's largest |grad|, plus the slack of forming s - lse in the
@@ -297,16 +322,7 @@ def test_emulated_kernels_match_reference(emu, split_env, case: Case):
     out = emu.dppo_loss_forward(*op_args(x, case))
     assert same_bits(x["buf"], untouched), "the forward wrote into its logits"
     want = reference_forward(x, case)
-    # A mask may flip only where the divergence (or pi - mu) sits on a threshold.
-    div, pi = want[2], want[1].exp()
-    mu = (x["anchor"] if case.anchor else x["rollout"]).double().exp()
-    flipped = out[3].double() != want[3]
-    near = (pi - mu).abs() < 1e-5
-    for t in (DELTA_LOW, DELTA_HIGH, 1 - DELTA_LOW, 1 + DELTA_HIGH):
-        near |= (div - t).abs() < 1e-3
-    assert not (flipped & ~near).any(), f"mask differs away from a threshold at rows {flipped.nonzero().flatten().tolist()}"
-    for name, got, exact in zip(NAMES, out, want):
-        check_close(f"forward {name}", got, exact, FWD_TOL[case.dtype], flipped if name in ("loss", "mask") else None)
+    check_forward("forward", out, want, x["anchor"] if case.anchor else x["rollout"], FWD_TOL[case.dtype])
 
     acc = out[0].dtype
     g = torch.Generator().manual_seed(7)
@@ -384,9 +400,8 @@ def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
 def test_schemas_match_the_real_ops(emu):
     """The emulator's ops keep the schemas of torch.ops.dppo (ops.cpp), so the tests call the
     kernels exactly as users do."""
-    import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo)
-
-    for name in ("dppo_loss_forward", "dppo_loss_backward", "dppo_loss_backward_"):
+    for name in ("dppo_loss_forward", "dppo_loss_backward", "dppo_loss_backward_", "dppo_vocab_parallel_stats",
+                 "dppo_vocab_parallel_epilogue"):
         real = str(getattr(torch.ops.dppo, name).default._schema).split("(", 1)[1]
         emulated = str(getattr(emu, name).default._schema).split("(", 1)[1]
         assert emulated == real, f"{name}: emulator schema ({emulated}) differs from ops.cpp ({real})"
@@ -414,3 +429,197 @@ def test_topk_kl_rest_mass_precision(emu, split_env, split):
     want = dppo_loss_reference(z.float().double(), tokens, roll, adv, topk_ids=ids, topk_logprobs=torch.log(p),
                                mode="topk_kl")["divergence"]
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=0), f"topk_kl {got.tolist()} vs float64 {want.tolist()}"
+
+
+# ---- vocabulary-parallel kernels (csrc/cuda/vocab_parallel_kernels.cuh) -------------------------------------
+# W simulated ranks: the emulated stats kernel on each rank's column slice, stacked as the all-gather would,
+# then the emulated epilogue; against the float64 reference on the whole logits and against the CPU ops
+# (torch.ops.dppo.dppo_vocab_parallel_*: the per-rank statistics and the merged outputs) on the same inputs.
+
+
+@dataclass(frozen=True)
+class VpCase:
+    dtype: torch.dtype
+    mode: str
+    entropy: bool
+    world: int
+    v: int
+    k: int = 5
+
+    @property
+    def anchor(self) -> bool:
+        return self.world == 2
+
+    @property
+    def id(self) -> str:
+        return (f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
+                f"{f'-k{self.k}' if self.mode.startswith('topk') else ''}")
+
+
+VP_ROWS = 10
+# Every mode x dtype x entropy x W; the entropy cases take V = 700, so a rank's slice is wider than the
+# 256-thread block (the strided loops and the block reduction over all 8 warps), and the others V = 37 (most
+# threads of the block own no column). One case with K = 300 > 256 top-K ids per row.
+VP_GRID = [VpCase(d, m, e, w, 700 if e else 37)
+           for d in DTYPES for m in MODES for e in (True, False) for w in (1, 2, 3)]
+VP_GRID.append(VpCase(torch.float32, "topk_kl", True, 3, 700, 300))
+VP_ASAN = [c for c in VP_GRID if c.world == 3 and c.dtype in (torch.float32, torch.bfloat16)]
+VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
+
+
+def vp_offsets(v: int, world: int) -> list[int]:
+    """[W + 1] offsets of uneven slices (vocab_parallel_testing's; at W = 3 rank 1 holds a single column)."""
+    return [0, v] if world == 1 else split_offsets(v, world)
+
+
+def vp_inputs(c: VpCase, seed: int) -> dict:
+    """[N, V] logits with padding rows (2 and the last), pi -> 1 (row 1), pi -> 0 (row 3), mu = 0 (row 0),
+    row 4 sampling the last column of rank 0, and row 5 + r the first column of rank r (also the last of
+    its top-K ids), so every rank owns sampled tokens and top-K ids, and a token sits on every boundary."""
+    g = torch.Generator().manual_seed(seed)
+    n, v = VP_ROWS, c.v
+    offsets = vp_offsets(v, c.world)
+    acc = torch.float64 if c.dtype == torch.float64 else torch.float32
+    z = torch.randn(n, v, generator=g, dtype=torch.float64) * 3.0
+    tokens = torch.randint(0, v, (n,), generator=g)
+    tokens[4] = offsets[1] - 1
+    for r in range(c.world):
+        tokens[5 + r] = offsets[r]
+    z[1, tokens[1]] = z[1].max() + 30.0
+    z[3, tokens[3]] = z[3].min() - 30.0
+    tokens[2] = tokens[n - 1] = -100
+    k = min(c.k, v)
+    rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
+    topk_ids = rollout.topk(k, dim=-1).indices
+    for r in range(c.world):
+        if not (topk_ids[5 + r] == offsets[r]).any():
+            topk_ids[5 + r, -1] = offsets[r]
+    topk_lp = rollout.gather(1, topk_ids)
+    roll_lp = rollout.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    roll_lp[0] = -math.inf
+    anchor = (roll_lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=0.0)
+    anchor[0] = -0.5
+    return dict(logits=z.to(c.dtype), offsets=offsets, tokens=tokens, rollout=roll_lp.to(acc),
+                adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc), topk_ids=topk_ids,
+                topk_lp=topk_lp.to(acc), anchor=anchor.to(acc))
+
+
+def vp_slices(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+    """Each rank's [N, V_r] columns: even ranks a view at the full row stride (the kernel's ld), odd ranks a
+    contiguous copy (so AddressSanitizer sees a read past a slice's end)."""
+    return [logits[:, a:b] if r % 2 == 0 else logits[:, a:b].contiguous()
+            for r, (a, b) in enumerate(zip(offsets, offsets[1:]))]
+
+
+def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
+    """Stats of every rank through `ops` (the emulator's or torch.ops.dppo), stacked [W, N, 4 + K], then the
+    epilogue: (stats, the seven outputs)."""
+    topk = c.mode.startswith("topk")
+    ids = x["topk_ids"] if topk else None
+    offsets = x["offsets"]
+    stats = torch.stack([ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy)
+                         for s, a in zip(vp_slices(x["logits"], offsets), offsets)])
+    out = ops.dppo_vocab_parallel_epilogue(stats, offsets, x["tokens"], x["rollout"], x["adv"], ids,
+                                           x["topk_lp"] if topk else None, x["anchor"] if c.anchor else None, c.mode,
+                                           DELTA_LOW, DELTA_HIGH, RATIO_CAP, c.entropy)
+    return stats, tuple(out)
+
+
+def vp_reference(x: dict, c: VpCase) -> tuple:
+    topk = c.mode.startswith("topk")
+    out = dppo_loss_reference(
+        x["logits"].double(), x["tokens"], x["rollout"].double(), x["adv"].double(),
+        topk_ids=x["topk_ids"] if topk else None, topk_logprobs=x["topk_lp"].double() if topk else None,
+        anchor_logprobs=x["anchor"].double() if c.anchor else None, mode=c.mode, temperature=TEMPERATURE,
+        delta_low=DELTA_LOW, delta_high=DELTA_HIGH, ratio_cap=RATIO_CAP, compute_entropy=c.entropy)
+    return tuple(out[name].detach() for name in NAMES)
+
+
+def vp_selected() -> list[VpCase]:
+    return {"asan": VP_ASAN, "tsan": VP_TSAN}.get(VARIANT, VP_GRID)
+
+
+@pytest.mark.parametrize("case", vp_selected(), ids=lambda c: c.id)
+def test_vocab_parallel_emulated_kernels_match_reference(emu, case: VpCase):
+    x = vp_inputs(case, seed=zlib.crc32(case.id.encode()))
+    untouched = x["logits"].clone()
+    stats, out = vp_run(emu, x, case)
+    assert same_bits(x["logits"], untouched), "the stats kernel wrote into its logits"
+    acc = torch.float64 if case.dtype == torch.float64 else torch.float32
+    assert stats.shape == (case.world, VP_ROWS, 4 + (case.k if case.mode.startswith("topk") else 0))
+    assert stats.dtype == acc and all(o.dtype == acc and o.shape == (VP_ROWS,) for o in out)
+    mu = x["anchor"] if case.anchor else x["rollout"]
+    tol = FWD_TOL[case.dtype]
+    check_forward("vocab-parallel forward vs reference", out, vp_reference(x, case), mu, tol)
+    # The CPU ops on the same slices: every rank's statistics (padding rows all zero, a rank's target and
+    # top-K columns 0 where it does not own the id), then the merged outputs.
+    cpu_stats, cpu_out = vp_run(torch.ops.dppo, x, case)
+    pad = x["tokens"] == -100
+    assert (stats[:, pad] == 0).all(), "padding rows must get all-zero statistics"
+    check_close("vocab-parallel stats vs CPU op", stats, cpu_stats, tol)
+    check_forward("vocab-parallel forward vs CPU op", out, cpu_out, mu, tol)
+
+
+@not_tsan
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("mode", ("binary_tv", "topk_kl"))
+def test_vocab_parallel_emulated_non_finite_rows(emu, dtype, mode):
+    """A NaN or +inf logit in one rank's slice, or a row all -inf, gives NaN outputs for that row (never a
+    finite loss), as the reference and the CPU ops do; a rank whose whole slice is -inf is an empty state and
+    the row stays finite."""
+    c = VpCase(dtype, mode, True, 3, 700)
+    x = vp_inputs(c, seed=5)
+    offsets, logits = x["offsets"], x["logits"].clone()
+    logits[0, offsets[2] + 7] = math.nan        # rank 2 only
+    logits[6, offsets[0] + 300] = math.inf      # rank 0 only, past the first 256 columns
+    logits[7] = -math.inf                       # every rank
+    logits[8, offsets[0]:offsets[1]] = -math.inf  # rank 0's slice empty, the row finite (its token elsewhere)
+    x["logits"] = logits
+    x["tokens"][8] = offsets[2] + 1
+    _, out = vp_run(emu, x, c)
+    want = vp_reference(x, c)
+    _, cpu_out = vp_run(torch.ops.dppo, x, c)
+    for name, got, exact, cpu in zip(NAMES, out, want, cpu_out):
+        nan_rows = exact.isnan()
+        assert nan_rows[[0, 6, 7]].all() and not nan_rows[8], f"{name}: reference NaN rows {nan_rows.tolist()}"
+        assert torch.equal(got.isnan(), nan_rows), f"{name}: emulated NaN rows {got.isnan().tolist()}"
+        assert torch.equal(cpu.isnan(), nan_rows), f"{name}: CPU op NaN rows {cpu.isnan().tolist()}"
+    keep = ~want[0].isnan()
+    mu = x["rollout"][keep]
+    check_forward("non-finite rows: the others vs reference", tuple(o[keep] for o in out),
+                  tuple(w[keep] for w in want), mu, FWD_TOL[dtype])
+
+
+@not_tsan
+@pytest.mark.parametrize("world", (1, 3))
+def test_vocab_parallel_emulated_empty_batch(emu, world):
+    """N = 0: [N, 4 + K] statistics per rank and seven [0] outputs, no launch."""
+    offsets = vp_offsets(7, world)
+    ids = torch.zeros(0, 2, dtype=torch.long)
+    emu.stats(True)
+    stats = torch.stack([emu.dppo_vocab_parallel_stats(torch.zeros(0, b - a, dtype=torch.bfloat16),
+                                                       torch.zeros(0, dtype=torch.long), ids, a, 1.0, True)
+                         for a, b in zip(offsets, offsets[1:])])
+    assert stats.shape == (world, 0, 6) and stats.dtype == torch.float32
+    empty = torch.zeros(0)
+    out = emu.dppo_vocab_parallel_epilogue(stats, offsets, torch.zeros(0, dtype=torch.long), empty, empty, ids,
+                                           torch.zeros(0, 2), None, "topk_tv", 0.2, 0.2, 10.0, True)
+    assert len(out) == 7 and all(o.shape == (0,) and o.dtype == torch.float32 for o in out)
+    assert emu.stats(True)[0] == 0, "an empty batch launched a kernel"
+
+
+@not_tsan
+def test_vocab_parallel_emulated_launch_shape(emu):
+    """One 256-thread block per row for the statistics, 128-thread blocks (a row per thread) for the epilogue,
+    and shared memory poisoned before the stats blocks (mutation_check.py's vp-no-syncthreads shows that the
+    stats kernel's own reduction array is among it: its unsynchronized read sees the poison)."""
+    c = VpCase(torch.float32, "binary_tv", True, 1, 700)
+    x = vp_inputs(c, seed=3)
+    emu.stats(True)
+    stats = emu.dppo_vocab_parallel_stats(x["logits"], x["tokens"], None, 0, TEMPERATURE, True)
+    s = emu.stats(True)
+    assert s[:3] == [1, VP_ROWS, VP_ROWS * 256], s
+    assert s[4] > 0, f"no __shared__ bytes poisoned: {s}"
+    emu.dppo_vocab_parallel_epilogue(stats[None], [0, c.v], x["tokens"], x["rollout"], x["adv"], None, None, None,
+                                     "binary_tv", DELTA_LOW, DELTA_HIGH, RATIO_CAP, True)
+    assert emu.stats(True)[:3] == [1, 1, 128]
