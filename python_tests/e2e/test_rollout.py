@@ -450,3 +450,30 @@ def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEng
                                temperature=temperature)
         divergences.append(float(metrics["divergence_mean"]))
     assert divergences[0] == divergences[1] and divergences[0] > 0
+
+
+@pytest.mark.slow
+def test_vllm_rollout_example_shows_the_raw_logprobs_pitfall(tmp_path: Path) -> None:
+    """``examples/vllm_rollout_tensors.py`` as a user runs it (its own processes, one vLLM engine each): with
+    ``processed_logprobs`` mu is pi up to float32 rounding and nothing is masked; vLLM's default ``raw_logprobs``
+    at T = 0.7 shows a large spurious mismatch and DPPO masks tokens (what the README quick start warns about)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    example = Path(__file__).resolve().parents[2] / "examples" / "vllm_rollout_tensors.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, str(example), "--json", str(tmp_path / "r.json")], capture_output=True,
+                         text=True, env=env, timeout=900, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    ok, raw = r["processed_logprobs"], r["raw_logprobs"]
+    assert ok["tokens"] > 0 and ok["tokens"] == raw["tokens"]
+    assert ok["mismatch_max"] < FP32_LOGPROB_ATOL, ok
+    assert ok["binary_tv_masked_frac"] == 0.0 and ok["topk_tv_masked_frac"] == 0.0, ok
+    assert raw["mismatch_mean"] > 100 * max(ok["mismatch_mean"], 1e-7), (ok, raw)
+    assert raw["binary_tv_masked_frac"] > 0.0 and raw["topk_tv_masked_frac"] > 0.0, raw
