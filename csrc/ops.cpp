@@ -1,4 +1,5 @@
-// ops.cpp -- the one TORCH_LIBRARY(dppo, m) block: every schema of the extension lives here.
+// ops.cpp -- the one TORCH_LIBRARY(dppo, m) block: every op of the extension is declared here (the schema
+// strings are op_schemas.h's, shared with the CPU emulator of the CUDA kernels).
 // Kernels register their implementations with TORCH_LIBRARY_IMPL in cpu/ and cuda/; the Python
 // side (dppo_ext/ops.py) adds register_fake and register_autograd.
 //
@@ -19,24 +20,12 @@
 //   -> the seven outputs of dppo_loss_forward for the whole vocabulary, merged from every rank's stats.
 #include <torch/library.h>
 
+#include "op_schemas.h"
+
 TORCH_LIBRARY(dppo, m) {
-  m.def(
-      "dppo_loss_forward(Tensor logits, Tensor tokens, Tensor rollout_logprobs, Tensor advantages, "
-      "Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, float temperature, "
-      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
-      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
-  m.def(
-      "dppo_loss_backward(Tensor grad_target, Tensor? grad_entropy, Tensor logits, Tensor tokens, "
-      "Tensor lse, Tensor? entropy, float temperature) -> Tensor");
-  m.def(
-      "dppo_loss_backward_(Tensor grad_target, Tensor? grad_entropy, Tensor(a!) logits, Tensor tokens, "
-      "Tensor lse, Tensor? entropy, float temperature) -> ()");
-  m.def(
-      "dppo_vocab_parallel_stats(Tensor logits, Tensor tokens, Tensor? topk_ids, int vocab_start, "
-      "float temperature, bool compute_entropy) -> Tensor");
-  m.def(
-      "dppo_vocab_parallel_epilogue(Tensor stats, int[] vocab_offsets, Tensor tokens, Tensor rollout_logprobs, "
-      "Tensor advantages, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, "
-      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
-      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
+  m.def(dppo::schema::kLossForward);
+  m.def(dppo::schema::kLossBackward);
+  m.def(dppo::schema::kLossBackwardInplace);
+  m.def(dppo::schema::kVocabParallelStats);
+  m.def(dppo::schema::kVocabParallelEpilogue);
 }

@@ -17,6 +17,7 @@
 
 #include <vector>
 
+#include "../op_schemas.h"  // <csrc>/cuda/../ through -I <csrc>/cuda: the schemas of ops.cpp
 #include "dppo_loss_kernels.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
 #include "cuda_emu_engine.h"
 #include "emu_op.h"
@@ -105,17 +106,9 @@ std::string sanitizer() {
 }  // namespace dppo_cuda_emu
 
 TORCH_LIBRARY(dppo_cuda_emu, m) {
-  m.def(
-      "dppo_loss_forward(Tensor logits, Tensor tokens, Tensor rollout_logprobs, Tensor advantages, "
-      "Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, float temperature, "
-      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
-      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
-  m.def(
-      "dppo_loss_backward(Tensor grad_target, Tensor? grad_entropy, Tensor logits, Tensor tokens, "
-      "Tensor lse, Tensor? entropy, float temperature) -> Tensor");
-  m.def(
-      "dppo_loss_backward_(Tensor grad_target, Tensor? grad_entropy, Tensor(a!) logits, Tensor tokens, "
-      "Tensor lse, Tensor? entropy, float temperature) -> ()");
+  m.def(dppo::schema::kLossForward);
+  m.def(dppo::schema::kLossBackward);
+  m.def(dppo::schema::kLossBackwardInplace);
   m.def("configure(str mode, int sm_count, int seed, float timeout_s) -> ()");
   m.def("stats(bool reset) -> int[]");
   m.def("sanitizer() -> str");

@@ -16,6 +16,7 @@
 #include <array>
 #include <vector>
 
+#include "../op_schemas.h"
 #include "../vocab_parallel_checks.h"  // <csrc>/cuda/../ through -I <csrc>/cuda
 #include "emu_op.h"
 #include "vocab_parallel_kernels.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
@@ -79,14 +80,8 @@ ForwardOutputs vp_epilogue(const at::Tensor& stats, at::IntArrayRef vocab_offset
 }  // namespace dppo_cuda_emu
 
 TORCH_LIBRARY_FRAGMENT(dppo_cuda_emu, m) {
-  m.def(
-      "dppo_vocab_parallel_stats(Tensor logits, Tensor tokens, Tensor? topk_ids, int vocab_start, "
-      "float temperature, bool compute_entropy) -> Tensor");
-  m.def(
-      "dppo_vocab_parallel_epilogue(Tensor stats, int[] vocab_offsets, Tensor tokens, Tensor rollout_logprobs, "
-      "Tensor advantages, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, "
-      "float delta_low, float delta_high, float ratio_cap, bool compute_entropy) -> "
-      "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)");
+  m.def(dppo::schema::kVocabParallelStats);
+  m.def(dppo::schema::kVocabParallelEpilogue);
   m.impl("dppo_vocab_parallel_stats", c10::DispatchKey::CPU, &dppo_cuda_emu::vp_stats);
   m.impl("dppo_vocab_parallel_epilogue", c10::DispatchKey::CPU, &dppo_cuda_emu::vp_epilogue);
 }
