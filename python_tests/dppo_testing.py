@@ -16,12 +16,28 @@ touches ``torch.cuda`` at import time.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+
+# torch.distributed's launch variables: in-process trainers (TRL's vLLM colocate mode) set them in the pytest
+# process, and a child process must not inherit them.
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def child_env(drop: tuple[str, ...] = (), **set_vars: str) -> dict[str, str]:
+    """The environment for a subprocess that imports dppo_ext as this process does: ``os.environ`` without
+    ``DIST_ENV`` and ``drop``, ``PYTHONPATH`` set to this process's ``sys.path``, then ``set_vars``."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV and k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    env.update(set_vars)
+    return env
+
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda))

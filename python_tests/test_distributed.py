@@ -26,6 +26,8 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from dppo_testing import DIST_ENV  # noqa: E402
+
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,12 +38,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Set in this process by in-process trainers (e.g. TRL's vLLM colocate mode); a child must not inherit them.
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-
-
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("ACCELERATE_")}
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV and not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env

@@ -17,6 +17,7 @@ from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.metrics import read_metrics
 from dppo_ext.trainer.reporting import tensorboard_tag
 from dppo_ext.trainer.run_dir import RunError
+from dppo_testing import child_env
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -124,14 +125,11 @@ def test_quiet_respects_a_user_set_vllm_logging_level(monkeypatch):
 def test_cli_run_with_vllm_is_quiet_by_default(tmp_path):
     """`python -m dppo_ext.train` with vLLM rollouts: none of vLLM's start-up INFO lines, none of the benign
     warnings (the RotaryEmbedding reload fallback would print on every step's weight sync), and the run works."""
-    import os
     import subprocess
     import sys
 
     pytest.importorskip("vllm")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "VLLM_LOGGING_LEVEL")}
-    env.update(PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_KVCACHE_SPACE="1")
+    env = child_env(drop=("VLLM_LOGGING_LEVEL",), VLLM_CPU_KVCACHE_SPACE="1")
     flags = ["--engine", "vllm", "--rollout-dtype", "bfloat16", "--max-operand", "9", "--num-eval", "16",
              "--warm-start-problems", "60",
              "--warm-start-steps", "20", "--steps", "3", "--prompts-per-step", "6", "--group-size", "4",

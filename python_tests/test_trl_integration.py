@@ -32,6 +32,7 @@ from dppo_ext.integrations.trl import (  # noqa: E402
 from dppo_ext.loss import DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
 from dppo_ext.reference import LOSS_AGG_MODES, aggregate_loss_reference, dppo_loss_reference  # noqa: E402
+from dppo_testing import child_env  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
 
@@ -380,7 +381,6 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
 def test_no_vllm_version_warning_for_the_pinned_vllm():
     """Importing the integration (and building TRL's vLLM checks) shows none of TRL's "supports vLLM 0.22-0.31"
     warnings for the vLLM release we test with; another version still warns."""
-    import os
     import subprocess
     import sys
 
@@ -392,9 +392,7 @@ def test_no_vllm_version_warning_for_the_pinned_vllm():
         "warnings.warn('TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
         "installed.', UserWarning)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    env = child_env()
     out = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -449,15 +447,12 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
 def test_example_script_runs_without_vllm(tmp_path):
     """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it (own process: the example shuts the
     process group down at the end) and prints one line per step with the recompute variant flagged."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     example = Path(__file__).resolve().parents[1] / "examples" / "trl_dppo_grpo.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    env = child_env()
     out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

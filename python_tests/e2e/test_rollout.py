@@ -29,6 +29,7 @@ from dppo_ext.rollout import (
 from dppo_ext.rollout import factory as rollout_factory
 from dppo_ext.rollout.hf_engine import topk_with_sampled
 from dppo_ext.trainer.batch import collate_rollouts
+from dppo_testing import child_env
 
 logger = logging.getLogger(__name__)
 
@@ -458,15 +459,12 @@ def test_vllm_rollout_example_shows_the_raw_logprobs_pitfall(tmp_path: Path) -> 
     ``processed_logprobs`` mu is pi up to float32 rounding and nothing is masked; vLLM's default ``raw_logprobs``
     at T = 0.7 shows a large spurious mismatch and DPPO masks tokens (what the README quick start warns about)."""
     import json
-    import os
     import subprocess
     import sys
 
     pytest.importorskip("vllm")
     example = Path(__file__).resolve().parents[2] / "examples" / "vllm_rollout_tensors.py"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    env = child_env()
     out = subprocess.run([sys.executable, str(example), "--json", str(tmp_path / "r.json")], capture_output=True,
                          text=True, env=env, timeout=900, cwd=str(tmp_path))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
