@@ -445,8 +445,8 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
 
 @pytest.mark.slow
 def test_example_script_runs_without_vllm(tmp_path):
-    """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it (own process: the example shuts the
-    process group down at the end) and prints one line per step with the recompute variant flagged."""
+    """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it, in a process of its own, and prints one
+    line per step with the recompute variant flagged."""
     import subprocess
     import sys
     from pathlib import Path
