@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dppo_ext.contract import DEFAULT_DELTAS
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
 
 # torch.distributed's launch variables: in-process trainers (TRL's vLLM colocate mode) set them in the pytest
@@ -158,17 +159,22 @@ def sample_inputs(
     z = logits.double()  # the values the op actually sees
 
     rollout = torch.log_softmax((z + 1.0 * torch.randn(n, v, generator=gen, dtype=torch.float64)) / t, dim=-1)
+    on_policy = c.edge_rows and n >= 8
+    if on_policy:
+        # Row 3 is on-policy over the whole distribution, not only at its sampled token: its divergence is then
+        # ~0 in every mode. (With mu(a) = pi(a) but the top-K from a noisy distribution, its top-K divergence was
+        # above the thresholds while the direction test "pi below mu" stood exactly at its tie, which one ulp of
+        # the op's log-prob decides differently on different hosts and paths.)
+        rollout[3] = torch.log_softmax(z[3] / t, dim=-1)
     # Tokens are sampled from the rollout distribution, as a rollout engine would.
     tokens = torch.multinomial(rollout.exp(), 1, generator=gen).squeeze(1) if n else torch.zeros(0, dtype=torch.long)
     if edge:
         tokens[0], tokens[1] = 0, 1
     safe_tokens = tokens.clamp(min=0)
     rollout_logprobs = rollout.gather(1, safe_tokens[:, None]).squeeze(1)
-    trainer_logp = torch.log_softmax(z / t, dim=-1).gather(1, safe_tokens[:, None]).squeeze(1)
     advantages = torch.randn(n, generator=gen, dtype=torch.float64)
-    if c.edge_rows and n >= 8:
+    if on_policy:
         rollout_logprobs[2] = -math.inf
-        rollout_logprobs[3] = trainer_logp[3]
         advantages[4] = 0.0
         tokens[-2:] = -100
     if c.extreme and n >= 6:
@@ -184,6 +190,15 @@ def sample_inputs(
         anchor_logprobs = (rollout_logprobs + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).clamp(max=0.0)
         if n >= 3:
             anchor_logprobs[2] = -0.5  # anchor defined where the rollout log-prob is -inf
+    delta_low, delta_high = DELTAS[mode]
+    rows = dict(logits=z, tokens=tokens, rollout_logprobs=rollout_logprobs, advantages=advantages, topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, mode=mode, temperature=t,
+                ratio_cap=10.0 if mode != "none" else 2.0)
+    designed = range(6) if c.extreme else range(4) if on_policy else range(0)
+    _move_rows_off_ties(rows, rollout, keep=designed, anchor_noise=0.3,
+                        gen=torch.Generator().manual_seed(seed * 7919 + sum(map(ord, case)) + 1))
+    tokens, rollout_logprobs, topk_ids, topk_logprobs, anchor_logprobs = (
+        rows[key] for key in ("tokens", "rollout_logprobs", "topk_ids", "topk_logprobs", "anchor_logprobs"))
 
     def to_dev(x: torch.Tensor | None, dt: torch.dtype | None = None) -> torch.Tensor | None:
         if x is None:
@@ -197,7 +212,6 @@ def sample_inputs(
         logits = wide[:, 2 : v + 2]
     if requires_grad:
         logits.requires_grad_(True)
-    delta_low, delta_high = DELTAS[mode]
     return {
         "logits": logits,
         "tokens": to_dev(tokens),
@@ -212,6 +226,60 @@ def sample_inputs(
         "delta_high": delta_high,
         "ratio_cap": 10.0 if mode != "none" else 2.0,
     }
+
+
+def tie_rows_for(inputs: dict, thresholds=None, margin: float = MASK_MARGIN) -> torch.Tensor:
+    """[N] bool: rows of ``inputs`` (any dtype) whose mask decision is within ``margin`` of a tie (see
+    ``ambiguous_rows``) for any of ``thresholds`` (``(delta_low, delta_high)`` pairs; default: the inputs' own)."""
+    kw = as_dtype(inputs, torch.float64)
+    pairs = thresholds if thresholds is not None else [(inputs["delta_low"], inputs["delta_high"])]
+    tie = torch.zeros(kw["tokens"].shape, dtype=torch.bool, device=kw["tokens"].device)
+    for low, high in pairs:
+        kw_pair = dict(kw, delta_low=low, delta_high=high)
+        with torch.no_grad():
+            tie |= ambiguous_rows(kw_pair, dppo_loss_reference(**kw_pair), margin)
+    return tie
+
+
+def assert_decisive(name: str, inputs: dict) -> None:
+    """Refuse inputs of which a row's mask decision sits within rounding of a tie.
+
+    A test that compares two paths (vocab-parallel vs single device, an aggregated loss) on such inputs would
+    depend on one ulp of each path's log-prob, which differs by host (torch's kernels round differently under
+    AVX2 and AVX-512): it must move the row off the tie, or state what both outcomes mean.
+    """
+    tie = tie_rows_for(inputs)
+    if tie.any():
+        raise AssertionError(f"{name}: rows {tie.nonzero().flatten().tolist()} decide their mask at a tie "
+                             f"(within {MASK_MARGIN} relative of a threshold or of pi = mu); move them off it")
+
+
+def _move_rows_off_ties(rows: dict, rollout: torch.Tensor, keep: range, anchor_noise: float,
+                        gen: torch.Generator) -> None:
+    """Redraw the rollout distribution (sampled token, log-probs, top-K, anchor) of every row whose mask decision
+    sits at a tie for the mode's test thresholds (``DELTAS``) or its defaults (``DEFAULT_DELTAS``), until none
+    does. Rows in ``keep`` are designed edge rows and are left as they are (``test_sample_inputs_are_decisive``
+    checks that they are decisive anyway). ``rows`` is updated in place; ``rollout`` [N, V] float64."""
+    mode, t = rows["mode"], rows["temperature"]
+    z = rows["logits"]
+    pairs = [DELTAS[mode], DEFAULT_DELTAS[mode]]
+    designed = torch.zeros(z.shape[0], dtype=torch.bool)
+    designed[list(keep)] = True
+    for _ in range(20):
+        redo = tie_rows_for(dict(rows, delta_low=0.0, delta_high=0.0), pairs) & ~designed
+        if not redo.any():
+            return
+        for i in redo.nonzero().flatten().tolist():
+            rollout[i] = torch.log_softmax((z[i] + torch.randn(z.shape[1], generator=gen, dtype=torch.float64)) / t, -1)
+            token = int(torch.multinomial(rollout[i].exp(), 1, generator=gen))
+            rows["tokens"][i] = token
+            rows["rollout_logprobs"][i] = rollout[i, token].clamp(max=0.0)
+            if rows["topk_ids"] is not None:
+                rows["topk_logprobs"][i], rows["topk_ids"][i] = rollout[i].topk(rows["topk_ids"].shape[1])
+            if rows["anchor_logprobs"] is not None:
+                noise = anchor_noise * torch.randn((), generator=gen, dtype=torch.float64)
+                rows["anchor_logprobs"][i] = (rows["rollout_logprobs"][i] + noise).clamp(max=0.0)
+    raise AssertionError(f"sample_inputs: rows {redo.nonzero().flatten().tolist()} stay at a tie")
 
 
 def as_dtype(inputs: dict, dtype: torch.dtype) -> dict:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from dppo_testing import (
     CASES,
+    DELTAS,
     DEVICES,
     DTYPES,
     TOL,
@@ -28,8 +29,10 @@ from dppo_testing import (
     lse_rounding_allowance,
     reference_outputs,
     sample_inputs,
+    tie_rows_for,
 )
 
+from dppo_ext.contract import DEFAULT_DELTAS
 from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import MODES, OUTPUT_KEYS, TOPK_MODES, accumulation_dtype, dppo_loss_reference
 
@@ -104,6 +107,23 @@ def test_cases_exercise_both_mask_values():
             kept += int((ref["mask"][valid] == 1).sum())
         assert kept > 0
         assert (masked > 0) == (mode != "none"), f"{mode}: masked={masked}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sample_inputs_are_decisive(case):
+    """No row of the test inputs decides its mask within rounding of a tie (divergence vs a threshold, or pi vs mu
+    once the divergence is above one), for the test thresholds and the mode defaults, in any dtype, seed or anchor
+    variant the tests use. Such a row's decision is flipped by one ulp of a path's log-prob, and the ulps differ by
+    host: torch's kernels, which make the inputs, round differently under AVX2 and AVX-512 (docs/contract.md,
+    "Ties")."""
+    for mode in MODES:
+        for dtype in DTYPES:
+            for seed in (0, 3, 4, 5):
+                for anchor in (False, True):
+                    inputs = sample_inputs("cpu", dtype, mode, case, seed=seed, anchor=anchor)
+                    tie = tie_rows_for(inputs, [DELTAS[mode], DEFAULT_DELTAS[mode]])
+                    assert not tie.any(), (f"{mode}/{dtype}/seed={seed}/anchor={anchor}: rows "
+                                           f"{tie.nonzero().flatten().tolist()} sit at a tie")
 
 
 def _upstream(n: int, acc: torch.dtype, device, tie: torch.Tensor) -> dict[str, torch.Tensor]:

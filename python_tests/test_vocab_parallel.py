@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo_ext.ops import _grad_args
+from dppo_ext.ops import _grad_args, dppo_loss_forward
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import sample_inputs
@@ -99,6 +99,39 @@ def test_one_column_slices_and_padding_rows_exact_float64():
     got_out, got_grad = simulate(inputs, offsets, g, inplace=True)
     compare_outputs("W=V", inputs, got_out, want_out)
     compare_grads("W=V", inputs, g, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("mode", TOPK_MODES)
+def test_a_direction_tie_may_go_either_way(mode):
+    """docs/contract.md, "Ties": a row whose mu(a) equals the single-device op's own pi(a) to the last bit, with a
+    top-K divergence above delta_low and A < 0, is kept by that op (the comparison pi < mu is strict). The
+    vocabulary-parallel path merges the log-sum-exp in another order, so its log-prob may be an ulp lower and the
+    row masked: both outcomes are correct. Either way the row holds one of exactly two values (kept: the
+    single-device loss; masked: 0) and no other row moves."""
+    inputs = sample_inputs("cpu", torch.float64, mode, "v129", seed=3)
+    first = dppo_loss_forward(**inputs)
+    valid = inputs["tokens"] != -100
+    row = int(((first.divergence > inputs["delta_low"] * 2) & valid).nonzero()[0])
+    inputs["rollout_logprobs"] = inputs["rollout_logprobs"].clone()
+    inputs["advantages"] = inputs["advantages"].clone()
+    inputs["rollout_logprobs"][row] = first.logp[row]
+    inputs["advantages"][row] = -1.0
+    want = dppo_loss_forward(**inputs)._asdict()
+    assert want["mask"][row] == 1 and want["divergence"][row] > inputs["delta_low"], "the strict tie rule"
+    others = torch.ones_like(valid)
+    others[row] = False
+    zero = {key: torch.zeros(valid.shape[0], dtype=torch.float64) for key in ("loss", "logp", "entropy")}
+    outcomes = set()
+    for world in (2, 3):
+        got, _ = simulate(inputs, split_offsets(129, world), zero, inplace=False)
+        outcomes.add(int(got["mask"][row]))
+        if got["mask"][row] == 1:
+            torch.testing.assert_close(got["loss"][row], want["loss"][row], rtol=1e-12, atol=0.0)
+        else:
+            assert got["loss"][row] == 0.0
+        for key in ("loss", "mask", "weight", "logp", "divergence"):
+            torch.testing.assert_close(got[key][others], want[key][others], rtol=1e-9, atol=1e-10)
+    assert outcomes <= {0, 1}
 
 
 def test_stats_layout():

@@ -20,7 +20,8 @@ from dppo_ext.loss import AGG_MODES
 from dppo_ext.ops import MODES
 from dppo_ext.reference import accumulation_dtype
 from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
-from dppo_testing import TOL, sample_inputs
+from dppo_ext.contract import DEFAULT_DELTAS
+from dppo_testing import TOL, assert_decisive, sample_inputs
 from vocab_parallel_testing import (compare_grads, compare_outputs, owners, place_tokens, single_device,
                                     split_offsets, tie_rows, upstream, weighted_sum)
 
@@ -59,12 +60,19 @@ def check_rowwise(mode: str, dtype: torch.dtype, inplace: bool, derive_offsets: 
 
 
 def _sequence_inputs(mode: str, dtype: torch.dtype) -> dict:
-    """[B=4, T=9, V=129] inputs with padding (response_mask) and per-sequence advantages."""
+    """[B=4, T=9, V=129] inputs with padding (response_mask) and per-sequence advantages.
+
+    The aggregated loss sums every row, so no row may decide its mask at a tie (``assert_decisive``): the
+    comparison would then depend on the last bit of each path's log-prob, which differs by host."""
     inputs = sample_inputs("cpu", dtype, mode, "v129", seed=4)
     b, t = 4, 9
     valid = inputs["tokens"][: b * t] != -100
     valid[5:9] = False  # sequence 0 ends early
     valid[18:27] = False  # sequence 2 has no response token
+    rows = {k: (v[: b * t] if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    assert_decisive(f"sequence inputs {mode}/{dtype}",
+                    dict(rows, tokens=torch.where(valid, rows["tokens"], -100), delta_low=DEFAULT_DELTAS[mode][0],
+                         delta_high=DEFAULT_DELTAS[mode][1]))
     out = {
         "logits": inputs["logits"][: b * t].reshape(b, t, -1),
         "tokens": inputs["tokens"][: b * t].clamp(min=0).reshape(b, t),
