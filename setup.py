@@ -39,7 +39,7 @@ INSTALL_HINT = ('pip install "setuptools>=77" ninja && pip install --no-build-is
 
 # Compiled once per instruction set (CPU_CAPABILITY), in that order: the baseline build links
 # first, so an inline function that several builds emit resolves to its baseline copy.
-CPU_ISA_SOURCES = ["csrc/cpu/dppo_loss.cpp"]
+CPU_ISA_SOURCES = ["csrc/cpu/dppo_loss.cpp", "csrc/cpu/vocab_parallel.cpp"]
 CPU_ISA_BUILDS = [
     ("DEFAULT", []),
     ("AVX2", ["-mavx2", "-mfma", "-mf16c"]),

@@ -1,8 +1,8 @@
-// checks.h -- input validation shared by the CPU and CUDA entry points, so both backends reject
-// bad input with the same message. Every message names the argument, what it got and what was
-// expected. Value checks (token ids in range, rollout log-probs <= 0) read the data: on CUDA that
-// is one small reduction and one host sync per call, the price of never launching a kernel that
-// would index out of bounds.
+// checks.h -- input validation shared by the CPU and CUDA entry points of every op (the loss ops and the
+// vocabulary-parallel ones), so both backends reject bad input with the same message. Every message names the
+// argument, what it got and what was expected. Value checks (token ids in range, rollout log-probs <= 0) read
+// the data: on CUDA that is one small reduction and one host sync per call, the price of never launching a
+// kernel that would index out of bounds.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "dppo_math.h"
+#include "vocab_parallel.h"
 
 namespace dppo {
 
@@ -46,32 +47,54 @@ inline void check_logits(const at::Tensor& logits) {
                     " for shape ", logits.sizes());
 }
 
-inline void check_row_vector(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype,
-                             const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, name, " must be 1-D with N=", n,
-                    " rows (one per logits row), got shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, " (", 
-                   (dtype == at::kLong ? "token ids" : "the accumulation dtype of logits of dtype "),
-                   (dtype == at::kLong ? "" : c10::toString(logits.scalar_type())), "), got ",
-                   t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == logits.device(), name, " must be on the same device as logits (",
-                    logits.device(), "), got ", t.device());
+// What the per-row inputs of an op are checked against: the tensor that fixes their row count N, their
+// device and their float dtype (logits [N, V] for the loss ops, stats [W, N, 4 + K] for the
+// vocabulary-parallel epilogue), and how the messages name it.
+struct RowSource {
+  const at::Tensor& tensor;
+  const char* name;       // "logits" / "stats"
+  const char* rows;       // where N comes from: "one per logits row" / "stats.size(1)"
+  int64_t n;
+  at::ScalarType float_dtype;  // the dtype of every per-row float input
+};
+
+inline RowSource logits_rows(const at::Tensor& logits) {
+  return {logits, "logits", "one per logits row", logits.size(0), acc_dtype(logits.scalar_type())};
 }
 
-inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t n, int64_t k,
-                              at::ScalarType dtype, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == n && (k < 0 || t.size(1) == k), name,
-                    " must be 2-D [N, K] with N=", n, k < 0 ? "" : " and K=", k < 0 ? std::string() : std::to_string(k),
-                    ", got shape ", t.sizes());
+inline void check_row_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, const RowSource& src) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == src.n, name, " must be 1-D with N=", src.n, " rows (", src.rows,
+                    "), got shape ", t.sizes());
+  const bool same_as_src = src.tensor.scalar_type() == dtype;
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, " (",
+                   dtype == at::kLong ? "token ids"
+                   : same_as_src      ? "the dtype of "
+                                      : "the accumulation dtype of ",
+                   dtype == at::kLong ? "" : src.name,
+                   dtype == at::kLong || same_as_src ? "" : " of dtype ",
+                   dtype == at::kLong || same_as_src ? "" : c10::toString(src.tensor.scalar_type()), "), got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
+                    src.tensor.device(), "), got ", t.device());
+}
+
+inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t k, at::ScalarType dtype,
+                              const RowSource& src) {
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == src.n && (k < 0 || t.size(1) == k), name,
+                    " must be 2-D [N, K] with N=", src.n, k < 0 ? "" : " and K=",
+                    k < 0 ? std::string() : std::to_string(k), ", got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.size(1) >= 1, name, " must have K >= 1 columns, got shape ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == logits.device(), name, " must be on the same device as logits (",
-                    logits.device(), "), got ", t.device());
+  TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
+                    src.tensor.device(), "), got ", t.device());
 }
 
-inline void check_scalars(double temperature, double delta_low, double delta_high, double ratio_cap) {
+inline void check_temperature(double temperature) {
   TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
                     "temperature must be a finite number > 0, got ", temperature);
+}
+
+inline void check_trust_region(double delta_low, double delta_high, double ratio_cap) {
   TORCH_CHECK_VALUE(std::isfinite(delta_low) && delta_low >= 0.0,
                     "delta_low must be a finite number >= 0, got ", delta_low);
   TORCH_CHECK_VALUE(std::isfinite(delta_high) && delta_high >= 0.0,
@@ -152,23 +175,17 @@ inline void check_finite_values(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(ok, name, " must be finite, got a NaN or inf value");
 }
 
-// Everything the forward entry point validates, for both backends.
-inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tokens,
+// The rollout's per-row inputs of the forward and of the vocabulary-parallel epilogue: shapes, dtypes and devices
+// (no data read).
+inline void check_rollout_shapes(const RowSource& src, Mode mode, c10::string_view mode_str, const at::Tensor& tokens,
                                  const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
                                  const c10::optional<at::Tensor>& topk_ids,
                                  const c10::optional<at::Tensor>& topk_logprobs,
-                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
-                                 double temperature, double delta_low, double delta_high, double ratio_cap) {
-  const Mode mode = parse_mode(mode_str);
-  check_logits(logits);
-  check_scalars(temperature, delta_low, delta_high, ratio_cap);
-  const int64_t n = logits.size(0);
-  const int64_t v = logits.size(1);
-  const auto acc = acc_dtype(logits.scalar_type());
-  check_row_vector(tokens, "tokens", n, at::kLong, logits);
-  check_row_vector(rollout_logprobs, "rollout_logprobs", n, acc, logits);
-  check_row_vector(advantages, "advantages", n, acc, logits);
-  if (anchor_logprobs.has_value()) check_row_vector(*anchor_logprobs, "anchor_logprobs", n, acc, logits);
+                                 const c10::optional<at::Tensor>& anchor_logprobs) {
+  check_row_vector(tokens, "tokens", at::kLong, src);
+  check_row_vector(rollout_logprobs, "rollout_logprobs", src.float_dtype, src);
+  check_row_vector(advantages, "advantages", src.float_dtype, src);
+  if (anchor_logprobs.has_value()) check_row_vector(*anchor_logprobs, "anchor_logprobs", src.float_dtype, src);
   TORCH_CHECK_VALUE(topk_ids.has_value() == topk_logprobs.has_value(),
                     "topk_ids and topk_logprobs must be given together, got ",
                     topk_ids.has_value() ? "topk_ids only" : "topk_logprobs only");
@@ -178,17 +195,42 @@ inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tok
                       "(e.g. from vLLM SamplingParams(logprobs=K))");
   }
   if (topk_ids.has_value()) {
-    check_topk_matrix(*topk_ids, "topk_ids", n, -1, at::kLong, logits);
-    check_topk_matrix(*topk_logprobs, "topk_logprobs", n, topk_ids->size(1), acc, logits);
+    check_topk_matrix(*topk_ids, "topk_ids", -1, at::kLong, src);
+    check_topk_matrix(*topk_logprobs, "topk_logprobs", topk_ids->size(1), src.float_dtype, src);
   }
-  check_token_values(tokens, v, "tokens", /*allow_ignore=*/true);
+}
+
+// The same inputs' values (token ids in [0, vocab), log-probs <= 0, finite advantages): reads the data.
+inline void check_rollout_values(Mode mode, int64_t vocab, const at::Tensor& tokens,
+                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                 const c10::optional<at::Tensor>& topk_ids,
+                                 const c10::optional<at::Tensor>& topk_logprobs,
+                                 const c10::optional<at::Tensor>& anchor_logprobs) {
+  check_token_values(tokens, vocab, "tokens", /*allow_ignore=*/true);
   check_logprob_values(rollout_logprobs, "rollout_logprobs");
   if (anchor_logprobs.has_value()) check_logprob_values(*anchor_logprobs, "anchor_logprobs");
   if (topk_ids.has_value() && mode_is_topk(mode)) {
-    check_token_values(*topk_ids, v, "topk_ids", /*allow_ignore=*/false);
+    check_token_values(*topk_ids, vocab, "topk_ids", /*allow_ignore=*/false);
     check_logprob_values(*topk_logprobs, "topk_logprobs");
   }
   check_finite_values(advantages, "advantages");
+}
+
+// Everything the forward entry point validates, for both backends.
+inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tokens,
+                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                 const c10::optional<at::Tensor>& topk_ids,
+                                 const c10::optional<at::Tensor>& topk_logprobs,
+                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
+                                 double temperature, double delta_low, double delta_high, double ratio_cap) {
+  const Mode mode = parse_mode(mode_str);
+  check_logits(logits);
+  check_temperature(temperature);
+  check_trust_region(delta_low, delta_high, ratio_cap);
+  check_rollout_shapes(logits_rows(logits), mode, mode_str, tokens, rollout_logprobs, advantages, topk_ids,
+                       topk_logprobs, anchor_logprobs);
+  check_rollout_values(mode, logits.size(1), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                       anchor_logprobs);
   return mode;
 }
 
@@ -196,19 +238,68 @@ inline void check_backward_inputs(const at::Tensor& grad_target, const c10::opti
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
                                   const c10::optional<at::Tensor>& entropy, double temperature) {
   check_logits(logits);
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
-                    "temperature must be a finite number > 0, got ", temperature);
-  const int64_t n = logits.size(0);
-  const auto acc = acc_dtype(logits.scalar_type());
-  check_row_vector(grad_target, "grad_target", n, acc, logits);
-  check_row_vector(tokens, "tokens", n, at::kLong, logits);
-  check_row_vector(lse, "lse", n, acc, logits);
+  check_temperature(temperature);
+  const RowSource src = logits_rows(logits);
+  check_row_vector(grad_target, "grad_target", src.float_dtype, src);
+  check_row_vector(tokens, "tokens", at::kLong, src);
+  check_row_vector(lse, "lse", src.float_dtype, src);
   TORCH_CHECK_VALUE(grad_entropy.has_value() == entropy.has_value(),
                     "grad_entropy and entropy must be given together (the entropy gradient needs both)");
   if (grad_entropy.has_value()) {
-    check_row_vector(*grad_entropy, "grad_entropy", n, acc, logits);
-    check_row_vector(*entropy, "entropy", n, acc, logits);
+    check_row_vector(*grad_entropy, "grad_entropy", src.float_dtype, src);
+    check_row_vector(*entropy, "entropy", src.float_dtype, src);
   }
+}
+
+// ---- the vocabulary-parallel ops (vocab_parallel.h) --------------------------------------------------------
+
+inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& tokens,
+                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
+                                  double temperature) {
+  check_logits(logits);
+  check_temperature(temperature);
+  TORCH_CHECK_VALUE(vocab_start >= 0, "vocab_start (this rank's first global vocabulary id) must be >= 0, got ",
+                    vocab_start);
+  const RowSource src = logits_rows(logits);
+  check_row_vector(tokens, "tokens", at::kLong, src);
+  if (topk_ids.has_value()) check_topk_matrix(*topk_ids, "topk_ids", -1, at::kLong, src);
+}
+
+// Everything the epilogue validates; returns the mode. stats: [W, N, 4 + K], every rank's statistics stacked.
+inline Mode check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef offsets, const at::Tensor& tokens,
+                                     const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                                     const c10::optional<at::Tensor>& topk_ids,
+                                     const c10::optional<at::Tensor>& topk_logprobs,
+                                     const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
+                                     double delta_low, double delta_high, double ratio_cap) {
+  const Mode mode = parse_mode(mode_str);
+  check_trust_region(delta_low, delta_high, ratio_cap);
+  TORCH_CHECK_VALUE(stats.dim() == 3 && stats.size(2) >= kVpTopk,
+                    "stats must be 3-D [W, N, 4 + K] (every rank's dppo_vocab_parallel_stats, stacked), got shape ",
+                    stats.sizes());
+  TORCH_CHECK_TYPE(stats.scalar_type() == at::kFloat || stats.scalar_type() == at::kDouble,
+                   "stats must be float32 or float64 (the accumulation dtype), got ", stats.scalar_type());
+  const int64_t world = stats.size(0);
+  TORCH_CHECK_VALUE(world >= 1 && static_cast<int64_t>(offsets.size()) == world + 1,
+                    "vocab_offsets must have W + 1 = ", world + 1, " entries (stats.size(0) = W ranks), got ",
+                    offsets.size());
+  TORCH_CHECK_VALUE(offsets[0] == 0, "vocab_offsets[0] must be 0, got ", offsets[0]);
+  for (int64_t r = 0; r < world; ++r) {
+    TORCH_CHECK_VALUE(offsets[r + 1] > offsets[r], "vocab_offsets must be strictly increasing (every rank holds ",
+                      "at least one vocabulary column), got ", offsets);
+  }
+  const RowSource src{stats, "stats", "stats.size(1)", stats.size(1), stats.scalar_type()};
+  check_rollout_shapes(src, mode, mode_str, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                       anchor_logprobs);
+  if (mode_is_topk(mode)) {
+    const int64_t k = topk_ids->size(1);
+    TORCH_CHECK_VALUE(stats.size(2) == vp_stat_width(k), "stats must have 4 + K = ", vp_stat_width(k),
+                      " columns for K=", k, " top-K ids (pass the same topk_ids to dppo_vocab_parallel_stats), ",
+                      "got shape ", stats.sizes());
+  }
+  check_rollout_values(mode, offsets[world], tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                       anchor_logprobs);
+  return mode;
 }
 
 }  // namespace dppo

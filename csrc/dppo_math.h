@@ -26,7 +26,8 @@
 
 namespace dppo {
 
-// Mode ids: the order is part of the ABI between ops.cpp's string parsing and the kernels.
+// Mode ids: the order is part of the ABI between the mode strings' parsing (checks.h, parse_mode) and the
+// kernels.
 enum class Mode : int64_t {
   kBinaryTV = 0,
   kBinaryKL = 1,
@@ -251,6 +252,40 @@ struct RowOutputs {
   T loss, logp, divergence, mask, weight, entropy, lse;
 };
 
+// Where a forward writes its seven [N] outputs, in the op's order. Every kernel (CPU, CUDA, single-device and
+// vocabulary-parallel) stores a row through store() and a padding row through store_zero().
+template <typename S>
+struct RowOutputPtrs {
+  S* loss;
+  S* logp;
+  S* divergence;
+  S* mask;
+  S* weight;
+  S* entropy;
+  S* lse;
+
+  template <typename T>
+  DPPO_HOST_DEVICE void store(int64_t i, const RowOutputs<T>& r) const {
+    loss[i] = S(r.loss);
+    logp[i] = S(r.logp);
+    divergence[i] = S(r.divergence);
+    mask[i] = S(r.mask);
+    weight[i] = S(r.weight);
+    entropy[i] = S(r.entropy);
+    lse[i] = S(r.lse);
+  }
+  DPPO_HOST_DEVICE void store_zero(int64_t i) const {
+    store(i, RowOutputs<S>{S(0), S(0), S(0), S(0), S(0), S(0), S(0)});
+  }
+};
+
+// The loss settings every per-row epilogue needs (the temperature is applied before, to the logits).
+struct LossArgs {
+  Mode mode;
+  double delta_low, delta_high, ratio_cap;
+  bool compute_entropy;
+};
+
 // The per-row epilogue both kernels end with: the mask, the weight and the loss from the row's
 // log-prob, divergence, entropy and lse. A row without a distribution gets NaN in every output
 // (torch.nn.functional.cross_entropy's convention): its loss is then non-finite like its gradient
@@ -266,6 +301,12 @@ DPPO_HOST_DEVICE RowOutputs<T> finish_row(Mode mode, T adv, T lp, T la, T m, T d
   const T msk = trust_mask(mode, adv, lp, la, div, delta_low, delta_high);
   const T w = is_weight(lp, m, ratio_cap);
   return {token_loss(loss_coef(adv, w, msk), lp), lp, div, msk, w, entropy, lse};
+}
+
+template <typename T>
+DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossArgs& args, T adv, T lp, T la, T m, T div, T entropy, T lse) {
+  return finish_row(args.mode, adv, lp, la, m, div, entropy, lse, T(args.delta_low), T(args.delta_high),
+                    T(args.ratio_cap));
 }
 
 // Shifted logits s - max (or log-probs s - lse) are floored here before exp(x) * x products

@@ -1,6 +1,6 @@
-// op_inputs.h -- host-side preparation shared by the CPU and CUDA entry points: validation
-// (checks.h), allocation of the seven [N] outputs, and the contiguous per-row inputs the kernels
-// index directly. Both backends go through these, so they validate, allocate and lay out the same.
+// op_inputs.h -- host-side preparation shared by the CPU and CUDA entry points of every op: validation
+// (checks.h), allocation of the outputs, and the contiguous per-row inputs the kernels index directly. Both
+// backends go through these, so they validate, allocate and lay out the same.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "vocab_parallel.h"
 
 namespace dppo {
 
@@ -19,15 +20,46 @@ const T* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-struct ForwardInputs {
-  Mode mode;
-  int64_t n, v, k, ld;                           // rows, vocab, top-K width (0 unless top-K), logits row stride
+// The rollout's per-row inputs and the seven outputs, as the forward and the vocabulary-parallel epilogue both
+// hold them.
+struct RowInputs {
+  LossArgs args;                                 // mode, deltas, ratio cap, compute_entropy
+  int64_t n, k;                                  // rows, top-K width (0 unless a top-K mode)
   at::Tensor tokens, rollout_lp, adv;            // [N] contiguous (undefined when N == 0)
   c10::optional<at::Tensor> topk_ids, topk_lp;   // [N, K] contiguous, top-K modes only
   c10::optional<at::Tensor> anchor_lp;           // [N] contiguous, when given
   std::array<at::Tensor, 7> out;                 // loss, logp, divergence, mask, weight, entropy, lse
 
   ForwardOutputs outputs() const { return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]}; }
+
+  template <typename S>
+  RowOutputPtrs<S> output_ptrs() const {
+    return {out[0].data_ptr<S>(), out[1].data_ptr<S>(), out[2].data_ptr<S>(), out[3].data_ptr<S>(),
+            out[4].data_ptr<S>(), out[5].data_ptr<S>(), out[6].data_ptr<S>()};
+  }
+};
+
+// Fills `in` once validated: the outputs [N] with `opts`, then (N > 0) the contiguous per-row inputs.
+inline void prepare_rows(RowInputs& in, const at::TensorOptions& opts, const at::Tensor& tokens,
+                         const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                         const c10::optional<at::Tensor>& topk_ids, const c10::optional<at::Tensor>& topk_logprobs,
+                         const c10::optional<at::Tensor>& anchor_logprobs) {
+  in.k = 0;
+  for (auto& t : in.out) t = at::empty({in.n}, opts);
+  if (in.n == 0) return;
+  in.tokens = tokens.contiguous();
+  in.rollout_lp = rollout_logprobs.contiguous();
+  in.adv = advantages.contiguous();
+  if (mode_is_topk(in.args.mode)) {
+    in.topk_ids = topk_ids->contiguous();
+    in.topk_lp = topk_logprobs->contiguous();
+    in.k = in.topk_ids->size(1);
+  }
+  if (anchor_logprobs.has_value()) in.anchor_lp = anchor_logprobs->contiguous();
+}
+
+struct ForwardInputs : RowInputs {
+  int64_t v, ld;                                 // vocab, logits row stride
 };
 
 inline ForwardInputs prepare_forward(const at::Tensor& logits, const at::Tensor& tokens,
@@ -35,26 +67,17 @@ inline ForwardInputs prepare_forward(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& topk_ids,
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                                     double temperature, double delta_low, double delta_high, double ratio_cap) {
+                                     double temperature, double delta_low, double delta_high, double ratio_cap,
+                                     bool compute_entropy) {
   ForwardInputs in;
-  in.mode = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                 anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+  const Mode m = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+                                      anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+  in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.ld = in.n > 1 ? logits.stride(0) : in.v;
-  in.k = 0;
-  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
-  for (auto& t : in.out) t = at::empty({in.n}, opts);
-  if (in.n == 0) return in;
-  in.tokens = tokens.contiguous();
-  in.rollout_lp = rollout_logprobs.contiguous();
-  in.adv = advantages.contiguous();
-  if (mode_is_topk(in.mode)) {
-    in.topk_ids = topk_ids->contiguous();
-    in.topk_lp = topk_logprobs->contiguous();
-    in.k = in.topk_ids->size(1);
-  }
-  if (anchor_logprobs.has_value()) in.anchor_lp = anchor_logprobs->contiguous();
+  prepare_rows(in, logits.options().dtype(acc_dtype(logits.scalar_type())), tokens, rollout_logprobs, advantages,
+               topk_ids, topk_logprobs, anchor_logprobs);
   return in;
 }
 
@@ -81,6 +104,59 @@ inline BackwardInputs prepare_backward(const at::Tensor& grad_target, const c10:
     in.grad_entropy = grad_entropy->contiguous();
     in.entropy = entropy->contiguous();
   }
+  return in;
+}
+
+// ---- the vocabulary-parallel ops ----------------------------------------------------------------------------
+
+struct VpStatsInputs {
+  int64_t n, v, k, ld, start;                    // rows, local vocab, top-K width (0 without ids), row stride
+  at::Tensor tokens;                             // [N] contiguous
+  at::Tensor topk_ids;                           // [N, K] contiguous, or undefined
+  at::Tensor stats;                              // the output [N, 4 + K] in the accumulation dtype
+
+  const int64_t* topk_ids_ptr() const { return topk_ids.defined() ? topk_ids.const_data_ptr<int64_t>() : nullptr; }
+};
+
+inline VpStatsInputs prepare_vp_stats(const at::Tensor& logits, const at::Tensor& tokens,
+                                      const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
+                                      double temperature) {
+  check_vp_stats_inputs(logits, tokens, topk_ids, vocab_start, temperature);
+  VpStatsInputs in;
+  in.n = logits.size(0);
+  in.v = logits.size(1);
+  in.k = topk_ids.has_value() ? topk_ids->size(1) : 0;
+  in.ld = in.n > 1 ? logits.stride(0) : in.v;
+  in.start = vocab_start;
+  in.stats = at::empty({in.n, vp_stat_width(in.k)}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  if (in.n == 0) return in;
+  in.tokens = tokens.contiguous();
+  if (topk_ids.has_value()) in.topk_ids = topk_ids->contiguous();
+  return in;
+}
+
+struct VpEpilogueInputs : RowInputs {
+  int64_t world, width;                          // ranks, statistics per row (4 + K)
+  at::Tensor stats;                              // [W, N, 4 + K] contiguous
+};
+
+inline VpEpilogueInputs prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets,
+                                            const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
+                                            const at::Tensor& advantages,
+                                            const c10::optional<at::Tensor>& topk_ids,
+                                            const c10::optional<at::Tensor>& topk_logprobs,
+                                            const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                            double delta_low, double delta_high, double ratio_cap,
+                                            bool compute_entropy) {
+  VpEpilogueInputs in;
+  const Mode m = check_vp_epilogue_inputs(stats, offsets, tokens, rollout_logprobs, advantages, topk_ids,
+                                          topk_logprobs, anchor_logprobs, mode, delta_low, delta_high, ratio_cap);
+  in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
+  in.world = stats.size(0);
+  in.n = stats.size(1);
+  in.width = stats.size(2);
+  in.stats = stats.contiguous();
+  prepare_rows(in, stats.options(), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs);
   return in;
 }
 

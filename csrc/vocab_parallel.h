@@ -1,7 +1,7 @@
 // vocab_parallel.h -- the DPPO loss over a vocabulary split across ranks (tensor parallelism): the
 // per-row slice statistics one rank contributes, and the merge of every rank's statistics followed by
 // the row epilogue. Host/device, shared by the CPU and CUDA kernels (cpu/vocab_parallel.cpp,
-// cuda/vocab_parallel.cu); the formulas themselves are dppo_math.h's.
+// cuda/vocab_parallel_kernels.cuh); the formulas themselves are dppo_math.h's.
 //
 // Rank r holds the logits of the columns [offsets[r], offsets[r+1]) of the global vocabulary. With
 // s = z / T, its statistics for row i are C = 4 + K numbers (the accumulation dtype):
@@ -39,25 +39,14 @@ DPPO_HOST_DEVICE int64_t vp_owner(const int64_t* offsets, int64_t world, int64_t
   return r;
 }
 
-template <typename T>
-struct VpRowOut {
-  T loss, logp, divergence, mask, weight, entropy, lse;
-};
-
-struct VpArgs {
-  Mode mode;
-  double delta_low, delta_high, ratio_cap;
-  bool compute_entropy;
-};
-
 // The merged row: stats points at rank 0's statistics of this row, rank r's are at stats + r * rank_stride.
 // a: the global sampled id (not padding). topk_ids/topk_lp: this row's K ids and rollout log-probs.
 // T: the type the row is evaluated in; S: the stored type of stats and topk_lp (the CUDA kernel evaluates
 // float rows in double, as its single-device epilogue does).
 template <typename T, typename S>
-DPPO_HOST_DEVICE VpRowOut<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets,
-                                          int64_t world, int64_t a, T m, T la, T adv, const int64_t* topk_ids,
-                                          const S* topk_lp, int64_t k, const VpArgs& args) {
+DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets,
+                                            int64_t world, int64_t a, T m, T la, T adv, const int64_t* topk_ids,
+                                            const S* topk_lp, int64_t k, const LossArgs& args) {
   const int64_t owner = vp_owner(offsets, world, a);
   const T s_a = T(stats[owner * rank_stride + kVpTarget]);
   // One pass over the ranks: the non-target sums merge as log-sum-exp states, the full sums (the owner's
@@ -85,8 +74,7 @@ DPPO_HOST_DEVICE VpRowOut<T> vp_merge_row(const S* stats, int64_t rank_stride, c
   const T other_sum = other.mx == -INFINITY ? T(0) : other.sum * std::exp(other.mx - mx);
   const T total = other_sum + ea;
   const T log_total = std::log(total);
-  VpRowOut<T> out;
-  out.lse = mx + log_total;
+  const T lse = mx + log_total;
   const T lp = xa_raw - log_total;
   const T l1p = std::log(other_sum) - log_total;
   T div;
@@ -103,16 +91,7 @@ DPPO_HOST_DEVICE VpRowOut<T> vp_merge_row(const S* stats, int64_t rank_stride, c
   }
   const T entropy = args.compute_entropy ? entropy_from_state(total, ent.wsum) : T(0);
   // dppo_math.h's per-row epilogue, the single-device kernels' own (a row without a distribution is all NaN).
-  const RowOutputs<T> r = finish_row(args.mode, adv, lp, la, m, div, entropy, out.lse, T(args.delta_low),
-                                     T(args.delta_high), T(args.ratio_cap));
-  out.loss = r.loss;
-  out.logp = r.logp;
-  out.divergence = r.divergence;
-  out.mask = r.mask;
-  out.weight = r.weight;
-  out.entropy = r.entropy;
-  out.lse = r.lse;
-  return out;
+  return finish_row(args, adv, lp, la, m, div, entropy, lse);
 }
 
 }  // namespace dppo

@@ -1,3 +1,3 @@
-"""The package version: the one place it is written (pyproject.toml, setup.py and CMakeLists.txt read it)."""
+"""The package version: the one place it is written (pyproject.toml and setup.py read it)."""
 
 __version__ = "0.1.0"

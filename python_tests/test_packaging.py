@@ -212,7 +212,7 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path):
         tar.extractall(tmp_path / "unpacked", filter="data")
     sources = {f for f in _tracked_files() if f.startswith("csrc/")}
     assert sources and sources <= names, f"missing from the sdist: {sorted(sources - names)}"
-    for f in ("LICENSE", "CHANGELOG.md", "CMakeLists.txt", "README.md", "pyproject.toml", "setup.py",
+    for f in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py",
               "dppo_ext/py.typed", "dppo_ext/_version.py"):
         assert f in names, f
     assert not [n for n in names if n.endswith((".so", ".o", ".pyc"))]

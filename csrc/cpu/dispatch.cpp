@@ -1,6 +1,6 @@
-// cpu/dispatch.cpp -- TORCH_LIBRARY_IMPL(dppo, CPU, m): the CPU ops, routed to the instruction-set
-// build of cpu/dppo_loss.cpp that this CPU runs best (see dispatch.h). Compiled once, for the
-// baseline instruction set, like ops.cpp: nothing here may use AVX.
+// cpu/dispatch.cpp -- the one TORCH_LIBRARY_IMPL(dppo, CPU, m): every CPU op, routed to the
+// instruction-set build of cpu/dppo_loss.cpp and cpu/vocab_parallel.cpp that this CPU runs best (see
+// dispatch.h). Compiled once, for the baseline instruction set, like ops.cpp: nothing here may use AVX.
 #include "dispatch.h"
 
 #include <ATen/Version.h>
@@ -79,41 +79,72 @@ Level level() {
   return l;
 }
 
-const CpuKernels& kernels() {
+// The entry points of the chosen build.
+struct Build {
+  const CpuLossKernels& loss;
+  const CpuVocabParallelKernels& vocab_parallel;
+};
+
+Build select_build() {
   switch (level()) {
 #if defined(DPPO_CPU_HAVE_AVX512)
     case kAvx512:
-      return AVX512::kernels;
+      return {AVX512::loss_kernels, AVX512::vocab_parallel_kernels};
 #endif
 #if defined(DPPO_CPU_HAVE_AVX2)
     case kAvx2:
-      return AVX2::kernels;
+      return {AVX2::loss_kernels, AVX2::vocab_parallel_kernels};
 #endif
     default:
-      return DEFAULT::kernels;
+      return {DEFAULT::loss_kernels, DEFAULT::vocab_parallel_kernels};
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
-    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-    const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
-    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
-    c10::string_view mode, double temperature, double delta_low, double delta_high, double ratio_cap,
-    bool compute_entropy) {
-  return kernels().forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs,
-                           mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy);
+const CpuLossKernels& loss() {
+  static const CpuLossKernels& t = select_build().loss;
+  return t;
+}
+
+const CpuVocabParallelKernels& vocab_parallel() {
+  static const CpuVocabParallelKernels& t = select_build().vocab_parallel;
+  return t;
+}
+
+ForwardOutputs forward_cpu(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
+                           const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
+                           const c10::optional<at::Tensor>& topk_logprobs,
+                           const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode, double temperature,
+                           double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
+  return loss().forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, mode,
+                        temperature, delta_low, delta_high, ratio_cap, compute_entropy);
 }
 
 at::Tensor backward_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                         const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
                         const c10::optional<at::Tensor>& entropy, double temperature) {
-  return kernels().backward(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+  return loss().backward(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
 }
 
 void backward_inplace_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                           const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
                           const c10::optional<at::Tensor>& entropy, double temperature) {
-  kernels().backward_inplace(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+  loss().backward_inplace(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+}
+
+at::Tensor vp_stats_cpu(const at::Tensor& logits, const at::Tensor& tokens, const c10::optional<at::Tensor>& topk_ids,
+                        int64_t vocab_start, double temperature, bool compute_entropy) {
+  return vocab_parallel().stats(logits, tokens, topk_ids, vocab_start, temperature, compute_entropy);
+}
+
+ForwardOutputs vp_epilogue_cpu(const at::Tensor& stats, at::IntArrayRef vocab_offsets, const at::Tensor& tokens,
+                               const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
+                               const c10::optional<at::Tensor>& topk_ids,
+                               const c10::optional<at::Tensor>& topk_logprobs,
+                               const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                               double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
+  return vocab_parallel().epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
+                                   topk_logprobs, anchor_logprobs, mode, delta_low, delta_high, ratio_cap,
+                                   compute_entropy);
 }
 
 }  // namespace
@@ -137,6 +168,8 @@ TORCH_LIBRARY_IMPL(dppo, CPU, m) {
   m.impl("dppo_loss_forward", &forward_cpu);
   m.impl("dppo_loss_backward", &backward_cpu);
   m.impl("dppo_loss_backward_", &backward_inplace_cpu);
+  m.impl("dppo_vocab_parallel_stats", &vp_stats_cpu);
+  m.impl("dppo_vocab_parallel_epilogue", &vp_epilogue_cpu);
 }
 
 }  // namespace dppo

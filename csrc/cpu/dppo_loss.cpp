@@ -1,11 +1,11 @@
 // cpu/dppo_loss.cpp -- CPU kernels of the DPPO loss (see docs/contract.md, csrc/dppo_math.h).
 //
 // forward : logits [N, V] (fp32/fp16/bf16/fp64, stride(1) == 1, any row stride) -> seven [N]
-//           outputs in the accumulation dtype. Per row, two SIMD passes over the vocabulary read
-//           the input dtype directly (no fp32 copy of the logits): a max pass, then one pass that
-//           sums exp(s - max) over the non-target tokens (so log(1 - pi) is exact) and, when asked,
-//           the entropy moment. The target and top-K logits are gathered by index. Everything per
-//           row after that is dppo_math.h.
+//           outputs in the accumulation dtype. Per row, two SIMD passes over the vocabulary
+//           (cpu/row_simd.h) read the input dtype directly (no fp32 copy of the logits): a max
+//           pass, then one pass that sums exp(s - max) over the non-target tokens (so log(1 - pi)
+//           is exact) and, when asked, the entropy moment. The target and top-K logits are
+//           gathered by index. Everything per row after that is dppo_math.h.
 // backward: grad [N, V] in the logits dtype, one SIMD pass per row recomputing p from the saved
 //           lse; the target column in the accumulation dtype via grad_target (expm1 form). The
 //           in-place variant writes into logits.
@@ -16,12 +16,9 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -30,135 +27,11 @@
 #include "../dppo_math.h"
 #include "../op_inputs.h"
 #include "dispatch.h"
-
-#ifndef CPU_CAPABILITY
-#error "cpu/dppo_loss.cpp is compiled once per instruction set with CPU_CAPABILITY=DEFAULT|AVX2|AVX512 (setup.py, CMakeLists.txt)"
-#endif
+#include "row_simd.h"
 
 namespace dppo {
 namespace CPU_CAPABILITY {
 namespace {
-
-using at::vec::Vectorized;
-using FVec = Vectorized<float>;
-constexpr int64_t kFV = FVec::size();
-constexpr int64_t kStep = 2 * kFV;  // elements per SIMD step: one Vectorized<bf16/half> = two float vectors
-
-template <typename scalar_t>
-inline void load2(const scalar_t* p, FVec& a, FVec& b) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    a = FVec::loadu(p);
-    b = FVec::loadu(p + kFV);
-  } else {
-    at::vec::load_to_float<scalar_t>(p, a, b);
-  }
-}
-
-template <typename scalar_t>
-inline void store2(scalar_t* p, const FVec& a, const FVec& b) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    a.store(p);
-    b.store(p + kFV);
-  } else {
-    at::vec::convert_from_float<scalar_t>(a, b).store(p);
-  }
-}
-
-inline float hsum(const FVec& v) {
-  alignas(64) float buf[kFV];
-  v.store(buf);
-  float s = 0.f;
-  for (int64_t i = 0; i < kFV; ++i) s += buf[i];
-  return s;
-}
-
-inline float hmax(const FVec& v) {
-  alignas(64) float buf[kFV];
-  v.store(buf);
-  float s = buf[0];
-  for (int64_t i = 1; i < kFV; ++i) s = nan_max(s, buf[i]);  // a NaN lane must survive (row_has_distribution)
-  return s;
-}
-
-// ---- row reductions: float accumulation over fp32/fp16/bf16 rows (SIMD) ----------------------
-
-template <typename scalar_t>
-float row_max(const scalar_t* z, int64_t v) {
-  FVec m0(-INFINITY), m1(-INFINITY);
-  int64_t j = 0;
-  for (; j + kStep <= v; j += kStep) {
-    FVec a, b;
-    load2(z + j, a, b);
-    m0 = at::vec::maximum(m0, a);
-    m1 = at::vec::maximum(m1, b);
-  }
-  float m = hmax(at::vec::maximum(m0, m1));
-  for (; j < v; ++j) m = nan_max(m, static_cast<float>(z[j]));  // at::vec::maximum above propagates NaN too
-  return m;
-}
-
-// Over z[lo, hi): sum += exp(s - mx), and when with_ent, wsum += exp(s - mx) * (s - mx), where
-// s = z * inv_t.
-template <typename scalar_t>
-void row_sums(const scalar_t* z, int64_t lo, int64_t hi, float inv_t, float mx, bool with_ent, float& sum,
-              float& wsum) {
-  const FVec vinv(inv_t), vmx(mx), vfloor(shift_floor<float>());
-  FVec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
-  int64_t j = lo;
-  if (with_ent) {
-    for (; j + kStep <= hi; j += kStep) {
-      FVec a, b;
-      load2(z + j, a, b);
-      const FVec xa = at::vec::maximum(a * vinv - vmx, vfloor);
-      const FVec xb = at::vec::maximum(b * vinv - vmx, vfloor);
-      const FVec ea = xa.exp_u20(), eb = xb.exp_u20();
-      s0 += ea;
-      s1 += eb;
-      w0 += ea * xa;
-      w1 += eb * xb;
-    }
-  } else {
-    for (; j + kStep <= hi; j += kStep) {
-      FVec a, b;
-      load2(z + j, a, b);
-      s0 += (a * vinv - vmx).exp_u20();
-      s1 += (b * vinv - vmx).exp_u20();
-    }
-  }
-  float s = hsum(s0 + s1), w = with_ent ? hsum(w0 + w1) : 0.f;
-  for (; j < hi; ++j) {
-    const float x = std::max(static_cast<float>(z[j]) * inv_t - mx, shift_floor<float>());
-    const float e = std::exp(x);
-    s += e;
-    if (with_ent) w += e * x;
-  }
-  sum += s;
-  wsum += w;
-}
-
-// ---- the same for fp64 rows: plain loops in double (fp64 exists for gradcheck) ---------------
-
-double row_max(const double* z, int64_t v) {
-  double m = -INFINITY;
-  for (int64_t j = 0; j < v; ++j) m = nan_max(m, z[j]);
-  return m;
-}
-
-void row_sums(const double* z, int64_t lo, int64_t hi, double inv_t, double mx, bool with_ent, double& sum,
-              double& wsum) {
-  for (int64_t j = lo; j < hi; ++j) {
-    const double x = std::max(z[j] * inv_t - mx, shift_floor<double>());
-    const double e = std::exp(x);
-    sum += e;
-    if (with_ent) wsum += e * x;
-  }
-}
-
-struct ForwardArgs {
-  Mode mode;
-  double temperature, delta_low, delta_high, ratio_cap;
-  bool compute_entropy;
-};
 
 template <typename scalar_t>
 void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
@@ -170,19 +43,16 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
                     const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
                     int64_t k,
                     const at::opmath_type<scalar_t>* anchor_lp,   // [N] or null
-                    const ForwardArgs& args,
-                    at::opmath_type<scalar_t>* out_loss, at::opmath_type<scalar_t>* out_logp,
-                    at::opmath_type<scalar_t>* out_div, at::opmath_type<scalar_t>* out_mask,
-                    at::opmath_type<scalar_t>* out_weight, at::opmath_type<scalar_t>* out_ent,
-                    at::opmath_type<scalar_t>* out_lse) {  // each [N]
+                    double temperature, const LossArgs& args,
+                    const RowOutputPtrs<at::opmath_type<scalar_t>>& out) {  // seven [N]
   using acc_t = at::opmath_type<scalar_t>;
-  const acc_t inv_t = acc_t(1.0 / args.temperature);
+  const acc_t inv_t = acc_t(1.0 / temperature);
   const bool topk = mode_is_topk(args.mode);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t a = tokens[i];
       if (a == kIgnoreIndex) {
-        out_loss[i] = out_logp[i] = out_div[i] = out_mask[i] = out_weight[i] = out_ent[i] = out_lse[i] = 0;
+        out.store_zero(i);
         continue;
       }
       const scalar_t* z = logits + i * ld;
@@ -216,20 +86,12 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
           const acc_t s = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
           topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s) - mx) - log_total_d);
         }
-        div = static_cast<acc_t>(args.mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc));
+        div = static_cast<acc_t>(topk_divergence(args.mode, acc));
       } else {
         div = binary_divergence(args.mode, lp, l1p, la);
       }
       const acc_t ent = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
-      const RowOutputs<acc_t> r = finish_row(args.mode, adv[i], lp, la, m, div, ent, lse, acc_t(args.delta_low),
-                                             acc_t(args.delta_high), acc_t(args.ratio_cap));
-      out_loss[i] = r.loss;
-      out_logp[i] = r.logp;
-      out_div[i] = r.divergence;
-      out_mask[i] = r.mask;
-      out_weight[i] = r.weight;
-      out_ent[i] = r.entropy;
-      out_lse[i] = r.lse;
+      out.store(i, finish_row(args, adv[i], lp, la, m, div, ent, lse));
     }
   });
 }
@@ -339,17 +201,15 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
                                      bool compute_entropy) {
   const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
+                                           compute_entropy);
   if (in.n == 0) return in.outputs();
-  const ForwardArgs args{in.mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.n, in.v, in.ld, in.tokens.data_ptr<int64_t>(),
                              in.rollout_lp.data_ptr<acc_t>(), in.adv.data_ptr<acc_t>(), opt_ptr<int64_t>(in.topk_ids),
-                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), args,
-                             in.out[0].data_ptr<acc_t>(), in.out[1].data_ptr<acc_t>(), in.out[2].data_ptr<acc_t>(),
-                             in.out[3].data_ptr<acc_t>(), in.out[4].data_ptr<acc_t>(), in.out[5].data_ptr<acc_t>(),
-                             in.out[6].data_ptr<acc_t>());
+                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.args,
+                             in.output_ptrs<acc_t>());
   });
   return in.outputs();
 }
@@ -387,7 +247,7 @@ void dppo_loss_backward_inplace_cpu(const at::Tensor& grad_target, const c10::op
 
 }  // namespace
 
-const CpuKernels kernels{&dppo_loss_forward_cpu, &dppo_loss_backward_cpu, &dppo_loss_backward_inplace_cpu};
+const CpuLossKernels loss_kernels{&dppo_loss_forward_cpu, &dppo_loss_backward_cpu, &dppo_loss_backward_inplace_cpu};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace dppo

@@ -22,7 +22,8 @@ ForwardOutputs dppo_loss_forward_cuda(const at::Tensor& logits, const at::Tensor
   TORCH_CHECK_VALUE(logits.is_cuda(), "logits must be a CUDA tensor for the CUDA kernel, got ", logits.device());
   const c10::cuda::CUDAGuard guard(logits.device());
   const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
+                                           compute_entropy);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.outputs();
   const int sms = sm_count(logits.device().index());

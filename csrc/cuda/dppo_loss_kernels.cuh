@@ -630,7 +630,7 @@ void dppo_loss_forward_launch(const ForwardInputs& in, const at::Tensor& logits,
   p.topk_ids = opt_ptr<int64_t>(in.topk_ids);
   p.topk_lp = opt_ptr<acc_t>(in.topk_lp);
   p.k = in.k;
-  p.mode = in.mode;
+  p.mode = in.args.mode;
   p.inv_t = static_cast<acc_t>(1.0 / temperature);
   p.delta_low = delta_low;
   p.delta_high = delta_high;

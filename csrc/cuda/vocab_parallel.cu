@@ -11,7 +11,7 @@
 #include <array>
 #include <vector>
 
-#include "../vocab_parallel_checks.h"
+#include "../op_inputs.h"
 #include "vocab_parallel_kernels.cuh"
 
 namespace dppo {
@@ -49,9 +49,9 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cuda(const at::Tensor& stats, at::In
   const c10::cuda::CUDAGuard guard(stats.device());
   const VpEpilogueInputs in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
                                                   topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
-                                                  ratio_cap);
+                                                  ratio_cap, compute_entropy);
   if (in.n == 0) return in.outputs();
-  const VpArgs args{in.mode, delta_low, delta_high, ratio_cap, compute_entropy};
+  const LossArgs& args = in.args;
   const at::Tensor offsets =
       at::tensor(std::vector<int64_t>(vocab_offsets.begin(), vocab_offsets.end()), at::kLong).to(stats.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -102,7 +102,7 @@ __global__ void vp_epilogue_kernel(const S* __restrict__ stats,         // [W, N
                                    const S* __restrict__ anchor_lp,      // [N] or null
                                    const int64_t* __restrict__ topk_ids, // [N, K] or null
                                    const S* __restrict__ topk_lp,        // [N, K] or null
-                                   int64_t k, VpArgs args,
+                                   int64_t k, LossArgs args,
                                    S* out_loss, S* out_logp, S* out_div, S* out_mask, S* out_weight, S* out_ent,
                                    S* out_lse) {  // each [N]
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -113,7 +113,7 @@ __global__ void vp_epilogue_kernel(const S* __restrict__ stats,         // [W, N
     return;
   }
   const double m = rollout_lp[i];
-  const VpRowOut<double> r = vp_merge_row<double, S>(
+  const RowOutputs<double> r = vp_merge_row<double, S>(
       stats + i * width, n * width, offsets, world, a, m, anchor_lp ? double(anchor_lp[i]) : m, double(adv[i]),
       topk_ids ? topk_ids + i * k : nullptr, topk_lp ? topk_lp + i * k : nullptr, k, args);
   out_loss[i] = S(r.loss);
@@ -138,7 +138,7 @@ void vp_stats_launch(const scalar_t* logits, int64_t ld, int64_t n, int64_t v, i
 template <typename S>
 void vp_epilogue_launch(const S* stats, const int64_t* offsets, int64_t world, int64_t n, int64_t width,
                         const int64_t* tokens, const S* rollout_lp, const S* adv, const S* anchor_lp,
-                        const int64_t* topk_ids, const S* topk_lp, int64_t k, const VpArgs& args,
+                        const int64_t* topk_ids, const S* topk_lp, int64_t k, const LossArgs& args,
                         const std::array<S*, 7>& out, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((n + kVpEpilogueThreads - 1) / kVpEpilogueThreads);
   launch_kernel(vp_epilogue_kernel<S>, dim3(blocks), dim3(kVpEpilogueThreads), stream, stats, offsets, world, n, width,

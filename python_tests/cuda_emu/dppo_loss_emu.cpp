@@ -34,7 +34,8 @@ ForwardOutputs forward(const at::Tensor& logits, const at::Tensor& tokens, const
                        const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode, double temperature,
                        double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
   const ForwardInputs in = dppo::prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                                 anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
+                                                 anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
+                                                 compute_entropy);
   if (in.n == 0) return in.outputs();
   const int sms = dppo::sm_count(0);
   guarded("dppo_loss_forward", [&] {

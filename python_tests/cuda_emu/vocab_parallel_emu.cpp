@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "../op_schemas.h"
-#include "../vocab_parallel_checks.h"  // <csrc>/cuda/../ through -I <csrc>/cuda
+#include "../op_inputs.h"  // <csrc>/cuda/../ through -I <csrc>/cuda
 #include "emu_op.h"
 #include "vocab_parallel_kernels.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
 
@@ -55,9 +55,9 @@ ForwardOutputs vp_epilogue(const at::Tensor& stats, at::IntArrayRef vocab_offset
                            double delta_high, double ratio_cap, bool compute_entropy) {
   const dppo::VpEpilogueInputs in =
       dppo::prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                anchor_logprobs, mode, delta_low, delta_high, ratio_cap);
+                                anchor_logprobs, mode, delta_low, delta_high, ratio_cap, compute_entropy);
   if (in.n == 0) return in.outputs();
-  const dppo::VpArgs args{in.mode, delta_low, delta_high, ratio_cap, compute_entropy};
+  const dppo::LossArgs& args = in.args;
   const at::Tensor offsets = at::tensor(std::vector<int64_t>(vocab_offsets.begin(), vocab_offsets.end()), at::kLong);
   guarded("dppo_vocab_parallel_epilogue", [&] {
     AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "dppo_vocab_parallel_epilogue_emu", [&] {
