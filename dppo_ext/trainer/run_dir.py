@@ -354,6 +354,7 @@ class RunFolder:
         self._created_dirs = created_dirs
         self._lock_before = lock_before
         self._manifest_created = manifest_created
+        self._found = set(_contents(path))  # what was there when the lock was taken
 
     def __enter__(self) -> RunFolder:
         return self
@@ -395,8 +396,9 @@ class RunFolder:
                 "of it, recognised by their content, as the run's: %s; everything else in it stays untouched",
                 folder, MANIFEST_FILE, ", ".join(sorted(outputs)) or "none",
             )
+        known = {**self.outputs, **dict(record)}  # temporaries of what the previous run wrote are recognised too
         for name in sorted(_contents(folder)):
-            if _is_temporary(name, outputs) and name not in keep:
+            if _is_temporary(name, known) and name not in keep:
                 logger.info("removing %s, left behind by an interrupted run", folder / name)
                 _remove(folder / name)
         _write_manifest(folder, STARTED, {**outputs, **dict(record)})
@@ -410,7 +412,7 @@ class RunFolder:
         """Undo what opening and setting up wrote: the folder is left as ``open_run_dir`` found it."""
         folder = self.path
         pid = os.getpid()
-        for name in _contents(folder):
+        for name in set(_contents(folder)) - self._found:
             match = _TEMPORARY_RE.match(name)
             if match is not None and int(match.group("pid")) == pid:  # this process's: whatever it was building
                 _remove(folder / name)
@@ -471,6 +473,12 @@ def _plan(
         )
     outputs = dict(manifest["outputs"])
     if resume:
+        if manifest["state"] == SETUP:
+            raise RunError(
+                f"--resume: the run in {str(folder)!r} never started training (its {MANIFEST_FILE} is in state "
+                f"{SETUP!r}: a run killed during its set-up, or an --overwrite of it that was interrupted), so there "
+                "is nothing to continue; nothing was changed. Start it again without --resume"
+            )
         return "resume", outputs, False, []
     if overwrite:
         _check_listed_kinds(folder, outputs)

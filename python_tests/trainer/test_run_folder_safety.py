@@ -404,6 +404,9 @@ def test_the_cli_interrupted_or_killed_during_the_warm_start_leaves_a_folder_the
     left = sorted(p.name for p in out.iterdir())
     assert left == sorted([LOCK_FILE, MANIFEST_FILE, f".base_model.tmp-{proc.pid}"]), left
     assert json.loads((out / MANIFEST_FILE).read_text())["state"] == "setup"
+    killed = _tree(out)
+    assert _main(_argv(out, "--resume")) == 2  # nothing to continue: it never trained
+    assert _tree(out) == killed
     run(parse_config(_argv(out, steps="1")), progress=False)  # same command (a short warm start)
     assert not any(p.name.startswith(".base_model.tmp-") for p in out.iterdir())
     _assert_manifest_covers(out, set())
