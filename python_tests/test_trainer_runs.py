@@ -101,12 +101,20 @@ def test_rerun_into_a_non_empty_out_is_refused_and_changes_nothing(tmp_path: Pat
     (out / "metrics.jsonl").write_text('{"step": 0, "eval_acc": 0.25}\n')
     (out / "notes.txt").write_text("mine")
     before = _snapshot(out)
-    with pytest.raises(RunError, match=r"is not empty .*pass --resume to continue .*--overwrite to delete"):
+    with pytest.raises(RunError, match=r"is not empty \(it holds metrics\.jsonl, notes\.txt\) and has no dppo-run\.json"
+                       r".* a fresh run needs an empty folder\. Nothing was changed\. Pass an empty or new --out"):
         run(_tiny_run_config(out), progress=False)
     assert main(["--out", str(out), "--engine", "hf", "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "dppo-train: error:" in err and "--resume" in err and "--overwrite" in err and "Traceback" not in err
+    assert "dppo-train: error:" in err and "dppo-run.json" in err and "Traceback" not in err
     assert _snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    # a folder that holds a run of this trainer (its manifest): --resume or --overwrite is the way
+    run(_tiny_run_config(tmp_path / "done", steps=1, warm_start_steps=2), progress=False)
+    before = _snapshot(tmp_path / "done")
+    with pytest.raises(RunError, match=r"already holds a run \(its dppo-run\.json lists .*checkpoint-1.*\): "
+                                       r"pass --resume to continue it, --overwrite to delete what it wrote"):
+        run(_tiny_run_config(tmp_path / "done", steps=1, warm_start_steps=2), progress=False)
+    assert _snapshot(tmp_path / "done") == before
 
 
 def test_out_that_is_a_file_is_refused(tmp_path: Path):
@@ -173,8 +181,8 @@ def test_a_filesystem_without_flock_warns_and_runs(tmp_path: Path, monkeypatch, 
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(run_dir.fcntl, "flock", unsupported)
-    with caplog.at_level(logging.WARNING), run_dir.open_run_dir(tmp_path / "nfs", resume=False, overwrite=False) as lock:
-        assert lock.held
+    with caplog.at_level(logging.WARNING), run_dir.open_run_dir(tmp_path / "nfs", resume=False, overwrite=False) as run:
+        assert run.lock.held
     assert "does not support flock); make sure only one trainer writes" in caplog.text
 
 
@@ -201,6 +209,8 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, tin
     from dppo_ext.trainer import checkpoint as ckpt
     from dppo_ext.trainer.run_dir import open_run_dir
 
+    with open_run_dir(tmp_path, resume=False, overwrite=False) as folder:  # a run folder, with its manifest
+        folder.commit()
     _save(tmp_path, tiny_parts, 1, save_total_limit=1)
     before = _snapshot(tmp_path / "checkpoint-1")
 
@@ -217,8 +227,10 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, tin
     assert _snapshot(tmp_path / "checkpoint-1") == before
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-2")]
     assert leftovers
-    # the next run on the folder (holding the lock) clears the dead writer's temporary
-    with open_run_dir(tmp_path, resume=True, overwrite=False):
+    # the next run on the folder clears the dead writer's temporary once it starts (holding the lock)
+    with open_run_dir(tmp_path, resume=True, overwrite=False) as folder:
+        assert leftovers == [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-2")]
+        folder.commit()
         assert not any(p.name.startswith(".checkpoint-2") for p in tmp_path.iterdir())
     assert _snapshot(tmp_path / "checkpoint-1") == before
 
@@ -395,7 +407,7 @@ def test_bad_inputs_are_reported_before_out_is_touched(tmp_path: Path):
     config = _tiny_run_config(out, model=str(model), data=str(data), num_eval=4, loss="dppo_topk_kl", top_k=18)
     with pytest.raises(RunError, match=r"--top-k=18 exceeds the vocabulary of .* \(17 tokens\)"):
         run(config, progress=False)
-    assert [p.name for p in out.iterdir()] == [".dppo-train.lock"]  # nothing a rerun would be refused for
+    assert not out.exists()  # the run created the folder during its set-up, and removed it again
 
 
 _FLOAT_FLAGS = [

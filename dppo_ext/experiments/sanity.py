@@ -178,21 +178,18 @@ def _resumable(config: TrainConfig) -> bool:
     return True
 
 
-def ensure_base_model(config: TrainConfig, work: Path) -> None:
-    """Give ``config``'s run folder the warm-started embedded model it needs.
+def ensure_base_model(config: TrainConfig, work: Path) -> Path:
+    """The warm-started embedded model ``config``'s run starts from (the trainer's ``base_model=``).
 
     The warm start is built once per distinct setting (one per seed) under
     ``<work>/_base_models`` by whichever worker needs it first (a lock folder keeps a second worker
-    waiting instead of building it again) and copied into the run folder, where the trainer
-    reuses it (``dppo_ext.train.prepare_embedded_model`` checks the recorded settings).
+    waiting instead of building it again); every run of that setting starts from it, and the
+    trainer checks its recorded settings.
     """
     import torch
 
     from dppo_ext.train import WARM_START_MARKER, build_task, prepare_embedded_model, seed_everything
 
-    target = Path(config.out) / "base_model"
-    if (target / WARM_START_MARKER).is_file():
-        return
     key = json.dumps({k: getattr(config, k) for k in (
         "seed", "tiny_layers", "tiny_hidden", "warm_start_steps", "warm_start_problems", "warm_start_lr",
         "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval")}, sort_keys=True)
@@ -213,17 +210,19 @@ def ensure_base_model(config: TrainConfig, work: Path) -> None:
             torch.set_num_threads(threads)
         finally:
             lock.rmdir()
-    if target.exists():
-        shutil.rmtree(target)
-    shutil.copytree(folder, target)
+    return folder
 
 
 def _fresh_folder(config: TrainConfig) -> None:
-    """Empty a run folder that has no checkpoint to resume from (keeping its base model)."""
+    """Remove a run folder of the sweep that has no checkpoint to resume from (an interrupted attempt's)."""
+    if Path(config.out).is_dir():
+        shutil.rmtree(config.out)
+
+
+def train_log(config: TrainConfig) -> Path:
+    """A run's log, beside its run folder (``<work>/<condition>/<method>/seed<N>.train.log``)."""
     out = Path(config.out)
-    for child in out.iterdir() if out.is_dir() else []:
-        if child.name != "base_model":
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    return out.with_name(out.name + ".train.log")
 
 
 def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_path: Path) -> int:
@@ -246,24 +245,23 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
             status = "skipped"
         else:
             resume = _resumable(config)
+            base_model = ensure_base_model(config, work)
             if not resume:
-                _fresh_folder(config)
-                ensure_base_model(config, work)
-            # a fresh run replaces what an interrupted attempt left (the trainer refuses a non-empty
-            # --out otherwise); the shared warm start in base_model/ stays
-            config = dataclasses.replace(config, resume=resume, overwrite=not resume)
+                _fresh_folder(config)  # what an interrupted attempt left (the trainer refuses a non-empty --out)
+            config = dataclasses.replace(config, resume=resume)
             torch.set_num_threads(config.threads)
             key = (config.engine, config.rollout_dtype)
             if engine is None or key != engine_key:
                 if engine is not None:
                     engine.close()
-                engine = make_rollout_engine(config, str(Path(config.out) / "base_model"), resolve_device(config.device))
+                engine = make_rollout_engine(config, str(base_model), resolve_device(config.device))
                 engine_key = key
-            handler = logging.FileHandler(Path(config.out) / "train.log")
+            train_log(config).parent.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(train_log(config))
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger().addHandler(handler)
             try:
-                train_run(config, progress=False, engine=engine)
+                train_run(config, progress=False, engine=engine, base_model=None if resume else base_model)
                 status = "resumed" if resume else "fresh"
             except Exception:  # one failed run must not stop the others; the sweep reports it
                 logger.exception("%s failed", run.name)
@@ -552,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in report(data, report_dir):
         print(f"wrote {path}")
     if not args.report_only and failed:
-        print(f"sanity: {len(failed)} run(s) failed (see their train.log): {', '.join(failed)}", file=sys.stderr)
+        print(f"sanity: {len(failed)} run(s) failed (see <run folder>.train.log beside each): {', '.join(failed)}",
+              file=sys.stderr)
         return 1
     return 0
 

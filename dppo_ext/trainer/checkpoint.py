@@ -10,9 +10,12 @@ Layout in the run folder ``<out>``::
 A checkpoint is written into a hidden temporary folder (``.checkpoint-<step>.tmp-<pid>``),
 every file and folder is fsynced, ``checkpoint.json`` is written last, and only then is the
 folder renamed to ``checkpoint-<step>``: a folder with that name is complete. Older checkpoints
-are deleted (``save_total_limit``) only after the new one is in place. ``--resume`` takes the
-newest one and first checks every file against ``checkpoint.json`` (size, then SHA-256), so a
-truncated or corrupt file is reported by name instead of being loaded.
+are deleted (``save_total_limit``) only after the new one is in place. In a run folder each
+``checkpoint-<step>`` is recorded in the run manifest (``dppo_ext.trainer.run_dir``) before it is
+renamed into place and dropped from it once deleted, so ``--overwrite`` removes exactly the
+checkpoints the run wrote. ``--resume`` takes the newest one and first checks every file against
+``checkpoint.json`` (size, then SHA-256), so a truncated or corrupt file is reported by name
+instead of being loaded.
 
 Folders of the earlier single-checkpoint layout (``checkpoint/``, and ``checkpoint.old/`` /
 ``checkpoint.tmp/`` left by a crash during its swap) are still found by ``--resume``.
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_ext.trainer.run_dir import RunError, fsync_dir
+from dppo_ext.trainer.run_dir import RunError, forget_output, fsync_dir, record_output, temporary_sibling
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ def save_checkpoint(
     """
     out_dir = Path(out_dir)
     final = checkpoint_path(out_dir, step)
-    tmp = out_dir / f".{final.name}.tmp-{os.getpid()}"
+    tmp = temporary_sibling(final)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -136,8 +139,9 @@ def save_checkpoint(
     fsync_dir(tmp)
     replaced = None
     if final.exists():  # the same step saved again: keep the old copy until the new one is in place
-        replaced = out_dir / f".{final.name}.replaced-{os.getpid()}"
+        replaced = temporary_sibling(final, "replaced")
         os.rename(final, replaced)
+    record_output(out_dir, final.name, "dir")  # in the run manifest before it exists (no-op outside a run folder)
     os.rename(tmp, final)
     fsync_dir(out_dir)
     if replaced is not None:
@@ -152,10 +156,11 @@ def save_checkpoint(
 
 def _delete_checkpoint(path: Path) -> None:
     """Rename out of the ``checkpoint-<step>`` namespace first, so a half-deleted folder is never found."""
-    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    doomed = temporary_sibling(path, "deleting")
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed)
+    forget_output(path.parent, path.name)
     logger.info("deleted old checkpoint %s", path)
 
 
@@ -253,6 +258,18 @@ def check_model_folder(folder: str | Path, *, what: str = "model folder") -> Non
                 handle.keys()
         except Exception as err:  # safetensors raises SafetensorError / OSError with the header problem
             raise CheckpointError(f"{str(file)!r}: corrupt or truncated safetensors weights ({err})") from None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a complete checkpoint folder was saved at (its ``checkpoint.json``, else its trainer state)."""
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if manifest.is_file():
+        try:
+            return int(json.loads(manifest.read_text(encoding="utf-8"))["step"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{str(manifest)!r} is corrupt ({err}); the checkpoint cannot be used") from None
+    return int(load_trainer_state(path)["step"])
 
 
 def find_resume_checkpoint(out_dir: str | Path) -> Path:

@@ -94,9 +94,10 @@ class TrainConfig:
     threads: int = _opt(0, "torch CPU threads of the trainer and the in-process vLLM engine; 0 = every CPU this process "
                         "may use")
     # run management
-    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json); must be empty "
-                    "unless --resume or --overwrite")
-    overwrite: bool = _opt(False, "start over in a non-empty --out: delete its previous run's outputs first")
+    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json, and "
+                    "dppo-run.json: what the trainer wrote there); must be empty unless --resume or --overwrite")
+    overwrite: bool = _opt(False, "start over in --out: once the new run has started, delete what the previous run "
+                           "wrote there (what its dppo-run.json lists; nothing else)")
     save_every: int = _opt(50, "checkpoint every k steps (and at the end); 0 = only at the end")
     save_total_limit: int = _opt(2, "keep the newest N checkpoint-<step>/ folders (older ones are deleted once a new one "
                                  "is complete); 0 = keep all")
@@ -211,6 +212,9 @@ class TrainConfig:
             raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
         if self.model and not self.data:
             raise ValueError(f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny model)")
+        if self.data and not self.model:
+            raise ValueError(f"--data {self.data!r} needs --model (the embedded tiny model knows only the embedded "
+                             "arithmetic task's characters); pass --model, or drop --data for the embedded task")
         return self
 
     def to_dict(self) -> dict:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dppo_ext.trainer.run_dir import atomic_write_text
+from dppo_ext.trainer.run_dir import atomic_write_text, record_output
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ def prepare_for_resume(path: str | Path, resume_step: int) -> list[dict[str, Any
         logger.warning("%s: dropped a cut-off last line (a crash mid-write): %r", path, truncated[:120])
     if later:
         dropped = path.with_name(DROPPED_FILE)
+        record_output(path.parent, DROPPED_FILE, "file")  # in the run manifest before it exists
         with dropped.open("a", encoding="utf-8") as handle:
             handle.write("".join(json.dumps(r) + "\n" for r in later))
             handle.flush()
