@@ -40,6 +40,7 @@ import dppo_ext
 import dppo_ext.ops
 from dppo_ext.contract import IGNORE_INDEX
 
+from ._status import check_installed
 from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, RolloutTopK
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ def ppo_loss(config: Any, model_output: Optional[dict] = None, data: Optional[Te
         return policy_loss(config, model_output, data)
     if not VERL_MODES[mode].topk:
         return verl_ppo_loss(config, model_output, data, dp_group)
+    check_installed()
     raise RuntimeError(
         f"{mode} is computed by dppo_ext from the logits inside verl's FSDP engine (actor strategy fsdp or fsdp2), "
         "which did not hand them to the loss in this run; see docs/verl.md for the supported setups")

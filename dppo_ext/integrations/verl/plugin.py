@@ -32,45 +32,31 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ._import_hooks import when_imported
+from ._status import SUPPORTED_VERL, check_installed, installed, record
 from .rollout import patch_vllm_server
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_VERL", "TOPK_LOSS_MODES", "installed", "install"]
+__all__ = ["SUPPORTED_VERL", "TOPK_LOSS_MODES", "check_installed", "install", "installed"]
 
-# The verl releases the plugin is tested against (it changes verl internals); the `verl` extra pins the same.
-SUPPORTED_VERL = SpecifierSet("==0.9.1")
 TOPK_LOSS_MODES = ("dppo_topk_tv", "dppo_topk_kl")
-_failures: list[str] = []
-_done: set[str] = set()
 
 
 def _guarded(name: str, patch: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
-    """``patch`` that never raises into verl's import: a failure is logged and kept for :func:`check_installed`."""
+    """``patch`` that never raises into verl's import: a failure is logged and kept for ``check_installed``."""
 
     def run(module: ModuleType) -> None:
         try:
             patch(module)
-            _done.add(name)
         except Exception as exc:  # a verl release whose internals differ: say so, keep verl importable
-            message = f"dppo_ext could not change {name}: {type(exc).__name__}: {exc}"
-            _failures.append(message)
-            logger.error("%s; the loss modes %s and dppo_ext's dppo_tv/dppo_kl are unavailable", message,
+            record(name, f"{type(exc).__name__}: {exc}")
+            logger.error("dppo_ext could not change %s (%s: %s); the loss modes %s and dppo_ext's dppo_tv/dppo_kl "
+                         "raise this error when a run asks for them", name, type(exc).__name__, exc,
                          ", ".join(TOPK_LOSS_MODES))
+        else:
+            record(name, None)
 
     return run
-
-
-def check_installed() -> None:
-    """Raise ``RuntimeError`` when a change of the plugin failed to install (the messages say which)."""
-    if _failures:
-        raise RuntimeError("dppo_ext's verl plugin is not fully installed: " + "; ".join(_failures)
-                           + f". It supports verl {SUPPORTED_VERL} (pip install 'dppo_ext[verl]').")
-
-
-def installed() -> frozenset[str]:
-    """The verl modules the plugin has changed so far in this process."""
-    return frozenset(_done)
 
 
 def _registry_entry(name: str) -> Callable[..., Any]:
@@ -147,7 +133,7 @@ def install() -> None:
         verl_version = Version(version("verl"))
     except PackageNotFoundError:
         verl_version = None
-    if verl_version is not None and verl_version not in SUPPORTED_VERL:
+    if verl_version is not None and verl_version not in SpecifierSet(SUPPORTED_VERL):
         logger.warning("dppo_ext's verl plugin is tested with verl %s, this is verl %s", SUPPORTED_VERL, verl_version)
     for name, patch in (
         ("verl.trainer.ppo.core_algos", _patch_core_algos),
