@@ -127,8 +127,6 @@ def fork_reference(data, logits: torch.Tensor, config, mode: str) -> torch.Tenso
 
 def run_plugin(config, data, logits: torch.Tensor, inplace: bool):
     """Both calls of the plugin's loss as verl's engine makes them; returns (loss, metrics, grad of the logits)."""
-    from verl.workers.utils.padding import no_padding_2_padding  # noqa: F401  (the engine path imports it too)
-
     leaf = logits.clone().requires_grad_(True)
     source = leaf * 1.0 if inplace else leaf  # in-place needs logits produced by an op (as the LM head's output)
     outputs = vloss.ppo_loss(config, student_logits=source, data=data)

@@ -37,7 +37,6 @@ from tensordict import TensorDict
 from torch import Tensor
 
 import dppo_ext
-import dppo_ext.ops
 from dppo_ext.contract import IGNORE_INDEX
 
 from ._status import check_installed
@@ -170,8 +169,10 @@ def _can_write_grad_into(logits: Tensor) -> bool:
     tensor whose producer saved it, or no autograd: no, the op then allocates the gradient)."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return False
+    from dppo_ext.ops import check_inplace_backward  # loads dppo_ext._C, on the first loss call only
+
     try:
-        dppo_ext.ops.check_inplace_backward(logits)
+        check_inplace_backward(logits)
     except ValueError as exc:
         logger.debug("dppo_ext computes the logits gradient out of place: %s", exc)
         return False

@@ -16,7 +16,10 @@ module concerned (:mod:`dppo_ext.integrations.verl._import_hooks`), and then:
   (:mod:`dppo_ext.integrations.verl.rollout`).
 
 A change that cannot be installed (a verl release whose internals differ) is logged at ERROR level and makes the
-plugin's loss modes raise that error when a run asks for them; runs with other loss modes are unaffected.
+plugin's loss modes raise that error when a run asks for them; runs with other loss modes are unaffected. This
+module itself imports only the standard library, ``packaging`` and two small modules of this package, so that
+verl's plugin loader (which reports a failing plugin at debug level only) has nothing to swallow; dppo_ext's
+native library is loaded by the first loss call.
 ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) turns the plugin off.
 """
 
@@ -33,7 +36,6 @@ from packaging.version import Version
 
 from ._import_hooks import when_imported
 from ._status import SUPPORTED_VERL, check_installed, installed, record
-from .rollout import patch_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,12 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
     engine_cls.forward_step = dppo_forward_step
 
 
+def _patch_vllm_server(module: ModuleType) -> None:
+    from .rollout import patch_vllm_server
+
+    patch_vllm_server(module)
+
+
 def install() -> None:
     """Register the changes (idempotent; :mod:`dppo_ext.integrations.verl.plugin` calls it on import)."""
     try:
@@ -139,7 +147,7 @@ def install() -> None:
         ("verl.trainer.ppo.core_algos", _patch_core_algos),
         ("verl.workers.engine_workers", _patch_engine_workers),
         ("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine),
-        ("verl.workers.rollout.vllm_rollout.vllm_async_server", patch_vllm_server),
+        ("verl.workers.rollout.vllm_rollout.vllm_async_server", _patch_vllm_server),
     ):
         when_imported(name, _guarded(name, patch))
 

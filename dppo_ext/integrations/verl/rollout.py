@@ -61,8 +61,8 @@ class RolloutTopK:
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape != self.logprobs.shape:
-            raise ValueError(
-                f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and {self.logprobs.shape}")
+            raise ValueError(f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and "
+                             f"{self.logprobs.shape}")
 
     @property
     def k(self) -> int:
