@@ -52,9 +52,9 @@ def _guarded(name: str, patch: Callable[[ModuleType], None]) -> Callable[[Module
             patch(module)
         except Exception as exc:  # a verl release whose internals differ: say so, keep verl importable
             record(name, f"{type(exc).__name__}: {exc}")
-            logger.error("dppo_ext could not change %s (%s: %s); the loss modes %s and dppo_ext's dppo_tv/dppo_kl "
-                         "raise this error when a run asks for them", name, type(exc).__name__, exc,
-                         ", ".join(TOPK_LOSS_MODES))
+            logger.error("dppo_ext could not change %s (%s: %s); in this process the plugin's loss modes (%s, and "
+                         "dppo_tv/dppo_kl on the FSDP engine) raise this error when a run asks for them", name,
+                         type(exc).__name__, exc, ", ".join(TOPK_LOSS_MODES))
         else:
             record(name, None)
 
