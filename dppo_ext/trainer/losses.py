@@ -21,9 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ANCHORS", "LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
+__all__ = ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
 
-ANCHORS = ("rollout", "recompute")
 TIS_CAP = 10.0
 
 
