@@ -25,11 +25,11 @@ from dppo_ext._autograd import grad_args
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import child_env, sample_inputs
-from vocab_parallel_testing import (compare_grads, compare_outputs, owners, place_tokens, single_device,
-                                    split_offsets, tie_rows, upstream)
+from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
+                                          split_offsets, tie_rows, upstream)
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "dist_scripts" / "vocab_parallel_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "dist_scripts" / "vocab_parallel_worker.py"
 SIM_CASES = ("v129", "v7_k1", "extreme", "noncontig", "n0")
 
 

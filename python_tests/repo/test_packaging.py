@@ -27,7 +27,7 @@ import torch
 import dppo_ext
 from dppo_ext import _native
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = "pip install --no-build-isolation -e ."
 PREREQS = 'pip install "setuptools>=77" ninja'
 
