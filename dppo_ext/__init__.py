@@ -48,8 +48,20 @@ def _lazy_names() -> dict[str, str]:
 
 _LAZY = _lazy_names()
 
-__all__ = sorted(["__version__", "AGG_MODES", "DEFAULT_DELTAS", "DPPOOutputs", "MODES", "MODE_ALIASES",
-                  "aggregate_loss", "dppo_metrics", "micro_batch_scale", *_LAZY])
+__all__ = sorted(
+    [
+        "__version__",
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "DPPOOutputs",
+        "MODES",
+        "MODE_ALIASES",
+        "aggregate_loss",
+        "dppo_metrics",
+        "micro_batch_scale",
+        *_LAZY,
+    ]
+)
 
 
 def __getattr__(name: str) -> Any:

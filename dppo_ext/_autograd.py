@@ -16,8 +16,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["BACKWARD_CONSUMED", "NO_DOUBLE_BACKWARD", "check_inplace_backward", "check_no_functorch", "grad_args",
-           "inplace_applies", "input_grads", "refuse_double_backward"]
+__all__ = [
+    "BACKWARD_CONSUMED",
+    "NO_DOUBLE_BACKWARD",
+    "check_inplace_backward",
+    "check_no_functorch",
+    "grad_args",
+    "inplace_applies",
+    "input_grads",
+    "refuse_double_backward",
+]
 
 NO_DOUBLE_BACKWARD = (
     "{what} does not support double backward: its backward is a fused kernel without a derivative of its own, "
@@ -32,9 +40,16 @@ BACKWARD_CONSUMED = (
 )
 
 
-def grad_args(compute_entropy: bool, advantages: Tensor, mask: Tensor, weight: Tensor, grad_loss: Tensor,
-              grad_logp: Tensor, grad_entropy: Optional[Tensor],
-              entropy: Tensor) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+def grad_args(
+    compute_entropy: bool,
+    advantages: Tensor,
+    mask: Tensor,
+    weight: Tensor,
+    grad_loss: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Optional[Tensor],
+    entropy: Tensor,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """``(grad_target, grad_entropy, entropy)``, the backward op's per-row inputs: ``grad_target = g_loss * coef +
     g_logp`` with ``coef = -A * w * M``, and the entropy's gradient and value when the entropy was computed (else
     ``None, None``). Upstream gradients may be expanded (stride 0) views, e.g. from ``entropy.sum()``."""

@@ -24,8 +24,15 @@ from torch import Tensor
 from ._rows import RowInputs
 from .contract import LOGITS_DTYPES, accumulation_dtype
 
-__all__ = ["FusedLinearPlan", "LogitsTile", "check_chunk_settings", "check_fused_inputs", "head_backward",
-           "logits_tiles", "plan_chunks"]
+__all__ = [
+    "FusedLinearPlan",
+    "LogitsTile",
+    "check_chunk_settings",
+    "check_fused_inputs",
+    "head_backward",
+    "logits_tiles",
+    "plan_chunks",
+]
 
 # Smallest vocabulary block the automatic plan uses before it also splits rows (keeps matmuls efficient).
 MIN_VOCAB_BLOCK = 2048
@@ -52,8 +59,9 @@ class FusedLinearPlan:
         return max(forward, backward) * element_size
 
 
-def check_chunk_settings(chunk_size: Optional[int], vocab_chunk_size: Optional[int],
-                         memory_budget_bytes: Optional[int]) -> None:
+def check_chunk_settings(
+    chunk_size: Optional[int], vocab_chunk_size: Optional[int], memory_budget_bytes: Optional[int]
+) -> None:
     """The chunking settings' rules: positive ints (a budget in bytes), or None for automatic."""
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -128,7 +136,8 @@ def check_fused_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], r
     n = hidden.shape[0]
     if rows.tokens.shape != (n,):
         raise ValueError(
-            f"tokens must be 1-D with N={n} rows (hidden's first dim), got shape {tuple(rows.tokens.shape)}")
+            f"tokens must be 1-D with N={n} rows (hidden's first dim), got shape {tuple(rows.tokens.shape)}"
+        )
     for name in ("rollout_logprobs", "advantages", "anchor_logprobs"):
         tensor = getattr(rows, name)
         if tensor is not None and tensor.shape != (n,):
@@ -154,8 +163,9 @@ class LogitsTile(NamedTuple):
         return self.padded.shape[1] > self.logits.shape[1]
 
 
-def logits_tiles(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tile_rows: int,
-                 vocab_block: Optional[int] = None) -> Iterator[LogitsTile]:
+def logits_tiles(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tile_rows: int, vocab_block: Optional[int] = None
+) -> Iterator[LogitsTile]:
     """The tiles of ``hidden [N, H] @ weight [V, H]^T (+ bias [V])``: vocabulary blocks of ``vocab_block`` columns
     (default: all of V) outermost, row tiles of ``tile_rows`` inside. Every tile is computed into one buffer of
     ``[min(tile_rows, N), vocab_block (+ 1 when V is split)]`` that the next tile overwrites, so a consumer must be
@@ -209,8 +219,9 @@ def head_backward(
     if n > 0 and (need_hidden or need_weight or need_bias):
         split_vocab = vocab_block is not None and vocab_block < vocab
         split_rows = tile_rows < n
-        hidden_acc = torch.zeros(n, hidden_size, dtype=acc, device=hidden.device) if need_hidden and split_vocab \
-            else None
+        hidden_acc = (
+            torch.zeros(n, hidden_size, dtype=acc, device=hidden.device) if need_hidden and split_vocab else None
+        )
         weight_acc = None
         with weight_context():
             for tile in logits_tiles(hidden, weight, bias, tile_rows, vocab_block):

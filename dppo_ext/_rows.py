@@ -19,11 +19,27 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .contract import (DEFAULT_AGG_MODE, IGNORE_INDEX, TOPK_MODES, canonical_mode, check_aggregation, check_settings,
-                       check_token_ids, resolve_deltas)
+from .contract import (
+    DEFAULT_AGG_MODE,
+    IGNORE_INDEX,
+    TOPK_MODES,
+    canonical_mode,
+    check_aggregation,
+    check_settings,
+    check_token_ids,
+    resolve_deltas,
+)
 
-__all__ = ["DPPOOutputs", "LossModule", "LossSettings", "RowInputs", "broadcast_advantages", "check_row_shapes",
-           "check_topk_shapes", "prepare_rows"]
+__all__ = [
+    "DPPOOutputs",
+    "LossModule",
+    "LossSettings",
+    "RowInputs",
+    "broadcast_advantages",
+    "check_row_shapes",
+    "check_topk_shapes",
+    "prepare_rows",
+]
 
 
 # How the shape messages name the leading dims of an entry point's main tensor.
@@ -65,8 +81,9 @@ class LossSettings:
         else:
             check_aggregation(loss_agg_mode, loss_scale_factor)
         delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
-        return cls(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode,
-                   loss_scale_factor)
+        return cls(
+            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+        )
 
     @property
     def uses_topk(self) -> bool:
@@ -76,8 +93,18 @@ class LossSettings:
     def op_args(self) -> tuple[str, float, float, float, float, bool]:
         """The settings in ``dppo_loss_forward``'s schema order and types (``str mode, float temperature, float
         delta_low, float delta_high, float ratio_cap, bool compute_entropy``)."""
-        return (self.mode, float(self.temperature), float(self.delta_low), float(self.delta_high),
-                float(self.ratio_cap), bool(self.compute_entropy))
+        return (
+            self.mode,
+            float(self.temperature),
+            float(self.delta_low),
+            float(self.delta_high),
+            float(self.ratio_cap),
+            bool(self.compute_entropy),
+        )
+
+    def stats_args(self) -> tuple[float, bool]:
+        """``(temperature, compute_entropy)``, the settings of ``dppo_vocab_parallel_stats`` (after ``vocab_start``)."""
+        return float(self.temperature), bool(self.compute_entropy)
 
     def epilogue_args(self) -> tuple[str, float, float, float, bool]:
         """The settings in ``dppo_vocab_parallel_epilogue``'s schema order (no temperature: the statistics are
@@ -124,7 +151,8 @@ def broadcast_advantages(advantages: Tensor, lead: torch.Size, layout: str) -> T
         return advantages.reshape(lead[0], 1).expand(lead)
     raise ValueError(
         f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} or {(lead[0], 1)} (per sequence, "
-        f"for [B, T, *] {layout}), got {tuple(advantages.shape)}")
+        f"for [B, T, *] {layout}), got {tuple(advantages.shape)}"
+    )
 
 
 def check_row_shapes(lead: torch.Size, dims: str, **tensors: Optional[Tensor]) -> None:
@@ -157,8 +185,14 @@ def prepare_rows(
     leading dims ``lead``: the inputs checked against ``lead`` (token ids must be integers), per-sequence advantages
     broadcast, then everything flattened to ``N = lead.numel()`` rows, floats in ``acc``. ``valid`` (``[*lead]``
     bool) marks the response tokens; a row outside ``response_mask`` gets the token ``IGNORE_INDEX``."""
-    check_row_shapes(lead, _LEAD_DIMS[layout], tokens=tokens, rollout_logprobs=rollout_logprobs,
-                     response_mask=response_mask, anchor_logprobs=anchor_logprobs)
+    check_row_shapes(
+        lead,
+        _LEAD_DIMS[layout],
+        tokens=tokens,
+        rollout_logprobs=rollout_logprobs,
+        response_mask=response_mask,
+        anchor_logprobs=anchor_logprobs,
+    )
     check_token_ids("tokens", tokens)
     check_token_ids("topk_ids", topk_ids)
     advantages = broadcast_advantages(advantages, lead, layout)
@@ -168,10 +202,16 @@ def prepare_rows(
     n = lead.numel()
 
     def flat(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-        return None if t is None else t.reshape(n, *t.shape[len(lead):]).to(dtype)
+        return None if t is None else t.reshape(n, *t.shape[len(lead) :]).to(dtype)
 
-    return valid, RowInputs(flat_tokens.reshape(n), flat(rollout_logprobs, acc), flat(advantages, acc),
-                            flat(topk_ids, torch.long), flat(topk_logprobs, acc), flat(anchor_logprobs, acc))
+    return valid, RowInputs(
+        flat_tokens.reshape(n),
+        flat(rollout_logprobs, acc),
+        flat(advantages, acc),
+        flat(topk_ids, torch.long),
+        flat(topk_logprobs, acc),
+        flat(anchor_logprobs, acc),
+    )
 
 
 class LossModule(nn.Module):
@@ -212,12 +252,22 @@ class LossModule(nn.Module):
 
     def loss_kwargs(self) -> dict:
         """The shared settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
-        return dict(mode=self.mode, temperature=self.temperature, delta_low=self.delta_low, delta_high=self.delta_high,
-                    ratio_cap=self.ratio_cap, loss_agg_mode=self.loss_agg_mode,
-                    loss_scale_factor=self.loss_scale_factor, compute_entropy=self.compute_entropy,
-                    vocab_parallel_group=self.vocab_parallel_group, vocab_offsets=self.vocab_offsets)
+        return dict(
+            mode=self.mode,
+            temperature=self.temperature,
+            delta_low=self.delta_low,
+            delta_high=self.delta_high,
+            ratio_cap=self.ratio_cap,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self.loss_scale_factor,
+            compute_entropy=self.compute_entropy,
+            vocab_parallel_group=self.vocab_parallel_group,
+            vocab_offsets=self.vocab_offsets,
+        )
 
     def extra_repr(self) -> str:
-        return (f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
-                f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
-                f"loss_scale_factor={self.loss_scale_factor}")
+        return (
+            f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+            f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
+            f"loss_scale_factor={self.loss_scale_factor}"
+        )

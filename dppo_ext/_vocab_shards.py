@@ -18,9 +18,19 @@ from torch import Tensor
 
 from .contract import accumulation_dtype
 
-__all__ = ["VocabShard", "check_offsets", "dtensor_vocab_shard", "even_vocab_offsets", "gather_stats",
-           "gathered_bytes_per_row", "is_dtensor", "replicated_local", "resolve_offsets", "vocab_parallel_offsets",
-           "vocab_shard"]
+__all__ = [
+    "VocabShard",
+    "check_offsets",
+    "dtensor_vocab_shard",
+    "even_vocab_offsets",
+    "gather_stats",
+    "gathered_bytes_per_row",
+    "is_dtensor",
+    "replicated_local",
+    "resolve_offsets",
+    "vocab_parallel_offsets",
+    "vocab_shard",
+]
 
 _HEADER_ROWS = 1  # the all-gathered payload's extra row: (V_local, vocab_start) of the sending rank
 
@@ -64,15 +74,18 @@ def check_offsets(offsets: Sequence[int], world: int) -> list[int]:
     if len(offsets) != world + 1 or offsets[0] != 0 or any(b <= a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(
             f"vocab_offsets must be W + 1 = {world + 1} strictly increasing ints starting at 0 (every rank holds at "
-            f"least one column), got {offsets}")
+            f"least one column), got {offsets}"
+        )
     return offsets
 
 
 def resolve_offsets(local_vocab: int, group, vocab_offsets: Optional[Sequence[int]]) -> list[int]:
     """The checked offsets of this call (derived with one all-gather when not given)."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("vocab_parallel_group needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group)")
+        raise RuntimeError(
+            "vocab_parallel_group needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group)"
+        )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of vocab_parallel_group")
@@ -88,8 +101,9 @@ def _all_gather_single(out: Tensor, payload: Tensor, group: Optional[dist.Proces
     gather(out, payload, group=group)
 
 
-def gather_stats(stats: Tensor, local_vocab: int, start: int, offsets: list[int],
-                  group: Optional[dist.ProcessGroup]) -> Tensor:
+def gather_stats(
+    stats: Tensor, local_vocab: int, start: int, offsets: list[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
     """All-gather ``[N, C]`` statistics as ``[W, N, C]`` (one collective); the header row lets every rank
     check every other rank's slice, so a wrong split raises the same error on all ranks instead of hanging."""
     world = len(offsets) - 1
@@ -105,7 +119,8 @@ def gather_stats(stats: Tensor, local_vocab: int, start: int, offsets: list[int]
         if got[r] != want:
             raise ValueError(
                 f"vocab-parallel split mismatch: rank {r} of the group holds {int(got[r][0])} columns starting at "
-                f"{int(got[r][1])}, but vocab_offsets {offsets} gives it {int(want[0])} starting at {int(want[1])}")
+                f"{int(got[r][1])}, but vocab_offsets {offsets} gives it {int(want[0])} starting at {int(want[1])}"
+            )
     return out[:, _HEADER_ROWS:]
 
 
@@ -120,16 +135,19 @@ class VocabShard(NamedTuple):
     vocab_offsets: Optional[Sequence[int]]
 
 
-def vocab_shard(logits: Tensor, group: Optional[dist.ProcessGroup],
-                vocab_offsets: Optional[Sequence[int]]) -> VocabShard:
+def vocab_shard(
+    logits: Tensor, group: Optional[dist.ProcessGroup], vocab_offsets: Optional[Sequence[int]]
+) -> VocabShard:
     """The local logits and the split of vocabulary-parallel ``logits``: a DTensor sharded on its vocabulary dim
     (its device mesh and placements define the split, see :func:`dtensor_vocab_shard`), or this rank's slice with
     ``group`` and ``vocab_offsets`` as given."""
     if not is_dtensor(logits):
         return VocabShard(logits, group, vocab_offsets)
     if group is not None or vocab_offsets is not None:
-        raise ValueError("logits is a DTensor: its device mesh and placements define the vocabulary split, do "
-                         "not also pass vocab_parallel_group / vocab_offsets")
+        raise ValueError(
+            "logits is a DTensor: its device mesh and placements define the vocabulary split, do "
+            "not also pass vocab_parallel_group / vocab_offsets"
+        )
     return VocabShard(*dtensor_vocab_shard(logits))
 
 
@@ -147,7 +165,8 @@ def dtensor_vocab_shard(logits) -> tuple[Tensor, dist.ProcessGroup, list[int]]:
     if bad or len(shard_dims) != 1 or logits.placements[shard_dims[0]].dim not in (vocab_dim, -1):
         raise ValueError(
             "a DTensor logits must be sharded on its last (vocabulary) dim over one mesh dimension and replicated "
-            f"over the others, got placements {logits.placements} for shape {tuple(logits.shape)}")
+            f"over the others, got placements {logits.placements} for shape {tuple(logits.shape)}"
+        )
     mesh_dim = shard_dims[0]
     group = logits.device_mesh.get_group(mesh_dim)
     offsets = even_vocab_offsets(logits.shape[-1], logits.device_mesh.size(mesh_dim))
@@ -161,8 +180,10 @@ def replicated_local(t, name: str):
     if not isinstance(t, DTensor):
         return t
     if not all(isinstance(p, Replicate) for p in t.placements):
-        raise ValueError(f"{name} must be replicated over the tensor-parallel mesh (global ids and values on every "
-                         f"rank), got a DTensor with placements {t.placements}")
+        raise ValueError(
+            f"{name} must be replicated over the tensor-parallel mesh (global ids and values on every "
+            f"rank), got a DTensor with placements {t.placements}"
+        )
     return t.to_local()
 
 

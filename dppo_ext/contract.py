@@ -14,9 +14,25 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "AGG_MODES", "DEFAULT_AGG_MODE", "DEFAULT_DELTAS", "DEFAULT_MODE", "DEFAULT_RATIO_CAP", "IGNORE_INDEX",
-    "LOGITS_DTYPES", "LOG_RATIO_CLAMP", "MASS_FLOOR", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "SUM_AGG_MODES",
-    "TOPK_MODES", "accumulation_dtype", "canonical_mode", "check_aggregation", "check_settings", "check_token_ids",
+    "AGG_MODES",
+    "DEFAULT_AGG_MODE",
+    "DEFAULT_DELTAS",
+    "DEFAULT_MODE",
+    "DEFAULT_RATIO_CAP",
+    "IGNORE_INDEX",
+    "LOGITS_DTYPES",
+    "LOG_RATIO_CLAMP",
+    "MASS_FLOOR",
+    "MODES",
+    "MODE_ALIASES",
+    "NORM_AGG_MODES",
+    "SUM_AGG_MODES",
+    "TOPK_MODES",
+    "accumulation_dtype",
+    "canonical_mode",
+    "check_aggregation",
+    "check_settings",
+    "check_token_ids",
     "resolve_deltas",
 ]
 
@@ -104,7 +120,8 @@ def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = N
         if loss_agg_mode not in NORM_AGG_MODES:
             raise ValueError(
                 f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
-                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
+                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}"
+            )
         if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0):  # inf would silently zero the loss
             raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r} (a finite number)")
 

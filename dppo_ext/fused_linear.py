@@ -46,17 +46,29 @@ from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from . import ops  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
-from . import vocab_parallel
+from . import (
+    ops,  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
+    vocab_parallel,
+)
 from ._autograd import check_no_functorch, grad_args, input_grads, refuse_double_backward
-from ._chunking import (FusedLinearPlan, check_chunk_settings, check_fused_inputs, head_backward, logits_tiles,
-                        plan_chunks)
+from ._chunking import (
+    FusedLinearPlan,
+    check_chunk_settings,
+    check_fused_inputs,
+    head_backward,
+    logits_tiles,
+    plan_chunks,
+)
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, prepare_rows
 from .aggregation import aggregate_with, dppo_metrics
 from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
 __all__ = [
-    "FusedLinearDPPOLoss", "FusedLinearPlan", "fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row", "plan_chunks",
+    "FusedLinearDPPOLoss",
+    "FusedLinearPlan",
+    "fused_linear_dppo_loss",
+    "fused_linear_dppo_loss_per_row",
+    "plan_chunks",
 ]
 
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
@@ -67,33 +79,19 @@ class _FusedLinearDPPO(torch.autograd.Function):
     """Autograd function; see the module docstring for the forward/backward scheme."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        tokens: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        topk_ids: Optional[torch.Tensor],
-        topk_logprobs: Optional[torch.Tensor],
-        anchor_logprobs: Optional[torch.Tensor],
-        settings: LossSettings,
-        plan: FusedLinearPlan,
-        weight_context: Callable[[], ContextManager],
-    ):
-        rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context):
         n = hidden.shape[0]
         outs = [torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device) for _ in range(7)]
         if n > 0:
             with weight_context():
                 for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
-                    chunk_outs = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(tile.rows),
-                                                                  *settings.op_args())
+                    chunk_outs = torch.ops.dppo.dppo_loss_forward(
+                        tile.logits, *rows.narrow(tile.rows), *settings.op_args()
+                    )
                     for out, chunk_out in zip(outs, chunk_outs):
                         out[tile.rows] = chunk_out
         loss, logp, divergence, mask, row_weight, entropy, lse = outs
-        ctx.save_for_backward(hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse)
+        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse)
         ctx.settings = settings
         ctx.plan = plan
         ctx.weight_context = weight_context
@@ -101,13 +99,14 @@ class _FusedLinearDPPO(torch.autograd.Function):
         return loss, logp, divergence, mask, row_weight, entropy, lse
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
         refuse_double_backward("fused_linear_dppo_loss")
         hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = ctx.saved_tensors
         settings, plan = ctx.settings, ctx.plan
         temperature = float(settings.temperature)
-        grad_target, grad_entropy, entropy_arg = grad_args(settings.compute_entropy, advantages, mask, row_weight,
-                                                           g_loss, g_logp, g_entropy, entropy)
+        grad_target, grad_entropy, entropy_arg = grad_args(
+            settings.compute_entropy, advantages, mask, row_weight, g_loss, g_logp, g_entropy, entropy
+        )
         valid = tokens != IGNORE_INDEX
 
         def tile_grad(tile):
@@ -126,30 +125,52 @@ class _FusedLinearDPPO(torch.autograd.Function):
             torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
             return tile.logits
 
-        grads = head_backward(hidden, weight, bias, ctx.needs_input_grad[:3], plan.tile_rows, plan.vocab_block,
-                              tile_grad, ctx.weight_context)
+        needs = ctx.needs_input_grad[:3]
+        grads = head_backward(
+            hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context
+        )
         return input_grads(ctx, *grads)
 
 
-def _per_row(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], rows: RowInputs,
-             settings: LossSettings, chunk_size: Optional[int], vocab_chunk_size: Optional[int],
-             memory_budget_bytes: Optional[int], weight_context: Optional[Callable[[], ContextManager]],
-             vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
-             vocab_offsets: Optional[Sequence[int]]) -> DPPOOutputs:
+def _per_row(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    rows: RowInputs,
+    settings: LossSettings,
+    chunk_size: Optional[int],
+    vocab_chunk_size: Optional[int],
+    memory_budget_bytes: Optional[int],
+    weight_context: Optional[Callable[[], ContextManager]],
+    vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
+    vocab_offsets: Optional[Sequence[int]],
+) -> DPPOOutputs:
     """The per-row outputs on flat rows with resolved settings: the single-device fused function, or its
     vocab-parallel form when ``vocab_parallel_group`` is given."""
     if vocab_parallel_group is not None:
         if vocab_chunk_size is not None or weight_context is not None:
-            raise ValueError("vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
-                             "rank's weight slice is used whole and must be materialised)")
-        return vocab_parallel.fused_linear_rows(hidden, weight, bias, rows, settings, chunk_size=chunk_size,
-                                                memory_budget_bytes=memory_budget_bytes, group=vocab_parallel_group,
-                                                vocab_offsets=vocab_offsets)
+            raise ValueError(
+                "vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
+                "rank's weight slice is used whole and must be materialised)"
+            )
+        return vocab_parallel.fused_linear_rows(
+            hidden,
+            weight,
+            bias,
+            rows,
+            settings,
+            chunk_size=chunk_size,
+            memory_budget_bytes=memory_budget_bytes,
+            group=vocab_parallel_group,
+            vocab_offsets=vocab_offsets,
+        )
     check_fused_inputs(hidden, weight, bias, rows)
-    plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, chunk_size=chunk_size,
-                       vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=memory_budget_bytes)
-    return DPPOOutputs(*_FusedLinearDPPO.apply(hidden, weight, bias, *rows, settings, plan,
-                                               weight_context or contextlib.nullcontext))
+    (n, hidden_size), vocab = hidden.shape, weight.shape[0]
+    chunking = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=memory_budget_bytes)
+    plan = plan_chunks(n, vocab, hidden_size, hidden.dtype, **chunking)
+    return DPPOOutputs(
+        *_FusedLinearDPPO.apply(hidden, weight, bias, rows, settings, plan, weight_context or contextlib.nullcontext)
+    )
 
 
 def fused_linear_dppo_loss_per_row(
@@ -211,8 +232,19 @@ def fused_linear_dppo_loss_per_row(
     settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
     rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return _per_row(hidden, weight, bias, rows, settings, chunk_size, vocab_chunk_size, memory_budget_bytes,
-                    weight_context, vocab_parallel_group, vocab_offsets)
+    return _per_row(
+        hidden,
+        weight,
+        bias,
+        rows,
+        settings,
+        chunk_size,
+        vocab_chunk_size,
+        memory_budget_bytes,
+        weight_context,
+        vocab_parallel_group,
+        vocab_offsets,
+    )
 
 
 def fused_linear_dppo_loss(
@@ -266,17 +298,40 @@ def fused_linear_dppo_loss(
     Returns:
         ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
     """
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy,
-                                    loss_agg_mode, loss_scale_factor)
+    settings = LossSettings.resolve(
+        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+    )
     if hidden.dim() < 2:
         raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
     lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
-    valid, rows = prepare_rows(lead, "hidden", accumulation_dtype(hidden.dtype), hidden.device, tokens,
-                               rollout_logprobs, advantages, response_mask, topk_ids, topk_logprobs, anchor_logprobs)
+    valid, rows = prepare_rows(
+        lead,
+        "hidden",
+        accumulation_dtype(hidden.dtype),
+        hidden.device,
+        tokens,
+        rollout_logprobs,
+        advantages,
+        response_mask,
+        topk_ids,
+        topk_logprobs,
+        anchor_logprobs,
+    )
     flat = hidden.reshape(lead.numel(), hidden_size)
     check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
-    out = _per_row(flat, weight, bias, rows, settings, chunk_size, vocab_chunk_size, memory_budget_bytes,
-                   weight_context, vocab_parallel_group, vocab_offsets)
+    out = _per_row(
+        flat,
+        weight,
+        bias,
+        rows,
+        settings,
+        chunk_size,
+        vocab_chunk_size,
+        memory_budget_bytes,
+        weight_context,
+        vocab_parallel_group,
+        vocab_offsets,
+    )
     loss = aggregate_with(out.loss.reshape(lead), valid, settings)
     return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
 
@@ -311,8 +366,18 @@ class FusedLinearDPPOLoss(LossModule):
         vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
-        super().__init__(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
-                         compute_entropy, vocab_parallel_group, vocab_offsets)
+        super().__init__(
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            loss_agg_mode,
+            loss_scale_factor,
+            compute_entropy,
+            vocab_parallel_group,
+            vocab_offsets,
+        )
         check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
         self.chunk_size = chunk_size
         self.vocab_chunk_size = vocab_chunk_size
@@ -334,10 +399,22 @@ class FusedLinearDPPOLoss(LossModule):
         weight_context: Optional[Callable[[], ContextManager]] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_dppo_loss(
-            hidden, weight, tokens, rollout_logprobs, advantages, bias=bias, response_mask=response_mask,
-            topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs,
-            chunk_size=self.chunk_size, vocab_chunk_size=self.vocab_chunk_size,
-            memory_budget_bytes=self.memory_budget_bytes, weight_context=weight_context, **self.loss_kwargs())
+            hidden,
+            weight,
+            tokens,
+            rollout_logprobs,
+            advantages,
+            bias=bias,
+            response_mask=response_mask,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            anchor_logprobs=anchor_logprobs,
+            chunk_size=self.chunk_size,
+            vocab_chunk_size=self.vocab_chunk_size,
+            memory_budget_bytes=self.memory_budget_bytes,
+            weight_context=weight_context,
+            **self.loss_kwargs(),
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}"

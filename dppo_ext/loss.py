@@ -19,13 +19,30 @@ from ._autograd import check_no_functorch, inplace_applies
 from ._rows import LossModule, LossSettings, broadcast_advantages, prepare_rows
 from ._vocab_shards import is_dtensor, replicated_local, vocab_shard
 from .aggregation import aggregate_loss, aggregate_with, dppo_metrics
-from .contract import (AGG_MODES, DEFAULT_AGG_MODE, DEFAULT_DELTAS, DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX,
-                       NORM_AGG_MODES, accumulation_dtype, check_aggregation)
+from .contract import (
+    AGG_MODES,
+    DEFAULT_AGG_MODE,
+    DEFAULT_DELTAS,
+    DEFAULT_MODE,
+    DEFAULT_RATIO_CAP,
+    IGNORE_INDEX,
+    NORM_AGG_MODES,
+    accumulation_dtype,
+    check_aggregation,
+)
 
 # dppo_loss and DPPOLoss, and the names other modules define that this one has always offered.
 __all__ = [
-    "AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "IGNORE_INDEX", "NORM_AGG_MODES", "aggregate_loss",
-    "broadcast_advantages", "check_aggregation", "dppo_loss", "dppo_metrics",
+    "AGG_MODES",
+    "DEFAULT_DELTAS",
+    "DPPOLoss",
+    "IGNORE_INDEX",
+    "NORM_AGG_MODES",
+    "aggregate_loss",
+    "broadcast_advantages",
+    "check_aggregation",
+    "dppo_loss",
+    "dppo_metrics",
 ]
 
 
@@ -88,10 +105,18 @@ def dppo_loss(
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
         :func:`dppo_metrics`).
     """
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy,
-                                    loss_agg_mode, loss_scale_factor)
-    named = dict(tokens=tokens, rollout_logprobs=rollout_logprobs, advantages=advantages, response_mask=response_mask,
-                 topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs)
+    settings = LossSettings.resolve(
+        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+    )
+    named = dict(
+        tokens=tokens,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+        anchor_logprobs=anchor_logprobs,
+    )
     sharded = vocab_parallel_group is not None or is_dtensor(logits)
     if sharded:
         shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
@@ -140,8 +165,19 @@ class DPPOLoss(LossModule):
         vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
-        super().__init__(mode, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
-                         compute_entropy, vocab_parallel_group, vocab_offsets, inplace_backward=inplace_backward)
+        super().__init__(
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            loss_agg_mode,
+            loss_scale_factor,
+            compute_entropy,
+            vocab_parallel_group,
+            vocab_offsets,
+            inplace_backward=inplace_backward,
+        )
         self.inplace_backward = inplace_backward
 
     def forward(
@@ -157,6 +193,14 @@ class DPPOLoss(LossModule):
         anchor_logprobs: Optional[Tensor] = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return dppo_loss(
-            logits, tokens, rollout_logprobs, advantages, response_mask=response_mask, topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, inplace_backward=self.inplace_backward,
-            **self.loss_kwargs())
+            logits,
+            tokens,
+            rollout_logprobs,
+            advantages,
+            response_mask=response_mask,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            anchor_logprobs=anchor_logprobs,
+            inplace_backward=self.inplace_backward,
+            **self.loss_kwargs(),
+        )

@@ -28,13 +28,29 @@ import torch
 from torch import Tensor
 
 from . import _native  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
-from ._autograd import (BACKWARD_CONSUMED, NO_DOUBLE_BACKWARD, check_inplace_backward, check_no_functorch, grad_args,
-                        inplace_applies, input_grads, refuse_double_backward)
+from ._autograd import (
+    BACKWARD_CONSUMED,
+    NO_DOUBLE_BACKWARD,
+    check_inplace_backward,
+    check_no_functorch,
+    grad_args,
+    inplace_applies,
+    input_grads,
+    refuse_double_backward,
+)
 from ._rows import DPPOOutputs, LossSettings, RowInputs
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, MODE_ALIASES, MODES, accumulation_dtype, canonical_mode
 
-__all__ = ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "check_inplace_backward", "check_no_functorch",
-           "dppo_loss_backward", "dppo_loss_forward"]
+__all__ = [
+    "DPPOOutputs",
+    "MODES",
+    "MODE_ALIASES",
+    "canonical_mode",
+    "check_inplace_backward",
+    "check_no_functorch",
+    "dppo_loss_backward",
+    "dppo_loss_forward",
+]
 
 # The forward op's argument names in schema order: its autograd context reads its inputs by name.
 _FORWARD_ARGS = tuple(a.name for a in torch.ops.dppo.dppo_loss_forward.default._schema.arguments)
@@ -44,8 +60,21 @@ _FORWARD_ARGS = tuple(a.name for a in torch.ops.dppo.dppo_loss_forward.default._
 
 
 @torch.library.register_fake("dppo::dppo_loss_forward")
-def _forward_fake(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, mode,
-                  temperature, delta_low, delta_high, ratio_cap, compute_entropy):
+def _forward_fake(
+    logits,
+    tokens,
+    rollout_logprobs,
+    advantages,
+    topk_ids,
+    topk_logprobs,
+    anchor_logprobs,
+    mode,
+    temperature,
+    delta_low,
+    delta_high,
+    ratio_cap,
+    compute_entropy,
+):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
     n = logits.shape[0]
     return tuple(logits.new_empty((n,), dtype=accumulation_dtype(logits.dtype)) for _ in range(7))
@@ -69,8 +98,21 @@ def _stats_fake(logits, tokens, topk_ids, vocab_start, temperature, compute_entr
 
 
 @torch.library.register_fake("dppo::dppo_vocab_parallel_epilogue")
-def _epilogue_fake(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                   anchor_logprobs, mode, delta_low, delta_high, ratio_cap, compute_entropy):
+def _epilogue_fake(
+    stats,
+    vocab_offsets,
+    tokens,
+    rollout_logprobs,
+    advantages,
+    topk_ids,
+    topk_logprobs,
+    anchor_logprobs,
+    mode,
+    delta_low,
+    delta_high,
+    ratio_cap,
+    compute_entropy,
+):
     torch._check(stats.dim() == 3, lambda: f"stats must be 3-D [W, N, 4 + K], got shape {tuple(stats.shape)}")
     return tuple(stats.new_empty((stats.shape[1],)) for _ in range(7))
 
@@ -78,8 +120,9 @@ def _epilogue_fake(stats, vocab_offsets, tokens, rollout_logprobs, advantages, t
 # ---- autograd -------------------------------------------------------------------------------------
 
 
-def _save_for_backward(ctx, logits: Tensor, tokens: Tensor, advantages: Tensor, temperature: float,
-                       compute_entropy: bool, output) -> None:
+def _save_for_backward(
+    ctx, logits: Tensor, tokens: Tensor, advantages: Tensor, temperature: float, compute_entropy: bool, output
+) -> None:
     _loss, _logp, divergence, mask, weight, entropy, lse = output
     ctx.temperature = temperature
     ctx.compute_entropy = compute_entropy
@@ -89,8 +132,9 @@ def _save_for_backward(ctx, logits: Tensor, tokens: Tensor, advantages: Tensor, 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(_FORWARD_ARGS, inputs))
-    _save_for_backward(ctx, args["logits"], args["tokens"], args["advantages"], args["temperature"],
-                       args["compute_entropy"], output)
+    _save_for_backward(
+        ctx, args["logits"], args["tokens"], args["advantages"], args["temperature"], args["compute_entropy"], output
+    )
 
 
 def _backward_args(ctx, grad_loss, grad_logp, grad_entropy):
@@ -116,19 +160,18 @@ def _backward_not_differentiable(ctx, *grads):
 # carries this node, so first-order gradients still work and a second-order one raises instead of the
 # silent zero that an op without an autograd formula would give.
 torch.library.register_autograd(
-    "dppo::dppo_loss_backward", _backward_not_differentiable, setup_context=lambda ctx, inputs, output: None)
+    "dppo::dppo_loss_backward", _backward_not_differentiable, setup_context=lambda ctx, inputs, output: None
+)
 
 
 class _DPPOInplace(torch.autograd.Function):
     """The op with a backward that writes the logits gradient into the logits buffer."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs,
-                settings: LossSettings):
-        out = torch.ops.dppo.dppo_loss_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                               anchor_logprobs, *settings.op_args())
-        _save_for_backward(ctx, logits, tokens, advantages, float(settings.temperature),
-                           bool(settings.compute_entropy), out)
+    def forward(ctx, logits: Tensor, rows: RowInputs, settings: LossSettings):
+        out = torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args())
+        temperature, compute_entropy = float(settings.temperature), bool(settings.compute_entropy)
+        _save_for_backward(ctx, logits, rows.tokens, rows.advantages, temperature, compute_entropy, out)
         ctx.consumed = False
         return out
 
@@ -154,7 +197,7 @@ def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplac
     backward (the caller decided it with ``inplace_applies``). No check of its own: for the entry points, which
     checked everything already."""
     if inplace:
-        return DPPOOutputs(*_DPPOInplace.apply(logits, *rows, settings))
+        return DPPOOutputs(*_DPPOInplace.apply(logits, rows, settings))
     return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args()))
 
 
@@ -225,7 +268,10 @@ def dppo_loss_backward(
     warnings.warn(
         "dppo_ext.ops.dppo_loss_backward is deprecated and will be removed: call torch.ops.dppo.dppo_loss_backward("
         "grad_target, grad_entropy, logits, tokens, lse, entropy, temperature) (or dppo_loss_backward_, in place) "
-        "directly", DeprecationWarning, stacklevel=2)
+        "directly",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     args = (grad_target, grad_entropy, logits, tokens, lse, entropy, float(temperature))
     if out is not None:
         if out is not logits:

@@ -23,8 +23,20 @@ import warnings
 
 import torch
 
-from .contract import (AGG_MODES, DEFAULT_AGG_MODE, DEFAULT_DELTAS, DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX,
-                       LOG_RATIO_CLAMP, MASS_FLOOR, MODES, TOPK_MODES, accumulation_dtype, resolve_deltas)
+from .contract import (
+    AGG_MODES,
+    DEFAULT_AGG_MODE,
+    DEFAULT_DELTAS,
+    DEFAULT_MODE,
+    DEFAULT_RATIO_CAP,
+    IGNORE_INDEX,
+    LOG_RATIO_CLAMP,
+    MASS_FLOOR,
+    MODES,
+    TOPK_MODES,
+    accumulation_dtype,
+    resolve_deltas,
+)
 
 __all__ = ["AGG_MODES", "DEFAULT_DELTAS", "LOG_MASS_FLOOR", "LOG_RATIO_CLAMP", "MASS_FLOOR", "METRIC_KEYS", "MODES",
            "OUTPUT_KEYS", "TOPK_MODES", "accumulation_dtype", "aggregate_loss_reference", "dppo_loss_full_reference",

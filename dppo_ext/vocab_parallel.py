@@ -34,12 +34,26 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops  # noqa: F401  (loads dppo_ext._C and registers the ops' fake kernels)
-from ._autograd import (BACKWARD_CONSUMED, check_no_functorch, grad_args, inplace_applies, input_grads,
-                        refuse_double_backward)
+from ._autograd import (
+    BACKWARD_CONSUMED,
+    check_no_functorch,
+    grad_args,
+    inplace_applies,
+    input_grads,
+    refuse_double_backward,
+)
 from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
 from ._rows import DPPOOutputs, LossSettings, RowInputs
-from ._vocab_shards import (dtensor_vocab_shard, even_vocab_offsets, gather_stats, gathered_bytes_per_row, is_dtensor,
-                            replicated_local, resolve_offsets, vocab_parallel_offsets)
+from ._vocab_shards import (
+    dtensor_vocab_shard,
+    even_vocab_offsets,
+    gather_stats,
+    gathered_bytes_per_row,
+    is_dtensor,
+    replicated_local,
+    resolve_offsets,
+    vocab_parallel_offsets,
+)
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
 # The two entry points, and the vocabulary split's public helpers (dppo_ext._vocab_shards), importable from here.
@@ -69,8 +83,17 @@ def _local_tokens(tokens: Tensor, start: int, local_vocab: int) -> tuple[Tensor,
     return local, ~owned & ~pad
 
 
-def _slice_backward(grad_target: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits: Tensor,
-                    local_tokens: Tensor, foreign: Tensor, lse: Tensor, temperature: float, inplace: bool) -> Tensor:
+def _slice_backward(
+    grad_target: Tensor,
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+    logits: Tensor,
+    local_tokens: Tensor,
+    foreign: Tensor,
+    lse: Tensor,
+    temperature: float,
+    inplace: bool,
+) -> Tensor:
     """d loss / d logits for this rank's slice, written by ``dppo_loss_backward`` (in place into ``logits`` when
     ``inplace``). ``foreign`` rows (token on another rank) had the op's target column at 0; that column is then
     recomputed by the same op as a non-target column of a two-column copy whose column 1 plays the target."""
@@ -79,8 +102,9 @@ def _slice_backward(grad_target: Tensor, grad_entropy: Optional[Tensor], entropy
         torch.ops.dppo.dppo_loss_backward_(grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature)
         grad = logits
     else:
-        grad = torch.ops.dppo.dppo_loss_backward(grad_target, grad_entropy, logits, local_tokens, lse, entropy,
-                                                 temperature)
+        grad = torch.ops.dppo.dppo_loss_backward(
+            grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature
+        )
     pair = torch.stack([col0, col0], dim=1)
     pair_tokens = torch.where(foreign, torch.ones_like(local_tokens), torch.full_like(local_tokens, IGNORE_INDEX))
     fixed = torch.ops.dppo.dppo_loss_backward(grad_target, grad_entropy, pair, pair_tokens, lse, entropy, temperature)
@@ -88,8 +112,9 @@ def _slice_backward(grad_target: Tensor, grad_entropy: Optional[Tensor], entropy
     return grad
 
 
-def _merged_outputs(stats: Tensor, local_vocab: int, start: int, offsets: list[int], group, rows: RowInputs,
-                    settings: LossSettings) -> tuple[Tensor, ...]:
+def _merged_outputs(
+    stats: Tensor, local_vocab: int, start: int, offsets: list[int], group, rows: RowInputs, settings: LossSettings
+) -> tuple[Tensor, ...]:
     """The seven per-row outputs from this rank's statistics: one all-gather, then the epilogue op."""
     gathered = gather_stats(stats, local_vocab, start, offsets, group)
     return torch.ops.dppo.dppo_vocab_parallel_epilogue(gathered, offsets, *rows, *settings.epilogue_args())
@@ -102,46 +127,54 @@ def _topk_only(rows: RowInputs, settings: LossSettings) -> RowInputs:
 
 class _VocabParallelDPPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs,
-                settings: LossSettings, group, offsets, inplace):  # type: ignore[override]
-        rows = _topk_only(RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs),
-                          settings)
+    def forward(ctx, logits, rows: RowInputs, settings: LossSettings, group, offsets, inplace):
+        rows = _topk_only(rows, settings)
         local_vocab, start = logits.shape[1], offsets[dist.get_rank(group)]
-        stats = torch.ops.dppo.dppo_vocab_parallel_stats(logits, tokens, rows.topk_ids, start,
-                                                         float(settings.temperature), bool(settings.compute_entropy))
+        stats = torch.ops.dppo.dppo_vocab_parallel_stats(
+            logits, rows.tokens, rows.topk_ids, start, *settings.stats_args()
+        )
         outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(tokens, start, local_vocab)
-        ctx.save_for_backward(logits, local_tokens, foreign, advantages, mask, weight, entropy, lse)
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
+        ctx.save_for_backward(logits, local_tokens, foreign, rows.advantages, mask, weight, entropy, lse)
         ctx.settings, ctx.inplace, ctx.consumed = settings, inplace, False
         ctx.mark_non_differentiable(divergence, mask, weight, lse)
         return outs
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
         refuse_double_backward("the vocab-parallel DPPO loss")
         if ctx.consumed:  # the same rule as the single-device in-place backward
             raise RuntimeError(BACKWARD_CONSUMED)
         logits, local_tokens, foreign, adv, mask, weight, entropy, lse = ctx.saved_tensors
         settings = ctx.settings
         gt, ge, ent = grad_args(settings.compute_entropy, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
-        grad = _slice_backward(gt, ge, ent, logits, local_tokens, foreign, lse, float(settings.temperature),
-                               ctx.inplace)
+        grad = _slice_backward(
+            gt, ge, ent, logits, local_tokens, foreign, lse, float(settings.temperature), ctx.inplace
+        )
         if ctx.inplace:  # autograd must know the logits were overwritten, as for the single-device op
             torch.autograd.graph.increment_version(logits)
             ctx.consumed = True
         return input_grads(ctx, grad)
 
 
-def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplace: bool,
-                 group: Optional[dist.ProcessGroup], vocab_offsets: Optional[Sequence[int]]) -> DPPOOutputs:
+def forward_rows(
+    logits: Tensor,
+    rows: RowInputs,
+    settings: LossSettings,
+    inplace: bool,
+    group: Optional[dist.ProcessGroup],
+    vocab_offsets: Optional[Sequence[int]],
+) -> DPPOOutputs:
     """:func:`dppo_loss_forward_vocab_parallel` on ``logits [N, V_local]`` and ``rows`` with resolved ``settings``
     (``inplace`` decided by ``inplace_applies``): for the entry points, which checked the rest already."""
     if logits.shape[1] == 0:
-        raise ValueError("every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
-                         f"got logits of shape {tuple(logits.shape)}")
+        raise ValueError(
+            "every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
+            f"got logits of shape {tuple(logits.shape)}"
+        )
     offsets = resolve_offsets(logits.shape[1], group, vocab_offsets)
-    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, *rows, settings, group, offsets, bool(inplace)))
+    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, rows, settings, group, offsets, bool(inplace)))
 
 
 def dppo_loss_forward_vocab_parallel(
@@ -192,11 +225,19 @@ def dppo_loss_forward_vocab_parallel(
 
 class _FusedLinearVocabParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                anchor_logprobs, settings: LossSettings, chunk_rows, group, offsets,
-                reduce_hidden_grad):  # type: ignore[override]
-        rows = _topk_only(RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs),
-                          settings)
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        rows: RowInputs,
+        settings: LossSettings,
+        chunk_rows,
+        group,
+        offsets,
+        reduce_hidden_grad,
+    ):
+        rows = _topk_only(rows, settings)
         n, local_vocab = hidden.shape[0], weight.shape[0]
         start = offsets[dist.get_rank(group)]
         k = 0 if rows.topk_ids is None else rows.topk_ids.shape[1]
@@ -204,19 +245,21 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
         for tile in logits_tiles(hidden, weight, bias, chunk_rows):
             chunk = rows.narrow(tile.rows)
             stats[tile.rows] = torch.ops.dppo.dppo_vocab_parallel_stats(
-                tile.logits, chunk.tokens, chunk.topk_ids, start, float(settings.temperature),
-                bool(settings.compute_entropy))
+                tile.logits, chunk.tokens, chunk.topk_ids, start, *settings.stats_args()
+            )
         outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, row_weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(tokens, start, local_vocab)
-        ctx.save_for_backward(hidden, weight, bias, local_tokens, foreign, advantages, mask, row_weight, entropy, lse)
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
+        ctx.save_for_backward(
+            hidden, weight, bias, local_tokens, foreign, rows.advantages, mask, row_weight, entropy, lse
+        )
         ctx.settings, ctx.chunk_rows = settings, chunk_rows
         ctx.group, ctx.reduce_hidden_grad = group, reduce_hidden_grad
         ctx.mark_non_differentiable(divergence, mask, row_weight, lse)
         return outs
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
         refuse_double_backward("fused_linear_dppo_loss (vocab-parallel)")
         hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse = ctx.saved_tensors
         settings = ctx.settings
@@ -224,32 +267,62 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
 
         def tile_grad(tile):
             r = tile.rows
-            return _slice_backward(gt[r], None if ge is None else ge[r], None if ent is None else ent[r], tile.logits,
-                                   local_tokens[r], foreign[r], lse[r], float(settings.temperature), True)
+            return _slice_backward(
+                gt[r],
+                None if ge is None else ge[r],
+                None if ent is None else ent[r],
+                tile.logits,
+                local_tokens[r],
+                foreign[r],
+                lse[r],
+                float(settings.temperature),
+                True,
+            )
 
-        grad_hidden, grad_weight, grad_bias = head_backward(hidden, weight, bias, ctx.needs_input_grad[:3],
-                                                            ctx.chunk_rows, None, tile_grad)
+        grad_hidden, grad_weight, grad_bias = head_backward(
+            hidden, weight, bias, ctx.needs_input_grad[:3], ctx.chunk_rows, None, tile_grad
+        )
         if grad_hidden is not None and ctx.reduce_hidden_grad:
             # hidden feeds every rank's slice of the head: its gradient is the sum over the group.
             dist.all_reduce(grad_hidden, group=ctx.group)
         return input_grads(ctx, grad_hidden, grad_weight, grad_bias)
 
 
-def fused_linear_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rows: RowInputs,
-                      settings: LossSettings, *, chunk_size: Optional[int], memory_budget_bytes: Optional[int],
-                      group: Optional[dist.ProcessGroup], vocab_offsets: Optional[Sequence[int]],
-                      reduce_hidden_grad: bool = True) -> DPPOOutputs:
+def fused_linear_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    rows: RowInputs,
+    settings: LossSettings,
+    *,
+    chunk_size: Optional[int],
+    memory_budget_bytes: Optional[int],
+    group: Optional[dist.ProcessGroup],
+    vocab_offsets: Optional[Sequence[int]],
+    reduce_hidden_grad: bool = True,
+) -> DPPOOutputs:
     """:func:`fused_linear_dppo_loss_vocab_parallel` on ``rows`` with resolved ``settings``: for the entry points,
     which resolved the settings already."""
     check_fused_inputs(hidden, weight, bias, rows)
     if weight.shape[0] == 0:
-        raise ValueError("every rank of vocab_parallel_group must hold at least one LM-head row, this rank got "
-                         f"weight of shape {tuple(weight.shape)}")
+        raise ValueError(
+            "every rank of vocab_parallel_group must hold at least one LM-head row, this rank got "
+            f"weight of shape {tuple(weight.shape)}"
+        )
     offsets = resolve_offsets(weight.shape[0], group, vocab_offsets)
-    plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, chunk_size=chunk_size,
-                       memory_budget_bytes=memory_budget_bytes)
-    return DPPOOutputs(*_FusedLinearVocabParallel.apply(hidden, weight, bias, *rows, settings, plan.chunk_rows, group,
-                                                        offsets, bool(reduce_hidden_grad)))
+    plan = plan_chunks(
+        hidden.shape[0],
+        weight.shape[0],
+        hidden.shape[1],
+        hidden.dtype,
+        chunk_size=chunk_size,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    return DPPOOutputs(
+        *_FusedLinearVocabParallel.apply(
+            hidden, weight, bias, rows, settings, plan.chunk_rows, group, offsets, bool(reduce_hidden_grad)
+        )
+    )
 
 
 def fused_linear_dppo_loss_vocab_parallel(
@@ -287,6 +360,15 @@ def fused_linear_dppo_loss_vocab_parallel(
     settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("fused_linear_dppo_loss_vocab_parallel", hidden, weight, bias)
     rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return fused_linear_rows(hidden, weight, bias, rows, settings, chunk_size=chunk_size,
-                             memory_budget_bytes=memory_budget_bytes, group=group, vocab_offsets=vocab_offsets,
-                             reduce_hidden_grad=reduce_hidden_grad)
+    return fused_linear_rows(
+        hidden,
+        weight,
+        bias,
+        rows,
+        settings,
+        chunk_size=chunk_size,
+        memory_budget_bytes=memory_budget_bytes,
+        group=group,
+        vocab_offsets=vocab_offsets,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )

@@ -20,8 +20,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dppo_ext"
-LIBRARY = ("contract", "_autograd", "_rows", "aggregation", "_chunking", "_vocab_shards", "ops", "loss",
-           "fused_linear", "vocab_parallel")
+LIBRARY = (
+    "contract",
+    "_autograd",
+    "_rows",
+    "aggregation",
+    "_chunking",
+    "_vocab_shards",
+    "ops",
+    "loss",
+    "fused_linear",
+    "vocab_parallel",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -106,7 +116,7 @@ def test_no_import_circle():
         path.append(module)
         for dep in sorted(graph[module]):
             if state.get(dep) == 1:
-                cycle = path[path.index(dep):] + [dep]
+                cycle = path[path.index(dep) :] + [dep]
                 pytest.fail("import circle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep)
@@ -119,7 +129,7 @@ def test_no_import_circle():
     # the library layer imports strictly downward, in this order
     order = ["dppo_ext." + m for m in ("contract", "_autograd", "_rows", "aggregation", "_chunking")]
     for i, module in enumerate(order):
-        assert not graph[module] & set(order[i + 1:]), f"{module} imports a module above it: {graph[module]}"
+        assert not graph[module] & set(order[i + 1 :]), f"{module} imports a module above it: {graph[module]}"
     front_ends = {"dppo_ext.loss", "dppo_ext.fused_linear", "dppo_ext.vocab_parallel"}
     for module in order + ["dppo_ext.ops", "dppo_ext._vocab_shards"]:
         assert not graph[module] & front_ends, f"{module} imports a front end: {graph[module] & front_ends}"
@@ -130,8 +140,11 @@ def test_no_private_name_crosses_a_module_border():
     for module, path in MODULES.items():
         imported_modules = {}
         for node, source, names in _imports(module, body_only=False):
-            crossings.extend(f"{path.name}:{node.lineno}: {n} from {source}" for n in names
-                             if n.startswith("_") and not n.startswith("__"))
+            crossings.extend(
+                f"{path.name}:{node.lineno}: {n} from {source}"
+                for n in names
+                if n.startswith("_") and not n.startswith("__")
+            )
             if isinstance(node, ast.ImportFrom):
                 imported_modules.update({a.asname or a.name: source for a in node.names if source.endswith(a.name)})
             else:
@@ -150,31 +163,99 @@ def test_no_private_name_crosses_a_module_border():
 def test_library_imports_no_package_module_inside_a_function(module):
     name = f"dppo_ext.{module}"
     top = {id(node) for node, _source, _names in _imports(name, body_only=True)}
-    inner = [f"line {node.lineno}: {source}" for node, source, _names in _imports(name, body_only=False)
-             if id(node) not in top]
+    inner = [
+        f"line {node.lineno}: {source}"
+        for node, source, _names in _imports(name, body_only=False)
+        if id(node) not in top
+    ]
     assert not inner, f"{name} imports dppo_ext modules inside functions: {inner}"
 
 
 # Names that moved in the library's restructuring, at the paths they used to have.
 OLD_PATHS = {
-    "dppo_ext": ["AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "DPPOOutputs", "FusedLinearDPPOLoss", "MODES",
-                 "MODE_ALIASES", "aggregate_loss", "cuda_compiled", "dppo_loss", "dppo_loss_backward",
-                 "dppo_loss_forward", "dppo_loss_forward_vocab_parallel", "dppo_metrics", "fused_linear_dppo_loss",
-                 "fused_linear_dppo_loss_per_row"],
-    "dppo_ext.contract": ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES",
-                          "TOPK_MODES", "canonical_mode", "check_aggregation", "check_settings", "check_token_ids",
-                          "resolve_deltas"],
-    "dppo_ext.loss": ["AGG_MODES", "DEFAULT_DELTAS", "DPPOLoss", "IGNORE_INDEX", "NORM_AGG_MODES", "aggregate_loss",
-                      "broadcast_advantages", "check_aggregation", "dppo_loss", "dppo_metrics"],
-    "dppo_ext.ops": ["DPPOOutputs", "MODES", "MODE_ALIASES", "canonical_mode", "check_inplace_backward",
-                     "check_no_functorch", "dppo_loss_backward", "dppo_loss_forward"],
-    "dppo_ext.fused_linear": ["FusedLinearDPPOLoss", "FusedLinearPlan", "fused_linear_dppo_loss",
-                              "fused_linear_dppo_loss_per_row", "plan_chunks"],
-    "dppo_ext.vocab_parallel": ["dppo_loss_forward_vocab_parallel", "dtensor_vocab_shard", "even_vocab_offsets",
-                                "fused_linear_dppo_loss_vocab_parallel", "gathered_bytes_per_row", "is_dtensor",
-                                "replicated_local", "vocab_parallel_offsets"],
-    "dppo_ext.reference": ["AGG_MODES", "DEFAULT_DELTAS", "LOG_RATIO_CLAMP", "MASS_FLOOR", "MODES", "OUTPUT_KEYS",
-                           "TOPK_MODES", "accumulation_dtype", "aggregate_loss_reference", "dppo_loss_reference"],
+    "dppo_ext": [
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "DPPOLoss",
+        "DPPOOutputs",
+        "FusedLinearDPPOLoss",
+        "MODES",
+        "MODE_ALIASES",
+        "aggregate_loss",
+        "cuda_compiled",
+        "dppo_loss",
+        "dppo_loss_backward",
+        "dppo_loss_forward",
+        "dppo_loss_forward_vocab_parallel",
+        "dppo_metrics",
+        "fused_linear_dppo_loss",
+        "fused_linear_dppo_loss_per_row",
+    ],
+    "dppo_ext.contract": [
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "IGNORE_INDEX",
+        "MODES",
+        "MODE_ALIASES",
+        "NORM_AGG_MODES",
+        "TOPK_MODES",
+        "canonical_mode",
+        "check_aggregation",
+        "check_settings",
+        "check_token_ids",
+        "resolve_deltas",
+    ],
+    "dppo_ext.loss": [
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "DPPOLoss",
+        "IGNORE_INDEX",
+        "NORM_AGG_MODES",
+        "aggregate_loss",
+        "broadcast_advantages",
+        "check_aggregation",
+        "dppo_loss",
+        "dppo_metrics",
+    ],
+    "dppo_ext.ops": [
+        "DPPOOutputs",
+        "MODES",
+        "MODE_ALIASES",
+        "canonical_mode",
+        "check_inplace_backward",
+        "check_no_functorch",
+        "dppo_loss_backward",
+        "dppo_loss_forward",
+    ],
+    "dppo_ext.fused_linear": [
+        "FusedLinearDPPOLoss",
+        "FusedLinearPlan",
+        "fused_linear_dppo_loss",
+        "fused_linear_dppo_loss_per_row",
+        "plan_chunks",
+    ],
+    "dppo_ext.vocab_parallel": [
+        "dppo_loss_forward_vocab_parallel",
+        "dtensor_vocab_shard",
+        "even_vocab_offsets",
+        "fused_linear_dppo_loss_vocab_parallel",
+        "gathered_bytes_per_row",
+        "is_dtensor",
+        "replicated_local",
+        "vocab_parallel_offsets",
+    ],
+    "dppo_ext.reference": [
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "LOG_RATIO_CLAMP",
+        "MASS_FLOOR",
+        "MODES",
+        "OUTPUT_KEYS",
+        "TOPK_MODES",
+        "accumulation_dtype",
+        "aggregate_loss_reference",
+        "dppo_loss_reference",
+    ],
     "dppo_ext.trainer.losses": ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"],
 }
 DEPRECATED = {("dppo_ext.reference", "LOSS_AGG_MODES")}
@@ -185,8 +266,10 @@ def test_old_import_paths_still_work(module):
     mod = importlib.import_module(module)
     missing = [name for name in OLD_PATHS[module] if not hasattr(mod, name)]
     assert not missing, f"{module} lost {missing}"
-    assert importlib.import_module("dppo_ext.fused_linear").plan_chunks is importlib.import_module(
-        "dppo_ext._chunking").plan_chunks
+    assert (
+        importlib.import_module("dppo_ext.fused_linear").plan_chunks
+        is importlib.import_module("dppo_ext._chunking").plan_chunks
+    )
     assert importlib.import_module("dppo_ext.ops").MODES is importlib.import_module("dppo_ext.contract").MODES
 
 
