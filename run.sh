@@ -23,9 +23,7 @@ PIP="$VENV/bin/python -m pip"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # The tests whose inputs or results depend on how torch's and dppo_ext's CPU kernels round (./run.sh test-avx2).
-SIMD_SENSITIVE_TESTS=(python_tests/test_dppo_op.py python_tests/test_api.py python_tests/test_misuse.py
-  python_tests/test_cpu_dispatch.py python_tests/test_vocab_parallel.py python_tests/test_properties.py
-  python_tests/test_parity_stable_rl.py python_tests/test_fused_linear.py)
+SIMD_SENSITIVE_TESTS=(python_tests/ops python_tests/api)
 
 log() { printf '\033[1m[run.sh]\033[0m %s\n' "$*" >&2; }
 

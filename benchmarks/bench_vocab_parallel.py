@@ -57,7 +57,8 @@ MIB = 1024**2
 class CollectiveLog:
     """Counts every torch.distributed collective the wrapped region calls, and the bytes each rank receives."""
 
-    WRAPPED = ("all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor", "broadcast")
+    WRAPPED = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor",
+               "broadcast")
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -65,6 +66,8 @@ class CollectiveLog:
 
     def __enter__(self) -> "CollectiveLog":
         for name in self.WRAPPED:
+            if not hasattr(dist, name):  # all_gather_single: torch >= 2.13
+                continue
             orig = getattr(dist, name)
             self._orig[name] = orig
 

@@ -8,47 +8,60 @@
 The ops are registered as ``torch.ops.dppo.*`` by the native library ``dppo_ext._C``; the math
 contract is in docs/contract.md, other projects' names for our settings in docs/names.md.
 
-The names below that need the library load it on first use (module ``__getattr__``), so the
-pure-Python parts (``dppo_ext.reference``, the tasks, the models) import without it, and
-a missing or mismatched library is reported by ``dppo_ext._native`` with the command that
-rebuilds it.
+The constants (``MODES``, ``AGG_MODES``, ``DEFAULT_DELTAS``, ``MODE_ALIASES``) and the aggregation helpers are
+pure Python. The names that need the library load it on first use (module ``__getattr__``), so the pure-Python
+parts (``dppo_ext.reference``, the tasks, the models) import without it, and a missing or mismatched library is
+reported by ``dppo_ext._native`` with the command that rebuilds it.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# torch first: dppo_ext._C links against torch's libraries, so that `import dppo_ext._C` finds them loaded.
+import torch  # noqa: F401
+
+from ._rows import DPPOOutputs
 from ._version import __version__
+from .aggregation import aggregate_loss, dppo_metrics, micro_batch_scale
+from .contract import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES
 
-# Public name -> the submodule that defines it. Importing any of these loads dppo_ext._C.
-_LAZY = {
-    "cuda_compiled": "_native",
-    "FusedLinearDPPOLoss": "fused_linear",
-    "fused_linear_dppo_loss": "fused_linear",
-    "fused_linear_dppo_loss_per_row": "fused_linear",
-    "AGG_MODES": "loss",
-    "DEFAULT_DELTAS": "loss",
-    "DPPOLoss": "loss",
-    "aggregate_loss": "loss",
-    "dppo_loss": "loss",
-    "dppo_metrics": "loss",
-    "MODE_ALIASES": "ops",
-    "MODES": "ops",
-    "DPPOOutputs": "ops",
-    "dppo_loss_backward": "ops",
-    "dppo_loss_forward": "ops",
-    "dppo_loss_forward_vocab_parallel": "vocab_parallel",
-}
-
-__all__ = ["__version__", *sorted(_LAZY)]
-
+# The names that need dppo_ext._C, each imported from its module on first use. This block is their one list:
+# type checkers read it, and _lazy_names() reads it from this file for __getattr__.
 if TYPE_CHECKING:
     from ._native import cuda_compiled
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-    from .loss import AGG_MODES, DEFAULT_DELTAS, DPPOLoss, aggregate_loss, dppo_loss, dppo_metrics
-    from .ops import MODE_ALIASES, MODES, DPPOOutputs, dppo_loss_backward, dppo_loss_forward
+    from .loss import DPPOLoss, dppo_loss
+    from .ops import dppo_loss_backward, dppo_loss_forward
     from .vocab_parallel import dppo_loss_forward_vocab_parallel
+
+
+def _lazy_names() -> dict[str, str]:
+    """Public name -> the submodule that defines it, from the ``if TYPE_CHECKING:`` block above."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    return {alias.asname or alias.name: imp.module for imp in block.body for alias in imp.names}
+
+
+_LAZY = _lazy_names()
+
+__all__ = sorted(
+    [
+        "__version__",
+        "AGG_MODES",
+        "DEFAULT_DELTAS",
+        "DPPOOutputs",
+        "MODES",
+        "MODE_ALIASES",
+        "aggregate_loss",
+        "dppo_metrics",
+        "micro_batch_scale",
+        *_LAZY,
+    ]
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,40 @@
-"""The constants and setting checks of docs/contract.md (and the mode names of docs/names.md), in one place.
+"""The constants, defaults and setting rules of docs/contract.md (and the mode names of docs/names.md), in one place.
 
 Every entry point that computes the loss (``ops.dppo_loss_forward``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
-functions, the TRL integration) and the readable reference take their modes, the ignore index and the per-mode
-default thresholds from here, so a threshold left at ``None`` means the same thing everywhere. No compiled code is
-imported.
+and vocabulary-parallel functions, the TRL integration) and the readable reference take their modes, the ignore
+index, the per-mode default thresholds and the numeric constants of the contract from here, so a threshold left at
+``None`` means the same thing everywhere. Pure Python: no compiled code is imported.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "IGNORE_INDEX", "MODES", "MODE_ALIASES", "NORM_AGG_MODES", "TOPK_MODES",
-           "OpSettings", "canonical_mode", "check_aggregation", "check_settings", "check_token_ids",
-           "resolve_deltas", "resolve_loss_settings", "resolve_op_settings"]
+__all__ = [
+    "AGG_MODES",
+    "DEFAULT_AGG_MODE",
+    "DEFAULT_DELTAS",
+    "DEFAULT_MODE",
+    "DEFAULT_RATIO_CAP",
+    "IGNORE_INDEX",
+    "LOGITS_DTYPES",
+    "LOG_RATIO_CLAMP",
+    "MASS_FLOOR",
+    "MODES",
+    "MODE_ALIASES",
+    "NORM_AGG_MODES",
+    "SUM_AGG_MODES",
+    "TOPK_MODES",
+    "accumulation_dtype",
+    "canonical_mode",
+    "check_aggregation",
+    "check_settings",
+    "check_token_ids",
+    "resolve_deltas",
+]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
 TOPK_MODES = ("topk_tv", "topk_kl")
@@ -42,6 +61,8 @@ AGG_MODES = (
 )
 # Modes divided by a horizon: ``loss_scale_factor``, default the padded length T = mask.shape[-1].
 NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
+# Modes that add up over a split of the batch (no mean over tokens or sequences).
+SUM_AGG_MODES = ("token-sum", "token-sum-norm")
 # A token id of -100 marks a padding row (torch.nn.functional.cross_entropy's ignore_index).
 IGNORE_INDEX = -100
 # (delta_low, delta_high) when a threshold is None. TV thresholds bound a probability difference, KL ones a
@@ -54,6 +75,22 @@ DEFAULT_DELTAS = {
     "ratio": (0.2, 0.28),
     "none": (0.0, 0.0),
 }
+# The entry points' defaults for the other settings.
+DEFAULT_MODE = "binary_tv"
+DEFAULT_RATIO_CAP = 10.0  # cap C of the importance weight min(pi / mu, C)
+DEFAULT_AGG_MODE = "token-mean"
+# Log-ratios are clamped here before exp (verl / Stable-RL convention; csrc/dppo_math.h's log_ratio_clamp).
+LOG_RATIO_CLAMP = 20.0
+# Probability masses are floored here before a log (Stable-RL's top-K clamp; csrc/dppo_math.h's mass_floor).
+MASS_FLOOR = 1e-12
+# The logits dtypes the ops take. Every per-row float input and output is in the accumulation dtype.
+LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of every per-row input and output for logits of ``dtype``: float32, float64 for float64 logits
+    (so that gradcheck runs end to end in double)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def canonical_mode(mode: str, name: str = "mode") -> str:
@@ -75,42 +112,6 @@ def resolve_deltas(mode: str, delta_low: Optional[float], delta_high: Optional[f
     return (low if delta_low is None else delta_low, high if delta_high is None else delta_high)
 
 
-class OpSettings(NamedTuple):
-    """The scalar settings of one call of a per-row entry point, as :func:`resolve_op_settings` returns them."""
-
-    mode: str
-    temperature: float
-    delta_low: float
-    delta_high: float
-    ratio_cap: float
-    compute_entropy: bool
-
-    def op_args(self) -> tuple[str, float, float, float, float, bool]:
-        """The settings in the op schema's order and types (``str mode, float temperature, float delta_low, float
-        delta_high, float ratio_cap, bool compute_entropy``)."""
-        return (self.mode, float(self.temperature), float(self.delta_low), float(self.delta_high),
-                float(self.ratio_cap), bool(self.compute_entropy))
-
-
-def resolve_op_settings(
-    mode: str,
-    temperature: float,
-    delta_low: Optional[float],
-    delta_high: Optional[float],
-    ratio_cap: float,
-    compute_entropy: bool,
-) -> OpSettings:
-    """The settings every per-row entry point (the op wrapper, fused linear, vocab-parallel) starts from.
-
-    ``mode`` made canonical (ValueError for an unknown one) and ``None`` thresholds replaced by
-    ``DEFAULT_DELTAS[mode]``; the other values are kept as given, so that the entry point's tensor checks run before
-    :meth:`OpSettings.op_args` converts them to the schema's types.
-    """
-    mode = canonical_mode(mode)
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
-    return OpSettings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-
-
 def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = None) -> None:
     """Raise ``ValueError`` unless ``loss_agg_mode`` is one of ``AGG_MODES`` and ``loss_scale_factor`` fits it."""
     if loss_agg_mode not in AGG_MODES:
@@ -119,25 +120,10 @@ def check_aggregation(loss_agg_mode: str, loss_scale_factor: Optional[float] = N
         if loss_agg_mode not in NORM_AGG_MODES:
             raise ValueError(
                 f"loss_scale_factor is only used by the loss_agg_mode values {NORM_AGG_MODES}, got "
-                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}")
+                f"loss_scale_factor={loss_scale_factor!r} with loss_agg_mode={loss_agg_mode!r}"
+            )
         if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0):  # inf would silently zero the loss
             raise ValueError(f"loss_scale_factor must be > 0 or None, got {loss_scale_factor!r} (a finite number)")
-
-
-def resolve_loss_settings(
-    mode: str,
-    delta_low: Optional[float],
-    delta_high: Optional[float],
-    loss_agg_mode: str,
-    loss_scale_factor: Optional[float],
-) -> tuple[str, float, float]:
-    """``(mode, delta_low, delta_high)`` of an aggregating entry point (``dppo_loss``, ``fused_linear_dppo_loss``):
-    the mode made canonical, the aggregation checked (:func:`check_aggregation`), then ``None`` thresholds replaced
-    by ``DEFAULT_DELTAS[mode]``; ValueError for an unknown mode or aggregation."""
-    mode = canonical_mode(mode)
-    check_aggregation(loss_agg_mode, loss_scale_factor)
-    delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
-    return mode, delta_low, delta_high
 
 
 def _is_number(value: object) -> bool:

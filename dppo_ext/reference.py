@@ -19,15 +19,30 @@ their gradient.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
-from .contract import AGG_MODES, DEFAULT_DELTAS, IGNORE_INDEX, MODES, TOPK_MODES, resolve_deltas
+from .contract import (
+    AGG_MODES,
+    DEFAULT_AGG_MODE,
+    DEFAULT_DELTAS,
+    DEFAULT_MODE,
+    DEFAULT_RATIO_CAP,
+    IGNORE_INDEX,
+    LOG_RATIO_CLAMP,
+    MASS_FLOOR,
+    MODES,
+    TOPK_MODES,
+    accumulation_dtype,
+    resolve_deltas,
+)
 
-LOSS_AGG_MODES = AGG_MODES
-MASS_FLOOR = 1e-12  # probability masses are floored here before a log (Stable-RL's top-K clamp)
+__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "LOG_MASS_FLOOR", "LOG_RATIO_CLAMP", "MASS_FLOOR", "METRIC_KEYS", "MODES",
+           "OUTPUT_KEYS", "TOPK_MODES", "accumulation_dtype", "aggregate_loss_reference", "dppo_loss_full_reference",
+           "dppo_loss_reference", "log1mexp"]
+
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
-LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped here before exp (verl / Stable-RL convention)
 OUTPUT_KEYS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
 METRIC_KEYS = (
     "masked_frac",
@@ -42,9 +57,12 @@ METRIC_KEYS = (
 )
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of every per-row input and output for logits of ``dtype`` (float64 stays)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def __getattr__(name: str):
+    if name == "LOSS_AGG_MODES":  # the aggregation modes' old name here
+        warnings.warn("dppo_ext.reference.LOSS_AGG_MODES is deprecated: use AGG_MODES (dppo_ext.contract)",
+                      DeprecationWarning, stacklevel=2)
+        return AGG_MODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +119,11 @@ def dppo_loss_reference(
     topk_ids: torch.Tensor | None = None,
     topk_logprobs: torch.Tensor | None = None,
     anchor_logprobs: torch.Tensor | None = None,
-    mode: str = "binary_tv",
+    mode: str = DEFAULT_MODE,
     temperature: float = 1.0,
     delta_low: float | None = None,
     delta_high: float | None = None,
-    ratio_cap: float = 10.0,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
     compute_entropy: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-row DPPO loss, the naive way (full-vocabulary log-softmax, autograd backward).
@@ -206,7 +224,7 @@ def dppo_loss_reference(
 
 
 def aggregate_loss_reference(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", loss_scale_factor: float | None = None
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = DEFAULT_AGG_MODE, loss_scale_factor: float | None = None
 ) -> torch.Tensor:
     """Aggregate a per-token loss into a scalar with current verl's ``agg_loss`` meanings (docs/aggregation.md).
 
@@ -225,8 +243,8 @@ def aggregate_loss_reference(
     Returns:
         0-d tensor in ``loss_mat``'s dtype.
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
     if loss_mat.dim() == 1:
         loss_mat = loss_mat[None]
         mask = mask[None]
@@ -270,15 +288,15 @@ def dppo_loss_full_reference(
     advantages: torch.Tensor,
     *,
     response_mask: torch.Tensor | None = None,
-    mode: str = "binary_tv",
+    mode: str = DEFAULT_MODE,
     topk_ids: torch.Tensor | None = None,
     topk_logprobs: torch.Tensor | None = None,
     anchor_logprobs: torch.Tensor | None = None,
     temperature: float = 1.0,
     delta_low: float | None = None,
     delta_high: float | None = None,
-    ratio_cap: float = 10.0,
-    loss_agg_mode: str = "token-mean",
+    ratio_cap: float = DEFAULT_RATIO_CAP,
+    loss_agg_mode: str = DEFAULT_AGG_MODE,
     loss_scale_factor: float | None = None,
     compute_entropy: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

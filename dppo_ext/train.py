@@ -51,7 +51,6 @@ from dppo_ext.tasks import DataFormatError, Task, load_jsonl_task, make_arithmet
 from dppo_ext.trainer.checkpoint import (
     CHECKPOINT_PREFIX,
     LEGACY_DIRS,
-    MANIFEST_FILE as CHECKPOINT_MANIFEST,
     MODEL_DIR,
     NoCheckpointError,
     check_model_folder,
@@ -59,6 +58,9 @@ from dppo_ext.trainer.checkpoint import (
     find_resume_checkpoint,
     has_checkpoint,
     load_trainer_state,
+)
+from dppo_ext.trainer.checkpoint import (
+    MANIFEST_FILE as CHECKPOINT_MANIFEST,
 )
 from dppo_ext.trainer.config import TrainConfig, parse_config, resume_config_changes, tiny_heads
 from dppo_ext.trainer.loop import Trainer

@@ -20,110 +20,53 @@ column by the same op on a two-column copy (``_slice_backward``).
 
 Bytes per row gathered by each rank: ``W * (4 + K) * 4`` (float32 statistics; 8 for float64 logits), e.g.
 96 B for W = 4 binary modes, 384 B for W = 4, K = 20 -- against ``V * 2`` bytes to all-gather bf16 logits.
-The fused-linear form (``fused_linear_dppo_loss(..., vocab_parallel_group=)``) additionally all-reduces the ``[N, H]`` hidden-state gradient in backward, as
-Megatron's column-parallel LM head does.
+The fused-linear form (``fused_linear_dppo_loss(..., vocab_parallel_group=)``) runs the stats op on row chunks
+of ``hidden @ weight.T`` (``dppo_ext._chunking``'s tile loop) and additionally all-reduces the ``[N, H]``
+hidden-state gradient in backward, as Megatron's column-parallel LM head does.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .contract import resolve_op_settings
-from .ops import (_BACKWARD_CONSUMED, _NO_DOUBLE_BACKWARD, DPPOOutputs, _acc_dtype, _grad_args, _inplace_applies,
-                  check_no_functorch)
+from . import ops  # noqa: F401  (loads dppo_ext._C and registers the ops' fake kernels)
+from ._autograd import (
+    BACKWARD_CONSUMED,
+    check_no_functorch,
+    grad_args,
+    inplace_applies,
+    input_grads,
+    refuse_double_backward,
+)
+from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
+from ._rows import DPPOOutputs, LossSettings, RowInputs
+from ._vocab_shards import (
+    dtensor_vocab_shard,
+    even_vocab_offsets,
+    gather_stats,
+    gathered_bytes_per_row,
+    is_dtensor,
+    replicated_local,
+    resolve_offsets,
+    vocab_parallel_offsets,
+)
+from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
+# The two entry points, and the vocabulary split's public helpers (dppo_ext._vocab_shards), importable from here.
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
+    "dtensor_vocab_shard",
     "even_vocab_offsets",
     "fused_linear_dppo_loss_vocab_parallel",
     "gathered_bytes_per_row",
+    "is_dtensor",
+    "replicated_local",
     "vocab_parallel_offsets",
 ]
-
-_HEADER_ROWS = 1  # the all-gathered payload's extra row: (V_local, vocab_start) of the sending rank
-
-
-@torch.library.register_fake("dppo::dppo_vocab_parallel_stats")
-def _stats_fake(logits, tokens, topk_ids, vocab_start, temperature, compute_entropy):
-    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
-    k = 0 if topk_ids is None else topk_ids.shape[1]
-    return logits.new_empty((logits.shape[0], 4 + k), dtype=_acc_dtype(logits.dtype))
-
-
-@torch.library.register_fake("dppo::dppo_vocab_parallel_epilogue")
-def _epilogue_fake(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                   anchor_logprobs, mode, delta_low, delta_high, ratio_cap, compute_entropy):
-    torch._check(stats.dim() == 3, lambda: f"stats must be 3-D [W, N, 4 + K], got shape {tuple(stats.shape)}")
-    return tuple(stats.new_empty((stats.shape[1],)) for _ in range(7))
-
-
-# ---- the vocabulary split ------------------------------------------------------------------------
-
-
-def even_vocab_offsets(vocab_size: int, world_size: int) -> list[int]:
-    """Offsets ``[W + 1]`` of ``torch.chunk`` / DTensor ``Shard`` semantics: ``ceil(V / W)`` columns per rank,
-    the remainder on the last non-empty rank (Megatron's even split when ``W`` divides ``V``)."""
-    per = -(-vocab_size // world_size)
-    return [min(r * per, vocab_size) for r in range(world_size + 1)]
-
-
-def vocab_parallel_offsets(local_vocab: int, group: Optional[dist.ProcessGroup] = None) -> list[int]:
-    """Every rank's slice from each rank's local vocabulary size, in rank order: one small all-gather.
-
-    Call it once and pass the result as ``vocab_offsets`` so a training step has a single collective.
-    """
-    world = dist.get_world_size(group)
-    mine = torch.tensor([local_vocab], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    sizes = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=group)
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + int(s.item()))
-    return offsets
-
-
-def gathered_bytes_per_row(world_size: int, k: int = 0, logits_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes each rank receives per row in the forward's one all-gather: ``W * (4 + K) * sizeof(acc)``."""
-    return world_size * (4 + k) * torch.empty((), dtype=_acc_dtype(logits_dtype)).element_size()
-
-
-def _check_offsets(offsets: Sequence[int], world: int) -> list[int]:
-    """Structure only: whether each rank's slice matches its logits is checked on the all-gathered header, so
-    that a wrong split raises on every rank at once instead of leaving the others waiting in the collective."""
-    offsets = [int(o) for o in offsets]
-    if len(offsets) != world + 1 or offsets[0] != 0 or any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(
-            f"vocab_offsets must be W + 1 = {world + 1} strictly increasing ints starting at 0 (every rank holds at "
-            f"least one column), got {offsets}")
-    return offsets
-
-
-def _gather_stats(stats: Tensor, local_vocab: int, start: int, offsets: list[int],
-                  group: Optional[dist.ProcessGroup]) -> Tensor:
-    """All-gather ``[N, C]`` statistics as ``[W, N, C]`` (one collective); the header row lets every rank
-    check every other rank's slice, so a wrong split raises the same error on all ranks instead of hanging."""
-    world = len(offsets) - 1
-    header = stats.new_zeros((_HEADER_ROWS, stats.shape[1]))
-    header[0, 0], header[0, 1] = float(local_vocab), float(start)
-    payload = torch.cat([header, stats]).contiguous()
-    out = payload.new_empty((world * payload.shape[0], payload.shape[1]))
-    dist.all_gather_into_tensor(out, payload, group=group)
-    out = out.view(world, payload.shape[0], payload.shape[1])
-    got = out[:, 0, :2].tolist()
-    for r in range(world):
-        want = [float(offsets[r + 1] - offsets[r]), float(offsets[r])]
-        if got[r] != want:
-            raise ValueError(
-                f"vocab-parallel split mismatch: rank {r} of the group holds {int(got[r][0])} columns starting at "
-                f"{int(got[r][1])}, but vocab_offsets {offsets} gives it {int(want[0])} starting at {int(want[1])}")
-    return out[:, _HEADER_ROWS:]
 
 
 # ---- per-row op ------------------------------------------------------------------------------------
@@ -134,14 +77,23 @@ def _local_tokens(tokens: Tensor, start: int, local_vocab: int) -> tuple[Tensor,
 
     Owned rows: the local id. Rows owned elsewhere: column 0 (fixed afterwards). Padding (-100) stays -100."""
     owned = (tokens >= start) & (tokens < start + local_vocab)
-    pad = tokens == -100
+    pad = tokens == IGNORE_INDEX
     local = torch.where(owned, tokens - start, torch.zeros_like(tokens))
     local = torch.where(pad, tokens, local)
     return local, ~owned & ~pad
 
 
-def _slice_backward(grad_target: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor], logits: Tensor,
-                    local_tokens: Tensor, foreign: Tensor, lse: Tensor, temperature: float, inplace: bool) -> Tensor:
+def _slice_backward(
+    grad_target: Tensor,
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+    logits: Tensor,
+    local_tokens: Tensor,
+    foreign: Tensor,
+    lse: Tensor,
+    temperature: float,
+    inplace: bool,
+) -> Tensor:
     """d loss / d logits for this rank's slice, written by ``dppo_loss_backward`` (in place into ``logits`` when
     ``inplace``). ``foreign`` rows (token on another rank) had the op's target column at 0; that column is then
     recomputed by the same op as a non-target column of a two-column copy whose column 1 plays the target."""
@@ -150,69 +102,79 @@ def _slice_backward(grad_target: Tensor, grad_entropy: Optional[Tensor], entropy
         torch.ops.dppo.dppo_loss_backward_(grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature)
         grad = logits
     else:
-        grad = torch.ops.dppo.dppo_loss_backward(grad_target, grad_entropy, logits, local_tokens, lse, entropy,
-                                                 temperature)
+        grad = torch.ops.dppo.dppo_loss_backward(
+            grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature
+        )
     pair = torch.stack([col0, col0], dim=1)
-    pair_tokens = torch.where(foreign, torch.ones_like(local_tokens), torch.full_like(local_tokens, -100))
+    pair_tokens = torch.where(foreign, torch.ones_like(local_tokens), torch.full_like(local_tokens, IGNORE_INDEX))
     fixed = torch.ops.dppo.dppo_loss_backward(grad_target, grad_entropy, pair, pair_tokens, lse, entropy, temperature)
     grad[:, 0] = torch.where(foreign, fixed[:, 0], grad[:, 0])
     return grad
 
 
-def _forward_outputs(stats: Tensor, local_vocab: int, start: int, offsets: list[int], group, tokens, rollout, adv,
-                     topk_ids, topk_lp, anchor, mode, delta_low, delta_high, ratio_cap, compute_entropy):
-    gathered = _gather_stats(stats, local_vocab, start, offsets, group)
-    return torch.ops.dppo.dppo_vocab_parallel_epilogue(
-        gathered, offsets, tokens, rollout, adv, topk_ids, topk_lp, anchor, mode, delta_low, delta_high, ratio_cap,
-        compute_entropy)
+def _merged_outputs(
+    stats: Tensor, local_vocab: int, start: int, offsets: list[int], group, rows: RowInputs, settings: LossSettings
+) -> tuple[Tensor, ...]:
+    """The seven per-row outputs from this rank's statistics: one all-gather, then the epilogue op."""
+    gathered = gather_stats(stats, local_vocab, start, offsets, group)
+    return torch.ops.dppo.dppo_vocab_parallel_epilogue(gathered, offsets, *rows, *settings.epilogue_args())
+
+
+def _topk_only(rows: RowInputs, settings: LossSettings) -> RowInputs:
+    """The rows with the top-K dropped unless the mode reads it (the stats op then gathers no top-K logits)."""
+    return rows if settings.uses_topk else rows._replace(topk_ids=None, topk_logprobs=None)
 
 
 class _VocabParallelDPPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, rollout, adv, topk_ids, topk_lp, anchor, mode, temperature, delta_low,
-                delta_high, ratio_cap, compute_entropy, group, offsets, inplace):  # type: ignore[override]
-        rank = dist.get_rank(group)
-        local_vocab, start = logits.shape[1], offsets[rank]
-        ids = topk_ids if mode in ("topk_tv", "topk_kl") else None
-        stats = torch.ops.dppo.dppo_vocab_parallel_stats(logits, tokens, ids, start, temperature, compute_entropy)
-        outs = _forward_outputs(stats, local_vocab, start, offsets, group, tokens, rollout, adv, ids,
-                                topk_lp if ids is not None else None, anchor, mode, delta_low, delta_high, ratio_cap,
-                                compute_entropy)
+    def forward(ctx, logits, rows: RowInputs, settings: LossSettings, group, offsets, inplace):
+        rows = _topk_only(rows, settings)
+        local_vocab, start = logits.shape[1], offsets[dist.get_rank(group)]
+        stats = torch.ops.dppo.dppo_vocab_parallel_stats(
+            logits, rows.tokens, rows.topk_ids, start, *settings.stats_args()
+        )
+        outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(tokens, start, local_vocab)
-        ctx.save_for_backward(logits, local_tokens, foreign, adv, mask, weight, entropy, lse)
-        ctx.temperature = temperature
-        ctx.compute_entropy = compute_entropy
-        ctx.inplace = inplace
-        ctx.consumed = False
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
+        ctx.save_for_backward(logits, local_tokens, foreign, rows.advantages, mask, weight, entropy, lse)
+        ctx.settings, ctx.inplace, ctx.consumed = settings, inplace, False
         ctx.mark_non_differentiable(divergence, mask, weight, lse)
         return outs
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="the vocab-parallel DPPO loss"))
-        if ctx.consumed:  # the same rule as ops._DPPOInplace
-            raise RuntimeError(_BACKWARD_CONSUMED)
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
+        refuse_double_backward("the vocab-parallel DPPO loss")
+        if ctx.consumed:  # the same rule as the single-device in-place backward
+            raise RuntimeError(BACKWARD_CONSUMED)
         logits, local_tokens, foreign, adv, mask, weight, entropy, lse = ctx.saved_tensors
-        gt, ge, ent = _grad_args(ctx, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
-        grad = _slice_backward(gt, ge, ent, logits, local_tokens, foreign, lse, ctx.temperature, ctx.inplace)
-        if ctx.inplace:  # autograd must know the logits were overwritten (ops._DPPOInplace)
+        settings = ctx.settings
+        gt, ge, ent = grad_args(settings.compute_entropy, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
+        grad = _slice_backward(
+            gt, ge, ent, logits, local_tokens, foreign, lse, float(settings.temperature), ctx.inplace
+        )
+        if ctx.inplace:  # autograd must know the logits were overwritten, as for the single-device op
             torch.autograd.graph.increment_version(logits)
             ctx.consumed = True
-        return (grad,) + (None,) * 15
+        return input_grads(ctx, grad)
 
 
-def _resolve_offsets(local_vocab: int, group, vocab_offsets: Optional[Sequence[int]]) -> list[int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("vocab_parallel_group needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group)")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of vocab_parallel_group")
-    if vocab_offsets is None:
-        vocab_offsets = vocab_parallel_offsets(local_vocab, group)
-    return _check_offsets(vocab_offsets, world)
+def forward_rows(
+    logits: Tensor,
+    rows: RowInputs,
+    settings: LossSettings,
+    inplace: bool,
+    group: Optional[dist.ProcessGroup],
+    vocab_offsets: Optional[Sequence[int]],
+) -> DPPOOutputs:
+    """:func:`dppo_loss_forward_vocab_parallel` on ``logits [N, V_local]`` and ``rows`` with resolved ``settings``
+    (``inplace`` decided by ``inplace_applies``): for the entry points, which checked the rest already."""
+    if logits.shape[1] == 0:
+        raise ValueError(
+            "every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
+            f"got logits of shape {tuple(logits.shape)}"
+        )
+    offsets = resolve_offsets(logits.shape[1], group, vocab_offsets)
+    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, rows, settings, group, offsets, bool(inplace)))
 
 
 def dppo_loss_forward_vocab_parallel(
@@ -223,11 +185,11 @@ def dppo_loss_forward_vocab_parallel(
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
-    mode: str = "binary_tv",
+    mode: str = DEFAULT_MODE,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
-    ratio_cap: float = 10.0,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
     compute_entropy: bool = True,
     inplace_backward: bool = False,
     *,
@@ -252,60 +214,10 @@ def dppo_loss_forward_vocab_parallel(
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
-    if logits.shape[1] == 0:
-        raise ValueError("every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
-                         f"got logits of shape {tuple(logits.shape)}")
-    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
     check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
-    _inplace_applies(inplace_backward, logits)
-    offsets = _resolve_offsets(logits.shape[1], group, vocab_offsets)
-    args = (tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, *settings.op_args(),
-            group, offsets, bool(inplace_backward))
-    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, *args))
-
-
-# ---- DTensor ---------------------------------------------------------------------------------------
-
-
-def dtensor_vocab_shard(logits) -> tuple[Tensor, dist.ProcessGroup, list[int]]:
-    """``(local logits, group, vocab_offsets)`` of a DTensor sharded on its last (vocabulary) dim.
-
-    The placement must be ``Shard(-1)`` on exactly one mesh dimension (any other mesh dimension Replicate);
-    the local tensor is returned through the differentiable ``to_local()``.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    vocab_dim = logits.dim() - 1
-    shard_dims = [i for i, p in enumerate(logits.placements) if isinstance(p, Shard)]
-    bad = [p for p in logits.placements if not isinstance(p, (Shard, Replicate))]
-    if bad or len(shard_dims) != 1 or logits.placements[shard_dims[0]].dim not in (vocab_dim, -1):
-        raise ValueError(
-            "a DTensor logits must be sharded on its last (vocabulary) dim over one mesh dimension and replicated "
-            f"over the others, got placements {logits.placements} for shape {tuple(logits.shape)}")
-    mesh_dim = shard_dims[0]
-    group = logits.device_mesh.get_group(mesh_dim)
-    offsets = even_vocab_offsets(logits.shape[-1], logits.device_mesh.size(mesh_dim))
-    return logits.to_local(), group, offsets
-
-
-def replicated_local(t, name: str):
-    """A replicated DTensor's local tensor (plain tensors and None pass through)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(t, DTensor):
-        return t
-    if not all(isinstance(p, Replicate) for p in t.placements):
-        raise ValueError(f"{name} must be replicated over the tensor-parallel mesh (global ids and values on every "
-                         f"rank), got a DTensor with placements {t.placements}")
-    return t.to_local()
-
-
-def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+    return forward_rows(logits, rows, settings, inplace_applies(inplace_backward, logits), group, vocab_offsets)
 
 
 # ---- fused linear: LM-head rows sharded over the group -----------------------------------------------
@@ -313,78 +225,104 @@ def is_dtensor(t) -> bool:
 
 class _FusedLinearVocabParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, rollout, adv, topk_ids, topk_lp, anchor, mode, temperature,
-                delta_low, delta_high, ratio_cap, compute_entropy, chunk_rows, group, offsets,
-                reduce_hidden_grad):  # type: ignore[override]
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        rows: RowInputs,
+        settings: LossSettings,
+        chunk_rows,
+        group,
+        offsets,
+        reduce_hidden_grad,
+    ):
+        rows = _topk_only(rows, settings)
         n, local_vocab = hidden.shape[0], weight.shape[0]
         start = offsets[dist.get_rank(group)]
-        ids = topk_ids if mode in ("topk_tv", "topk_kl") else None
-        k = 0 if ids is None else ids.shape[1]
-        stats = torch.empty((n, 4 + k), dtype=_acc_dtype(hidden.dtype), device=hidden.device)
-        if n > 0:
-            buf = hidden.new_empty((min(chunk_rows, n), local_vocab))
-            for r0 in range(0, n, chunk_rows):
-                r1 = min(r0 + chunk_rows, n)
-                logits = buf[: r1 - r0]
-                torch.mm(hidden[r0:r1], weight.t(), out=logits)
-                if bias is not None:
-                    logits.add_(bias)
-                stats[r0:r1] = torch.ops.dppo.dppo_vocab_parallel_stats(
-                    logits, tokens[r0:r1], None if ids is None else ids[r0:r1], start, temperature, compute_entropy)
-            del buf
-        outs = _forward_outputs(stats, local_vocab, start, offsets, group, tokens, rollout, adv, ids,
-                                topk_lp if ids is not None else None, anchor, mode, delta_low, delta_high, ratio_cap,
-                                compute_entropy)
+        k = 0 if rows.topk_ids is None else rows.topk_ids.shape[1]
+        stats = torch.empty((n, 4 + k), dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
+        for tile in logits_tiles(hidden, weight, bias, chunk_rows):
+            chunk = rows.narrow(tile.rows)
+            stats[tile.rows] = torch.ops.dppo.dppo_vocab_parallel_stats(
+                tile.logits, chunk.tokens, chunk.topk_ids, start, *settings.stats_args()
+            )
+        outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, row_weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(tokens, start, local_vocab)
-        ctx.save_for_backward(hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse)
-        ctx.temperature, ctx.compute_entropy, ctx.chunk_rows = temperature, compute_entropy, chunk_rows
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
+        ctx.save_for_backward(
+            hidden, weight, bias, local_tokens, foreign, rows.advantages, mask, row_weight, entropy, lse
+        )
+        ctx.settings, ctx.chunk_rows = settings, chunk_rows
         ctx.group, ctx.reduce_hidden_grad = group, reduce_hidden_grad
         ctx.mark_non_differentiable(divergence, mask, row_weight, lse)
         return outs
 
     @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise RuntimeError(_NO_DOUBLE_BACKWARD.format(what="fused_linear_dppo_loss (vocab-parallel)"))
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
+        refuse_double_backward("fused_linear_dppo_loss (vocab-parallel)")
         hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse = ctx.saved_tensors
-        gt, ge, ent = _grad_args(ctx, adv, mask, row_weight, g_loss, g_logp, g_entropy, entropy)
-        n = hidden.shape[0]
-        acc = _acc_dtype(hidden.dtype)
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        chunks = max(1, math.ceil(n / ctx.chunk_rows))
-        weight_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight and chunks > 1 else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias and bias is not None \
-            else None
-        if n > 0:
-            buf = hidden.new_empty((min(ctx.chunk_rows, n), weight.shape[0]))
-            for r0 in range(0, n, ctx.chunk_rows):
-                r1 = min(r0 + ctx.chunk_rows, n)
-                h, logits = hidden[r0:r1], buf[: r1 - r0]
-                torch.mm(h, weight.t(), out=logits)
-                if bias is not None:
-                    logits.add_(bias)
-                g = _slice_backward(gt[r0:r1], None if ge is None else ge[r0:r1], None if ent is None else ent[r0:r1],
-                                    logits, local_tokens[r0:r1], foreign[r0:r1], lse[r0:r1], ctx.temperature, True)
-                if need_hidden:
-                    torch.mm(g, weight, out=grad_hidden[r0:r1])
-                if need_weight:
-                    if weight_acc is None:
-                        torch.mm(g.t(), h, out=grad_weight)
-                    else:
-                        weight_acc += torch.mm(g.t(), h)
-                if grad_bias is not None:
-                    grad_bias += g.sum(0, dtype=acc)
-            if weight_acc is not None:
-                grad_weight.copy_(weight_acc)
-        if need_hidden and ctx.reduce_hidden_grad:
+        settings = ctx.settings
+        gt, ge, ent = grad_args(settings.compute_entropy, adv, mask, row_weight, g_loss, g_logp, g_entropy, entropy)
+
+        def tile_grad(tile):
+            r = tile.rows
+            return _slice_backward(
+                gt[r],
+                None if ge is None else ge[r],
+                None if ent is None else ent[r],
+                tile.logits,
+                local_tokens[r],
+                foreign[r],
+                lse[r],
+                float(settings.temperature),
+                True,
+            )
+
+        grad_hidden, grad_weight, grad_bias = head_backward(
+            hidden, weight, bias, ctx.needs_input_grad[:3], ctx.chunk_rows, None, tile_grad
+        )
+        if grad_hidden is not None and ctx.reduce_hidden_grad:
             # hidden feeds every rank's slice of the head: its gradient is the sum over the group.
             dist.all_reduce(grad_hidden, group=ctx.group)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return (grad_hidden, grad_weight, grad_bias) + (None,) * 16
+        return input_grads(ctx, grad_hidden, grad_weight, grad_bias)
+
+
+def fused_linear_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    rows: RowInputs,
+    settings: LossSettings,
+    *,
+    chunk_size: Optional[int],
+    memory_budget_bytes: Optional[int],
+    group: Optional[dist.ProcessGroup],
+    vocab_offsets: Optional[Sequence[int]],
+    reduce_hidden_grad: bool = True,
+) -> DPPOOutputs:
+    """:func:`fused_linear_dppo_loss_vocab_parallel` on ``rows`` with resolved ``settings``: for the entry points,
+    which resolved the settings already."""
+    check_fused_inputs(hidden, weight, bias, rows)
+    if weight.shape[0] == 0:
+        raise ValueError(
+            "every rank of vocab_parallel_group must hold at least one LM-head row, this rank got "
+            f"weight of shape {tuple(weight.shape)}"
+        )
+    offsets = resolve_offsets(weight.shape[0], group, vocab_offsets)
+    plan = plan_chunks(
+        hidden.shape[0],
+        weight.shape[0],
+        hidden.shape[1],
+        hidden.dtype,
+        chunk_size=chunk_size,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    return DPPOOutputs(
+        *_FusedLinearVocabParallel.apply(
+            hidden, weight, bias, rows, settings, plan.chunk_rows, group, offsets, bool(reduce_hidden_grad)
+        )
+    )
 
 
 def fused_linear_dppo_loss_vocab_parallel(
@@ -398,11 +336,11 @@ def fused_linear_dppo_loss_vocab_parallel(
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
-    mode: str = "binary_tv",
+    mode: str = DEFAULT_MODE,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
-    ratio_cap: float = 10.0,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
     compute_entropy: bool = True,
     chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
@@ -419,18 +357,18 @@ def fused_linear_dppo_loss_vocab_parallel(
     contribution), as Megatron's column-parallel linear does; pass False when the framework reduces it itself
     (e.g. a reduce-scatter under sequence parallelism).
     """
-    from .fused_linear import _check_inputs, plan_chunks
-
-    settings = resolve_op_settings(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-    _check_inputs(hidden, weight, bias, tokens, {"rollout_logprobs": rollout_logprobs, "advantages": advantages,
-                                                 "anchor_logprobs": anchor_logprobs}, topk_ids, topk_logprobs)
-    if weight.shape[0] == 0:
-        raise ValueError("every rank of vocab_parallel_group must hold at least one LM-head row, this rank got "
-                         f"weight of shape {tuple(weight.shape)}")
-    offsets = _resolve_offsets(weight.shape[0], group, vocab_offsets)
-    plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, chunk_size=chunk_size,
-                       memory_budget_bytes=memory_budget_bytes)
-    outs = _FusedLinearVocabParallel.apply(
-        hidden, weight, bias, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs,
-        *settings.op_args(), plan.chunk_rows, group, offsets, bool(reduce_hidden_grad))
-    return DPPOOutputs(*outs)
+    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+    check_no_functorch("fused_linear_dppo_loss_vocab_parallel", hidden, weight, bias)
+    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+    return fused_linear_rows(
+        hidden,
+        weight,
+        bias,
+        rows,
+        settings,
+        chunk_size=chunk_size,
+        memory_budget_bytes=memory_budget_bytes,
+        group=group,
+        vocab_offsets=vocab_offsets,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )

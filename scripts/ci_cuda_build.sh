@@ -92,8 +92,8 @@ grep -q "sm_90" <<<"$ptxs" || die "cuobjdump lists no compute_90 PTX in $so"
 log "cuobjdump: sm_80 + sm_90 cubins and sm_90 PTX present"
 
 # The op's own tests (the trainer/TRL/vLLM tests need packages this venv does not carry).
-OP_TESTS=(python_tests/test_dppo_op.py python_tests/test_api.py python_tests/test_parity_stable_rl.py
-          python_tests/test_properties.py)
+OP_TESTS=(python_tests/ops/test_dppo_op.py python_tests/api/test_api.py python_tests/ops/test_parity_stable_rl.py
+          python_tests/ops/test_properties.py)
 log "CPU op tests against the CUDA build: ${OP_TESTS[*]}"
 (cd "$WORK" && "$PY" -m pytest -q "${OP_TESTS[@]}" -p no:cacheprovider) ||
   die "the CPU op tests failed against the CUDA build"

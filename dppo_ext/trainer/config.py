@@ -28,7 +28,6 @@ ENGINES = ("auto", "vllm", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOSS_AGG_MODES = AGG_MODES
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -70,7 +69,7 @@ class TrainConfig:
     ratio_cap: typing.Optional[float] = _opt(None, "cap on the importance weight (default: the loss's, 10 or uncapped)")
     loss_agg_mode: str = _opt(
         "token-mean", "loss aggregation, verl's names (docs/aggregation.md; the -norm modes divide by --max-new-tokens)",
-        LOSS_AGG_MODES)
+        AGG_MODES)
     lr: float = _opt(1e-4, "AdamW learning rate")
     warmup_steps: int = _opt(20, "linear learning-rate warm-up over the first k RL steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.aggregation import micro_batch_scale
 from dppo_ext.contract import NORM_AGG_MODES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
@@ -230,7 +231,7 @@ class Trainer:
                 mb_loss = 0.0
                 for part in micro_parts:
                     micro = batch.select(part).to(self.device)
-                    share = _micro_share(cfg.loss_agg_mode, micro, mb_tokens, mb_seqs)
+                    share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
                     logits = response_logits(self.model, micro)
                     loss, metrics = self._dppo_loss(
                         logits,
@@ -429,20 +430,6 @@ def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _nan_max(a: float, b: float) -> float:
     """max() that keeps a NaN (Python's max(0.0, nan) is 0.0, which would hide a NaN step)."""
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-def _micro_share(agg_mode: str, micro: RolloutBatch, mb_tokens: float, mb_seqs: float) -> float:
-    """Weight of one micro-batch's aggregated loss in its mini-batch's (docs/aggregation.md).
-
-    Means weigh by the micro-batch's share of the mini-batch's tokens (``token-mean``) or non-empty sequences
-    (``seq-mean-*``); sums (``token-sum``, ``token-sum-norm``) add up. The ``-norm`` modes divide by a constant
-    horizon (``--max-new-tokens``), not by each micro-batch's padded length, so the pieces combine exactly.
-    """
-    if agg_mode == "token-mean":
-        return float(micro.response_mask.sum()) / max(mb_tokens, 1.0)
-    if agg_mode in ("token-sum", "token-sum-norm"):
-        return 1.0
-    return float(micro.response_mask.any(-1).sum()) / max(mb_seqs, 1.0)
 
 
 def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:

@@ -18,12 +18,13 @@ op's own bound only: the log-ratio is clamped at 20 before ``exp``. ``--delta-lo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-__all__ = ["ANCHORS", "LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
+from dppo_ext.contract import MODE_ALIASES
 
-ANCHORS = ("rollout", "recompute")
+__all__ = ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
+
 TIS_CAP = 10.0
 
 
@@ -67,13 +68,14 @@ LOSSES: dict[str, LossSpec] = {
     "dppo_binary_kl": LossSpec("binary_kl", source="Stable-RL dppo_binary_kl"),
     "dppo_topk_tv": LossSpec("topk_tv", source="Stable-RL dppo_topk_tv"),
     "dppo_topk_kl": LossSpec("topk_kl", source="Stable-RL dppo_topk_kl"),
-    # verl's names for the binary modes
-    "dppo_tv": LossSpec("binary_tv", source="verl dppo_tv = dppo_binary_tv"),
-    "dppo_kl": LossSpec("binary_kl", source="verl dppo_kl = dppo_binary_kl"),
 }
 
-# --loss names that are another name of a loss above (verl's); a resumed run treats them as the same loss.
-LOSS_ALIASES = {"dppo_tv": "dppo_binary_tv", "dppo_kl": "dppo_binary_kl"}
+# --loss names that are another name of a loss above: verl's names of the modes (dppo_ext.contract.MODE_ALIASES,
+# dppo_tv -> binary_tv) for the loss of that mode (dppo_binary_tv). A resumed run treats them as the same loss.
+LOSS_ALIASES = {
+    alias: f"dppo_{mode}" for alias, mode in MODE_ALIASES.items() if alias not in LOSSES and f"dppo_{mode}" in LOSSES
+}
+LOSSES.update({alias: replace(LOSSES[name], source=f"verl {alias} = {name}") for alias, name in LOSS_ALIASES.items()})
 
 
 def canonical_loss(name: str) -> str:

@@ -43,7 +43,7 @@ import torch
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo, the CPU ops compared with)
 from dppo_ext.reference import dppo_loss_reference
-from vocab_parallel_testing import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
+from dppo_testing.vocab_parallel import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emu_build  # noqa: E402
@@ -410,7 +410,7 @@ def test_schemas_match_the_real_ops(emu):
 @not_tsan
 @pytest.mark.parametrize("split", [None, 1, 7])
 def test_topk_kl_rest_mass_precision(emu, split_env, split):
-    """K = 300, pi -> 1, trainer top-K mass 1 - 1e-10 (python_tests/test_dppo_op.py has the same
+    """K = 300, pi -> 1, trainer top-K mass 1 - 1e-10 (python_tests/ops/test_dppo_op.py has the same
     case for the CPU kernel): the CUDA epilogue forms the top-K log-probs from the row's partial
     sums in double, so q_rest ~ 1e-10 survives and topk_kl matches the float64 reference."""
     split_env(split)
@@ -468,7 +468,7 @@ VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
 
 
 def vp_offsets(v: int, world: int) -> list[int]:
-    """[W + 1] offsets of uneven slices (vocab_parallel_testing's; at W = 3 rank 1 holds a single column)."""
+    """[W + 1] offsets of uneven slices (dppo_testing.vocab_parallel's; at W = 3 rank 1 holds a single column)."""
     return [0, v] if world == 1 else split_offsets(v, world)
 
 

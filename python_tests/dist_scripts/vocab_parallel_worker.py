@@ -1,4 +1,4 @@
-"""One rank of the vocabulary-parallel test (python_tests/test_vocab_parallel.py): gloo, env:// rendezvous.
+"""One rank of the vocabulary-parallel test (python_tests/api/test_vocab_parallel.py): gloo, env:// rendezvous.
 
 Every rank builds the same global inputs, keeps its uneven column slice (``split_offsets``), runs the real API
 and compares loss, metrics, per-row outputs and the all-gathered gradient with the single-device op on the
@@ -22,8 +22,8 @@ from dppo_ext.reference import accumulation_dtype
 from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
 from dppo_ext.contract import DEFAULT_DELTAS
 from dppo_testing import TOL, assert_decisive, sample_inputs
-from vocab_parallel_testing import (compare_grads, compare_outputs, owners, place_tokens, single_device,
-                                    split_offsets, tie_rows, upstream, weighted_sum)
+from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
+                                          split_offsets, tie_rows, upstream, weighted_sum)
 
 
 def gather_columns(local: torch.Tensor, offsets: list[int]) -> torch.Tensor:

@@ -1,9 +1,6 @@
-"""Shared fixtures for the end-to-end tests: a tiny model folder and session-wide engines.
+"""Shared fixtures for the end-to-end tests: session-wide engines on the tiny model folder of python_tests/conftest.py.
 
-- ``tiny_model_dir``: a randomly initialised tiny Llama (hidden 128, 2 layers, 2 heads of 64,
-  17-token character vocabulary, ``max_position_embeddings=64``) and its tokenizer, written with
-  ``save_pretrained`` into a session temp dir by ``dppo_ext.models.tiny.build_tiny_model``.
-- ``vllm_engine``: ONE in-process vLLM engine (float32) on that folder for the whole session;
+- ``vllm_engine``: ONE in-process vLLM engine (float32) on ``tiny_model_dir`` for the whole session;
   the tests that need it are skipped with a clear reason when vLLM is not installed. Tests that
   push other weights into it should push the ``tiny_model`` weights back when done (or call
   ``sync_weights`` with the model they compare against before asserting).
@@ -20,16 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo_ext.models.tiny import build_tiny_model
 from dppo_ext.rollout import RolloutEngine, make_engine, vllm_available
 
 TINY_MAX_MODEL_LEN = 64
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Folder holding the tiny model + tokenizer (``from_pretrained`` and vLLM load it)."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
 
 @pytest.fixture()

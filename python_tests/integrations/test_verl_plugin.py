@@ -18,11 +18,11 @@ import functools
 import subprocess
 import sys
 import textwrap
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytest.importorskip("verl")
 

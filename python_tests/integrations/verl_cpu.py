@@ -27,7 +27,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-
 from verl.plugin.platform import PlatformBase, set_platform
 
 
@@ -87,10 +86,9 @@ def compose(overrides: list[str]):
 
 @functools.lru_cache(maxsize=None)
 def _compose(overrides: tuple[str, ...]):
+    import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    import verl
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dppo_testing import child_env
 
 # The names the docs give (docs/run_folder.md), spelled out rather than imported: the tests state the contract.

@@ -289,9 +289,10 @@ def test_resume_without_checkpoint_fails_fast(tmp_path: Path):
                                  "seq-mean-token-sum-norm", "token-sum-norm"))
 def test_micro_batches_add_up_to_the_mini_batch(agg):
     """Gradient accumulation: the micro-batches' losses (each trimmed to its own longest response, as the trainer
-    does), weighted by _micro_share, add up to the mini-batch's loss in every aggregation mode (docs/aggregation.md)."""
+    does), weighted by micro_batch_scale, add up to the mini-batch's loss in every aggregation mode
+    (docs/aggregation.md)."""
+    from dppo_ext.aggregation import micro_batch_scale
     from dppo_ext.loss import NORM_AGG_MODES, aggregate_loss
-    from dppo_ext.trainer.loop import _micro_share
 
     g = torch.Generator().manual_seed(0)
     lengths = [5, 1, 3, 2, 4, 1, 2]
@@ -306,5 +307,6 @@ def test_micro_batches_add_up_to_the_mini_batch(agg):
     for part in mb_index.split(3):
         micro = batch.select(part)
         loss = aggregate_loss(per_token[part, : micro.response_len], micro.response_mask, agg, horizon)
-        total += loss * _micro_share(agg, micro, float(mb_mask.sum()), float(mb_mask.any(-1).sum()))
+        total += loss * micro_batch_scale(agg, micro.response_mask, float(mb_mask.sum()),
+                                          float(mb_mask.any(-1).sum()))
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)

@@ -37,7 +37,7 @@ from dppo_ext import reference
 from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import MODES, OUTPUT_KEYS, accumulation_dtype, dppo_loss_full_reference, dppo_loss_reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BAD_ROW = 5  # a valid row of sample_inputs' "v129" case (edge rows are 0-4, padding the last two)
 
 

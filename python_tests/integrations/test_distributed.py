@@ -28,8 +28,8 @@ pytest.importorskip("accelerate")
 
 from dppo_testing import DIST_ENV  # noqa: E402
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
-REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parents[1] / "dist_scripts"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

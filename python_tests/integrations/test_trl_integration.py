@@ -451,7 +451,7 @@ def test_example_script_runs_without_vllm(tmp_path):
     import sys
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "trl_dppo_grpo.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "trl_dppo_grpo.py"
     env = child_env()
     out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))

@@ -14,8 +14,8 @@ from dppo_testing import DEVICES, DTYPES, TOL, ambiguous_rows, as_dtype, referen
 import dppo_ext
 from dppo_ext import DPPOLoss, dppo_loss
 from dppo_ext.reference import (
+    AGG_MODES,
     DEFAULT_DELTAS,
-    LOSS_AGG_MODES,
     METRIC_KEYS,
     MODES,
     TOPK_MODES,
@@ -134,7 +134,7 @@ def _compare(kw: dict, dtype: torch.dtype, **extra) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+@pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("mode", MODES)
 def test_dppo_loss_matches_full_reference(device, mode, agg):
     kw = batch_inputs(device, torch.float32, mode)
@@ -216,7 +216,7 @@ def test_aggregation_modes_by_hand():
         "seq-mean-token-sum-norm": total / non_empty / t,  # current verl: seq-mean, then / horizon T
         "token-sum-norm": total / t,  # the fork (sail-sg/Stable-RL) under the name seq-mean-token-sum-norm
     }
-    assert set(want) == set(LOSS_AGG_MODES) == set(dppo_ext.AGG_MODES)
+    assert set(want) == set(AGG_MODES) == set(dppo_ext.AGG_MODES)
     for agg, value in want.items():
         assert aggregate_loss_reference(loss_mat, mask, agg).item() == pytest.approx(value), agg
         assert dppo_ext.aggregate_loss(loss_mat, mask, agg).item() == pytest.approx(value), agg

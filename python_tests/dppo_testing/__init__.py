@@ -1,7 +1,8 @@
-"""Shared helpers of the dppo_ext op tests: input factory, tolerance table, CUDA gating.
+"""Shared helpers of the dppo_ext tests: input factory, tolerance table, CUDA gating, child-process environment.
 
-(A module of its own, not conftest.py: python_tests/e2e has its own conftest.py, and two modules
-named ``conftest`` cannot both be imported by name.)
+A package imported by name (pytest puts python_tests/ on the path, pyproject.toml's ``pythonpath``), so that the
+test files and the scripts they start (dist_scripts/) share it; fixtures live in conftest.py.
+``dppo_testing.vocab_parallel`` holds the vocabulary-parallel tests' own helpers.
 
 ``sample_inputs(device, dtype, mode, case)`` builds the op's keyword arguments for one named case
 of ``CASES``: odd vocabularies and vocabularies that are not a multiple of 8, N = 0 and 1,

@@ -5,7 +5,8 @@ as the all-gather would, the epilogue, each slice's backward) against the single
 logits, for every mode, dtype and input case; opcheck of both ops; their error messages.
 Distributed: 2 and 3 gloo processes run ``dist_scripts/vocab_parallel_worker.py`` (the real API:
 ``dppo_loss(..., vocab_parallel_group=)``, the per-row function, in-place backward, every aggregation mode,
-the fused linear path with a sharded LM head, DTensor input) and report every comparison.
+the fused linear path with a sharded LM head, DTensor input) and report every comparison; one gloo rank shows
+that no call uses a deprecated collective.
 """
 
 from __future__ import annotations
@@ -20,20 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo_ext.ops import _grad_args, dppo_loss_forward
+from dppo_ext._autograd import grad_args
+from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
-from dppo_testing import sample_inputs
-from vocab_parallel_testing import (compare_grads, compare_outputs, owners, place_tokens, single_device,
-                                    split_offsets, tie_rows, upstream)
+from dppo_testing import child_env, sample_inputs
+from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
+                                          split_offsets, tie_rows, upstream)
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "dist_scripts" / "vocab_parallel_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "dist_scripts" / "vocab_parallel_worker.py"
 SIM_CASES = ("v129", "v7_k1", "extreme", "noncontig", "n0")
-
-
-class _Ctx:
-    compute_entropy = True
 
 
 def simulate(inputs: dict, offsets: list[int], g: dict[str, torch.Tensor], inplace: bool):
@@ -49,8 +47,8 @@ def simulate(inputs: dict, offsets: list[int], g: dict[str, torch.Tensor], inpla
         inputs["topk_logprobs"] if ids is not None else None, inputs["anchor_logprobs"], mode, inputs["delta_low"],
         inputs["delta_high"], inputs["ratio_cap"], True)
     out = dict(zip(("loss", "logp", "divergence", "mask", "weight", "entropy", "lse"), out))
-    gt, ge, ent = _grad_args(_Ctx(), inputs["advantages"], out["mask"], out["weight"], g["loss"], g["logp"],
-                             g["entropy"], out["entropy"])
+    gt, ge, ent = grad_args(True, inputs["advantages"], out["mask"], out["weight"], g["loss"], g["logp"],
+                            g["entropy"], out["entropy"])
     grads = []
     for s, a in zip(slices, offsets):
         local, foreign = _local_tokens(tokens, a, s.shape[1])
@@ -318,3 +316,40 @@ def test_gloo_processes_match_single_device(world, tmp_path):
     # Every rank computed the same loss bits.
     losses = {json.dumps(r["losses"]) for r in results}
     assert len(losses) == 1, "ranks disagree on the loss"
+
+
+_ONE_RANK = """
+import os, sys, warnings
+import torch
+import torch.distributed as dist
+from dppo_ext import dppo_loss, fused_linear_dppo_loss
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(6, 8, generator=g, requires_grad=True)
+weight = torch.randn(13, 8, generator=g, requires_grad=True)
+tokens = torch.randint(0, 13, (6,), generator=g)
+rollout = torch.log_softmax(hidden.detach() @ weight.detach().T, -1).gather(1, tokens[:, None])[:, 0] - 0.05
+adv = torch.randn(6, generator=g)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loss, _ = dppo_loss(hidden @ weight.T, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD,
+                        vocab_offsets=[0, 13])
+    loss.backward()
+    loss, _ = fused_linear_dppo_loss(hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD)
+    loss.backward()
+print([f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, (DeprecationWarning,
+                                                                                      FutureWarning))])
+sys.stdout.flush()
+os._exit(0)  # no gloo teardown (docs/distributed.md)
+"""
+
+
+def test_vocab_parallel_calls_use_no_deprecated_collective(tmp_path):
+    """The forward's one all-gather uses torch.distributed's current collective: neither vocab-parallel entry point
+    (logits, fused linear; forward and backward) emits a deprecation warning (torch 2.13 deprecated
+    all_gather_into_tensor). One gloo rank in a child process."""
+    proc = subprocess.run([sys.executable, "-c", _ONE_RANK, str(tmp_path / "store")], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

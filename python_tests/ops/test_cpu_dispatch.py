@@ -25,7 +25,7 @@ import torch
 
 from dppo_ext import _native
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LEVELS = ("default", "avx2", "avx512")
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -126,7 +126,7 @@ def test_forced_level_matches_reference(level):
     proc = _run_child(check, DPPO_CPU_CAPABILITY=level)
     assert proc.returncode == 0, f"the child did not run at {level}: {proc.stderr[-2000:]}"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "python_tests/test_dppo_op.py", "-k", select],
+                           "python_tests/ops/test_dppo_op.py", "-k", select],
                           env=_child_env(DPPO_CPU_CAPABILITY=level), capture_output=True, text=True,
                           timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -25,7 +25,7 @@ from dppo_testing import ambiguous_rows, reference_outputs
 
 from dppo_ext import dppo_loss
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import LOSS_AGG_MODES
+from dppo_ext.reference import AGG_MODES
 
 # Stable-RL loss mode -> (our mode, uses the recomputed old-policy log-probs as mask anchor).
 MODE_MAP = {
@@ -228,7 +228,7 @@ AGG_CASES = [("fork", agg, ours) for agg, ours in FORK_AGG.items()] + [("verl", 
 
 
 def test_agg_cases_cover_our_modes():
-    assert {ours for _, _, ours in AGG_CASES} == set(LOSS_AGG_MODES)
+    assert {ours for _, _, ours in AGG_CASES} == set(AGG_MODES)
 
 
 @pytest.mark.parametrize("source, agg, ours", AGG_CASES, ids=[f"{s}-{a}" for s, a, _ in AGG_CASES])
@@ -236,7 +236,7 @@ def test_agg_cases_cover_our_modes():
 def test_aggregated_loss_parity(loss_mode, source, agg, ours):
     """The scalar loss of dppo_ext.dppo_loss equals Stable-RL's pg_loss through the fork's or current verl's
     agg_loss, under the name ``FORK_AGG`` / verl gives."""
-    d = _inputs(torch.float64, seed=100 + LOSS_AGG_MODES.index(ours))
+    d = _inputs(torch.float64, seed=100 + AGG_MODES.index(ours))
     loss_t, _, _, _ = _theirs(loss_mode, d)
     want = (stable_rl_agg_loss if source == "fork" else verl_agg_loss)(loss_t, d["mask"], agg)
     mode, recompute = MODE_MAP[loss_mode]

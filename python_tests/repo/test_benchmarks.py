@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """A run is never lost: the reference trainer's run folder, lock, checkpoints, metrics file and
-load errors (issue 8, section 2). No vLLM: direct calls on a tiny model, and short HF-engine runs.
+load errors. No vLLM: direct calls on a tiny model, and short HF-engine runs.
 
 Each test sets up the misuse or fault a user meets (a rerun into the same --out, two trainers on
 one folder, a crash during a save or a metrics write, a damaged file) and checks the result

@@ -27,7 +27,7 @@ import torch
 import dppo_ext
 from dppo_ext import _native
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = "pip install --no-build-isolation -e ."
 PREREQS = 'pip install "setuptools>=77" ninja'
 
@@ -89,6 +89,32 @@ def test_pure_python_parts_import_without_native_library(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     version, where = proc.stdout.split()
     assert version == dppo_ext.__version__ and Path(where).is_relative_to(root)
+
+
+def test_package_constants_need_no_native_library(tmp_path):
+    """The package face's constants and aggregation helpers are pure Python: they import, and work, without
+    dppo_ext._C, and do not load it."""
+    root = _copy_package(tmp_path, with_library=False)
+    proc = _python(
+        "import sys, torch, dppo_ext\n"
+        "from dppo_ext import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES, aggregate_loss, micro_batch_scale\n"
+        "assert MODES[0] == 'binary_tv' and MODE_ALIASES['dppo_tv'] == 'binary_tv'\n"
+        "assert set(DEFAULT_DELTAS) == set(MODES)\n"
+        "mask = torch.tensor([[1, 1, 0], [1, 0, 0]])\n"
+        "assert aggregate_loss(torch.ones(2, 3), mask, 'token-sum').item() == 3.0\n"
+        "assert micro_batch_scale('token-mean', mask[:1], 3, 2).item() == 2 / 3\n"
+        "assert 'token-mean' in AGG_MODES and 'dppo_ext._C' not in sys.modules, sorted(sys.modules)\n", root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_native_library_imports_first(tmp_path):
+    """``import dppo_ext._C`` before anything else works: the package loads torch, whose libraries the native
+    library links against, instead of failing with the loader's 'libc10.so: cannot open shared object file'."""
+    root = _copy_package(tmp_path, with_library=True)
+    code = "import dppo_ext._C as lib\nimport torch\nprint(lib.torch_version, torch.ops.dppo.dppo_loss_forward)"
+    proc = _python(code, root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == torch.__version__
 
 
 @pytest.mark.parametrize("statement", ["from dppo_ext import dppo_loss", "import dppo_ext.ops",

@@ -1,0 +1,273 @@
+"""What one loss call carries from its entry point down to the op: the settings and the per-row tensors.
+
+- ``LossSettings``: the call's scalar settings, resolved and checked once (mode made canonical, ``None``
+  thresholds replaced by ``DEFAULT_DELTAS[mode]``, the aggregation checked) and passed as one object through every
+  layer, the autograd Functions included.
+- ``RowInputs`` / ``DPPOOutputs``: the op's per-row inputs and outputs, each ``[N]`` (top-K ``[N, K]``).
+- ``prepare_rows``: an aggregating entry point's ``[*lead, ...]`` tensors checked against the rows' shape, the
+  advantages broadcast, and everything flattened to ``N = lead.numel()`` rows (a row outside ``response_mask``
+  gets the token ``IGNORE_INDEX``, which the op skips).
+- ``LossModule``: the ``nn.Module`` base of ``DPPOLoss`` and ``FusedLinearDPPOLoss`` (settings checked at
+  construction, passed to the loss function on every call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .contract import (
+    DEFAULT_AGG_MODE,
+    IGNORE_INDEX,
+    TOPK_MODES,
+    canonical_mode,
+    check_aggregation,
+    check_settings,
+    check_token_ids,
+    resolve_deltas,
+)
+
+__all__ = [
+    "DPPOOutputs",
+    "LossModule",
+    "LossSettings",
+    "RowInputs",
+    "broadcast_advantages",
+    "check_row_shapes",
+    "check_topk_shapes",
+    "prepare_rows",
+]
+
+
+# How the shape messages name the leading dims of an entry point's main tensor.
+_LEAD_DIMS = {"logits": "the logits' leading dims", "hidden": "hidden's leading dims"}
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The scalar settings of one loss call, resolved once by :meth:`resolve`."""
+
+    mode: str  # one of MODES (an alias already translated)
+    temperature: float
+    delta_low: float
+    delta_high: float
+    ratio_cap: float
+    compute_entropy: bool
+    loss_agg_mode: str = DEFAULT_AGG_MODE
+    loss_scale_factor: Optional[float] = None
+
+    @classmethod
+    def resolve(
+        cls,
+        mode: str,
+        temperature: float,
+        delta_low: Optional[float],
+        delta_high: Optional[float],
+        ratio_cap: float,
+        compute_entropy: bool,
+        loss_agg_mode: Optional[str] = None,
+        loss_scale_factor: Optional[float] = None,
+    ) -> LossSettings:
+        """The settings of an entry point's call: ``mode`` made canonical, then (for an aggregating entry point, which
+        passes ``loss_agg_mode``) the aggregation checked, then ``None`` thresholds replaced by
+        ``DEFAULT_DELTAS[mode]``; ValueError for an unknown mode or aggregation. The other values are kept as given,
+        so that the entry point's tensor checks run before :meth:`op_args` converts them to the schema's types."""
+        mode = canonical_mode(mode)
+        if loss_agg_mode is None:
+            loss_agg_mode = DEFAULT_AGG_MODE
+        else:
+            check_aggregation(loss_agg_mode, loss_scale_factor)
+        delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
+        return cls(
+            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+        )
+
+    @property
+    def uses_topk(self) -> bool:
+        """Whether the mode reads the rollout's top-K (``topk_ids``, ``topk_logprobs``)."""
+        return self.mode in TOPK_MODES
+
+    def op_args(self) -> tuple[str, float, float, float, float, bool]:
+        """The settings in ``dppo_loss_forward``'s schema order and types (``str mode, float temperature, float
+        delta_low, float delta_high, float ratio_cap, bool compute_entropy``)."""
+        return (
+            self.mode,
+            float(self.temperature),
+            float(self.delta_low),
+            float(self.delta_high),
+            float(self.ratio_cap),
+            bool(self.compute_entropy),
+        )
+
+    def stats_args(self) -> tuple[float, bool]:
+        """``(temperature, compute_entropy)``, the settings of ``dppo_vocab_parallel_stats`` (after ``vocab_start``)."""
+        return float(self.temperature), bool(self.compute_entropy)
+
+    def epilogue_args(self) -> tuple[str, float, float, float, bool]:
+        """The settings in ``dppo_vocab_parallel_epilogue``'s schema order (no temperature: the statistics are
+        already scaled)."""
+        mode, _temperature, *rest = self.op_args()
+        return (mode, *rest)
+
+
+class DPPOOutputs(NamedTuple):
+    """Per-row outputs of the op, each ``[N]`` in float32 (float64 for float64 logits)."""
+
+    loss: Tensor
+    logp: Tensor
+    divergence: Tensor
+    mask: Tensor
+    weight: Tensor
+    entropy: Tensor
+    lse: Tensor
+
+
+class RowInputs(NamedTuple):
+    """The op's per-row inputs in its schema's order: ``tokens [N]`` int64, ``rollout_logprobs``, ``advantages``
+    ``[N]`` and ``anchor_logprobs [N]?`` in the accumulation dtype, ``topk_ids [N, K]?`` int64, ``topk_logprobs
+    [N, K]?``."""
+
+    tokens: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    topk_ids: Optional[Tensor] = None
+    topk_logprobs: Optional[Tensor] = None
+    anchor_logprobs: Optional[Tensor] = None
+
+    def narrow(self, rows: slice) -> RowInputs:
+        """The given rows of every input (views)."""
+        return RowInputs(*(None if t is None else t[rows] for t in self))
+
+
+def broadcast_advantages(advantages: Tensor, lead: torch.Size, layout: str) -> Tensor:
+    """Advantages as ``lead`` (the rows' shape): per token as given, or per sequence (``[B]``, or TRL's
+    ``[B, 1]``) expanded over the ``T`` tokens of ``[B, T]`` rows."""
+    if advantages.shape == lead:
+        return advantages
+    if len(lead) == 2 and advantages.shape in (lead[:1], torch.Size((lead[0], 1))):
+        return advantages.reshape(lead[0], 1).expand(lead)
+    raise ValueError(
+        f"advantages must have shape {tuple(lead)} (per token) or {tuple(lead[:1])} or {(lead[0], 1)} (per sequence, "
+        f"for [B, T, *] {layout}), got {tuple(advantages.shape)}"
+    )
+
+
+def check_row_shapes(lead: torch.Size, dims: str, **tensors: Optional[Tensor]) -> None:
+    """Every given tensor (None passes) must have the rows' shape ``lead``, which ``dims`` names in the message."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} ({dims}), got {tuple(t.shape)}")
+
+
+def check_topk_shapes(lead: torch.Size, topk_ids: Optional[Tensor], topk_logprobs: Optional[Tensor]) -> None:
+    for name, t in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
+        if t is not None and t.shape[:-1] != lead:
+            raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
+
+
+def prepare_rows(
+    lead: torch.Size,
+    layout: str,
+    acc: torch.dtype,
+    device: torch.device,
+    tokens: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Optional[Tensor],
+    topk_ids: Optional[Tensor],
+    topk_logprobs: Optional[Tensor],
+    anchor_logprobs: Optional[Tensor],
+) -> tuple[Tensor, RowInputs]:
+    """``(valid, rows)`` of an aggregating entry point whose ``layout`` tensor (``"logits"``, ``"hidden"``) has the
+    leading dims ``lead``: the inputs checked against ``lead`` (token ids must be integers), per-sequence advantages
+    broadcast, then everything flattened to ``N = lead.numel()`` rows, floats in ``acc``. ``valid`` (``[*lead]``
+    bool) marks the response tokens; a row outside ``response_mask`` gets the token ``IGNORE_INDEX``."""
+    check_row_shapes(
+        lead,
+        _LEAD_DIMS[layout],
+        tokens=tokens,
+        rollout_logprobs=rollout_logprobs,
+        response_mask=response_mask,
+        anchor_logprobs=anchor_logprobs,
+    )
+    check_token_ids("tokens", tokens)
+    check_token_ids("topk_ids", topk_ids)
+    advantages = broadcast_advantages(advantages, lead, layout)
+    check_topk_shapes(lead, topk_ids, topk_logprobs)
+    valid = torch.ones(lead, dtype=torch.bool, device=device) if response_mask is None else response_mask.bool()
+    flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
+    n = lead.numel()
+
+    def flat(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+        return None if t is None else t.reshape(n, *t.shape[len(lead) :]).to(dtype)
+
+    return valid, RowInputs(
+        flat_tokens.reshape(n),
+        flat(rollout_logprobs, acc),
+        flat(advantages, acc),
+        flat(topk_ids, torch.long),
+        flat(topk_logprobs, acc),
+        flat(anchor_logprobs, acc),
+    )
+
+
+class LossModule(nn.Module):
+    """The settings that ``DPPOLoss`` and ``FusedLinearDPPOLoss`` share: checked at construction (``flags``: the
+    module's own bool settings), stored, and passed to the loss function by :meth:`loss_kwargs`."""
+
+    def __init__(
+        self,
+        mode: str,
+        temperature: float,
+        delta_low: Optional[float],
+        delta_high: Optional[float],
+        ratio_cap: float,
+        loss_agg_mode: str,
+        loss_scale_factor: Optional[float],
+        compute_entropy: bool,
+        vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
+        vocab_offsets: Optional[Sequence[int]],
+        **flags: bool,
+    ) -> None:
+        super().__init__()
+        # checked in this order: the op's settings, each bool setting, then the aggregation
+        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
+        for name, flag in {"compute_entropy": compute_entropy, **flags}.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_aggregation(loss_agg_mode, loss_scale_factor)
+        self.mode = canonical_mode(mode)
+        self.temperature = temperature
+        self.delta_low = delta_low
+        self.delta_high = delta_high
+        self.ratio_cap = ratio_cap
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
+        self.compute_entropy = compute_entropy
+        self.vocab_parallel_group = vocab_parallel_group
+        self.vocab_offsets = vocab_offsets
+
+    def loss_kwargs(self) -> dict:
+        """The shared settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
+        return dict(
+            mode=self.mode,
+            temperature=self.temperature,
+            delta_low=self.delta_low,
+            delta_high=self.delta_high,
+            ratio_cap=self.ratio_cap,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self.loss_scale_factor,
+            compute_entropy=self.compute_entropy,
+            vocab_parallel_group=self.vocab_parallel_group,
+            vocab_offsets=self.vocab_offsets,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+            f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
+            f"loss_scale_factor={self.loss_scale_factor}"
+        )

@@ -1,0 +1,152 @@
+"""From per-token results to what a trainer uses: the scalar loss, its metrics, and its split into micro-batches.
+
+- :func:`aggregate_loss`: a per-token loss to a scalar, with verl's mode names and formulas (docs/aggregation.md).
+- :func:`dppo_metrics`: the op's per-row outputs summarised over the response tokens (no host sync).
+- :func:`micro_batch_scale`: the weight of one micro-batch's aggregated loss in the loss of the batch it was split
+  from, so that gradient accumulation over micro-batches reproduces the whole batch's loss.
+
+Pure PyTorch: nothing here loads the compiled library.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from ._rows import DPPOOutputs, LossSettings
+from .contract import DEFAULT_AGG_MODE, LOG_RATIO_CLAMP, SUM_AGG_MODES, check_aggregation
+
+__all__ = ["aggregate_loss", "aggregate_with", "dppo_metrics", "micro_batch_scale"]
+
+
+def aggregate_loss(
+    loss_mat: Tensor, mask: Tensor, loss_agg_mode: str = DEFAULT_AGG_MODE, loss_scale_factor: Optional[float] = None
+) -> Tensor:
+    """Aggregate a per-token loss into a scalar, with verl's mode names and formulas.
+
+    With ``l[b, t]`` the per-token loss, ``m[b, t]`` the mask, ``S_b = sum_t m l`` the sequence sums,
+    ``n_b = sum_t m`` the token counts, ``B' = #{b : n_b > 0}`` the non-empty sequences and ``C`` the
+    horizon (``loss_scale_factor``, default ``T = mask.shape[-1]``):
+
+    - ``token-mean``: ``sum_b S_b / sum_b n_b``
+    - ``token-sum``: ``sum_b S_b``
+    - ``seq-mean-token-sum``: ``sum_b S_b / B'``
+    - ``seq-mean-token-mean``: ``sum_{b: n_b > 0} (S_b / n_b) / B'``
+    - ``seq-mean-token-sum-norm``: ``sum_b S_b / (B' * C)`` (Dr. GRPO; current verl)
+    - ``token-sum-norm``: ``sum_b S_b / C`` (what the paper's verl fork computes under the name
+      ``seq-mean-token-sum-norm``: ``B'`` times the current verl value)
+
+    Args:
+        loss_mat: ``[B, T]`` (or ``[N]``, treated as one sequence) per-token loss.
+        mask: same shape, 1 for response tokens, 0 for padding.
+        loss_agg_mode: one of ``AGG_MODES``.
+        loss_scale_factor: ``C`` of the ``-norm`` modes (verl's ``loss_scale_factor``; pass a constant such
+            as the maximum response length when micro-batches are padded to different lengths). Only for
+            those modes.
+    An empty batch (no response token) gives 0 in every mode.
+    """
+    check_aggregation(loss_agg_mode, loss_scale_factor)
+    if mask.shape != loss_mat.shape:  # a broadcast mask would silently change the normaliser
+        raise ValueError(f"mask must have the loss's shape {tuple(loss_mat.shape)}, got {tuple(mask.shape)}")
+    return _aggregate(loss_mat, mask, loss_agg_mode, loss_scale_factor)
+
+
+def aggregate_with(loss_mat: Tensor, mask: Tensor, settings: LossSettings) -> Tensor:
+    """:func:`aggregate_loss` with the aggregation of ``settings``, which :meth:`LossSettings.resolve` checked (an
+    entry point's rows: ``mask`` has the loss's shape)."""
+    return _aggregate(loss_mat, mask, settings.loss_agg_mode, settings.loss_scale_factor)
+
+
+def _aggregate(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, loss_scale_factor: Optional[float]) -> Tensor:
+    if loss_mat.dim() == 1:
+        loss_mat, mask = loss_mat.unsqueeze(0), mask.unsqueeze(0)
+    mask = mask.to(loss_mat.dtype)
+    seq_sum = (loss_mat * mask).sum(-1)
+    if loss_agg_mode == "token-mean":
+        return seq_sum.sum() / mask.sum().clamp(min=1)
+    if loss_agg_mode == "token-sum":
+        return seq_sum.sum()
+    horizon = float(max(loss_mat.shape[-1], 1) if loss_scale_factor is None else loss_scale_factor)
+    if loss_agg_mode == "token-sum-norm":
+        return seq_sum.sum() / horizon
+    tokens_per_seq = mask.sum(-1)
+    non_empty = (tokens_per_seq > 0).to(loss_mat.dtype)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_sum = seq_sum / tokens_per_seq.clamp(min=1)
+    seq_mean = (seq_sum * non_empty).sum() / non_empty.sum().clamp(min=1)
+    return seq_mean / horizon if loss_agg_mode == "seq-mean-token-sum-norm" else seq_mean
+
+
+@torch.no_grad()
+def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The op's per-row outputs summarised over valid rows, as 0-d tensors (no host sync).
+
+    Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``mismatch_mean`` and
+    ``mismatch_max`` (|pi - mu|, the paper's training-inference mismatch), ``divergence_mean``,
+    ``entropy_mean``, ``ratio_max`` (pi / mu, log-ratio clamped at 20), ``num_tokens``.
+    """
+    v = valid.to(out.loss.dtype)
+    n = v.sum()
+
+    def mean(x: Tensor, w: Tensor) -> Tensor:
+        return (x * w).sum() / w.sum().clamp(min=1)
+
+    def vmax(x: Tensor) -> Tensor:
+        return torch.where(valid, x, torch.zeros_like(x)).amax() if x.numel() else x.new_zeros(())
+
+    masked = 1.0 - out.mask
+    mismatch = (out.logp.exp() - rollout_logprobs.exp()).abs()
+    # A token impossible under both policies (both log-probs -inf) has ratio 0, as its weight (docs/contract.md);
+    # a row without a distribution keeps its NaN, so the metric shows it.
+    impossible = torch.isneginf(out.logp) & torch.isneginf(rollout_logprobs)
+    ratio = torch.where(impossible, 0.0, torch.exp((out.logp - rollout_logprobs).clamp(max=LOG_RATIO_CLAMP)))
+    return {
+        "masked_frac": mean(masked, v),
+        "masked_frac_pos": mean(masked, v * (advantages > 0)),
+        "masked_frac_neg": mean(masked, v * (advantages < 0)),
+        "mismatch_mean": mean(mismatch, v),
+        "mismatch_max": vmax(mismatch),
+        "divergence_mean": mean(out.divergence, v),
+        "entropy_mean": mean(out.entropy, v),
+        "ratio_max": vmax(ratio),
+        "num_tokens": n,
+    }
+
+
+def micro_batch_scale(
+    loss_agg_mode: str,
+    micro_mask: Tensor,
+    batch_tokens: Union[float, Tensor],
+    batch_sequences: Union[float, Tensor],
+) -> Tensor:
+    """Weight of one micro-batch's ``aggregate_loss`` in the loss of the batch it was split from.
+
+    For a batch split into micro-batches ``i`` (rows of ``[B, T]``, each possibly trimmed to its own longest
+    response), ``sum_i micro_batch_scale(mode, mask_i, ...) * aggregate_loss(loss_i, mask_i, mode, C)`` equals
+    ``aggregate_loss(loss, mask, mode, C)`` of the whole batch (docs/aggregation.md): the means weigh each
+    micro-batch by its share of the batch's response tokens (``token-mean``) or of its non-empty sequences
+    (``seq-mean-*``); the sums (``token-sum``, ``token-sum-norm``) add up (weight 1). The ``-norm`` modes need the
+    same constant horizon ``C`` (``loss_scale_factor``, e.g. the maximum response length) in every micro-batch,
+    not each one's padded length. Scale each micro-batch's loss by this before its ``backward()`` to accumulate
+    the whole batch's gradient.
+
+    Args:
+        loss_agg_mode: one of ``AGG_MODES``.
+        micro_mask: ``[b, t]`` (or ``[n]``, one sequence) this micro-batch's response mask.
+        batch_tokens: the whole batch's number of response tokens (``mask.sum()``), a number or a 0-d tensor.
+        batch_sequences: the whole batch's number of sequences with at least one response token.
+
+    Returns:
+        The weight as a 0-d float64 tensor on ``micro_mask``'s device (no host sync).
+    """
+    check_aggregation(loss_agg_mode)
+    if loss_agg_mode in SUM_AGG_MODES:
+        return torch.ones((), dtype=torch.float64, device=micro_mask.device)
+    counts = micro_mask.to(torch.float64)
+    if loss_agg_mode == "token-mean":
+        share, total = counts.sum(), batch_tokens
+    else:  # a sequence counts when it has a response token, as in aggregate_loss's B'
+        share, total = (counts.sum(-1) > 0).sum().to(torch.float64), batch_sequences
+    return share / torch.as_tensor(total, dtype=torch.float64, device=micro_mask.device).clamp(min=1)
