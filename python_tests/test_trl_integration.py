@@ -3,14 +3,22 @@
 Checks: a few training steps through TRL (fused-linear and logits paths): finite loss, every weight changes, our
 metrics in TRL's log history; the trainer's loss on a fixed batch equals the op-free reference computed from the
 model's ordinary logits (so the hidden-state/token alignment is right); vLLM log-probs are the anchor when
-present, NaN ones fall back to the old policy; config and version errors.
+present, NaN ones fall back to the old policy; config and version errors; the package imports nothing and
+changes nothing until a name is used, and every public name keeps its import path.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +43,13 @@ from dppo_ext.reference import LOSS_AGG_MODES, aggregate_loss_reference, dppo_lo
 from dppo_testing import child_env  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
+ROOT = Path(__file__).resolve().parents[1]
+# The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
+PUBLIC_NAMES = {
+    "DPPOGRPOConfig": "config", "VLLM_DTYPES": "config", "DPPOForwardOutput": "head", "add_dppo_head": "head",
+    "split_vllm_logprobs": "generation", "DPPOGRPOTrainer": "trainer", "SUPPORTED_TRL": "versions",
+    "TESTED_TRL": "versions", "TESTED_VLLM": "versions", "check_trl_version": "versions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -321,9 +336,12 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     steps = 6
-    trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3, use_vllm=True,
-                           vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False, learning_rate=3e-2,
-                           temperature=1.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3,
+                               use_vllm=True, vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False,
+                               learning_rate=3e-2, temperature=1.3)
+    assert not [w for w in caught if "TRL currently supports vLLM" in str(w.message)], "TRL's check at engine start"
     seen, snapshots = [], []
     generate = trainer._generate_and_score_completions
 
@@ -377,27 +395,79 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
         add_dppo_head(LlamaForCausalLM(config), args, 1.0)
 
 
-@pytest.mark.slow
-def test_no_vllm_version_warning_for_the_pinned_vllm():
-    """Importing the integration (and building TRL's vLLM checks) shows none of TRL's "supports vLLM 0.22-0.31"
-    warnings for the vLLM release we test with; another version still warns."""
-    import subprocess
-    import sys
+def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that imports dppo_ext as this process does."""
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
+                         env=child_env(), cwd=str(cwd), timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
 
+
+def test_package_import_has_no_side_effects(tmp_path):
+    """``import dppo_ext.integrations.trl`` imports none of TRL, transformers, accelerate or vLLM and changes no
+    warning filter or logger; each public name loads only what it needs (the config TRL, not vLLM)."""
+    code = textwrap.dedent("""
+        import json, logging, sys, warnings
+        heavy = ("trl", "transformers", "accelerate", "vllm")
+        loaded = lambda: [m for m in heavy if m in sys.modules]
+        import torch, dppo_ext  # what the package needs anyway
+        filters, loggers = list(warnings.filters), dict(logging.root.manager.loggerDict)
+        import dppo_ext.integrations.trl as t
+        out = {"import": loaded(), "filters": warnings.filters == filters,
+               "loggers": sorted(set(logging.root.manager.loggerDict) - set(loggers))}
+        t.split_vllm_logprobs, t.check_trl_version, t.SUPPORTED_TRL
+        out["split_vllm_logprobs"] = loaded()
+        t.DPPOGRPOConfig
+        out["DPPOGRPOConfig"] = loaded()
+        print(json.dumps(out))
+    """)
+    out = json.loads(_run_python(code, tmp_path).stdout.strip().splitlines()[-1])
+    assert out["import"] == [] and out["filters"], out
+    assert all(not name.startswith(("trl", "vllm", "transformers")) for name in out["loggers"]), out
+    assert out["split_vllm_logprobs"] == [], out
+    assert "trl" in out["DPPOGRPOConfig"] and "vllm" not in out["DPPOGRPOConfig"], out
+
+
+def test_public_names_keep_their_import_path():
+    """Every public name of the former single module imports from ``dppo_ext.integrations.trl`` and is the object
+    its module defines; ``__all__`` and ``dir()`` list them; an unknown name is an AttributeError."""
+    import importlib
+
+    for name, module in PUBLIC_NAMES.items():
+        defined = getattr(importlib.import_module(f"dppo_ext.integrations.trl.{module}"), name)
+        assert getattr(dppo_trl, name) is defined, name
+        namespace: dict = {}
+        exec(f"from dppo_ext.integrations.trl import {name}", namespace)
+        assert namespace[name] is defined, name
+    assert set(PUBLIC_NAMES) == set(dppo_trl.__all__)
+    assert set(PUBLIC_NAMES) <= set(dir(dppo_trl))
+    with pytest.raises(AttributeError, match=r"module 'dppo_ext.integrations.trl' has no attribute 'GRPOTrainer'"):
+        dppo_trl.GRPOTrainer
+
+
+@pytest.mark.slow
+def test_no_vllm_version_warning_for_the_pinned_vllm(tmp_path):
+    """Importing the trainer (TRL's trainer imports its vLLM modules, which check vLLM's version five times) shows
+    none of TRL's "supports vLLM 0.22-0.31" warnings for the vLLM release we test with, and leaves no filter
+    behind: TRL's own check afterwards still warns, and inside our block another version still warns."""
     pytest.importorskip("vllm")
-    script = (
-        "import warnings, dppo_ext.integrations.trl\n"
-        "from trl.import_utils import is_vllm_available\n"
-        "is_vllm_available()\n"
-        "warnings.warn('TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
-        "installed.', UserWarning)\n"
-    )
-    env = child_env()
-    out = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code = textwrap.dedent(f"""
+        import warnings
+        from dppo_ext.integrations.trl import DPPOGRPOTrainer
+        from dppo_ext.integrations.trl.versions import tested_vllm_warning_silenced
+        from trl.import_utils import is_vllm_available
+        print("LEFT", sum("TRL currently" in str(f[1]) for f in warnings.filters))
+        is_vllm_available()
+        with tested_vllm_warning_silenced():
+            warnings.warn("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
+                          "installed.", UserWarning)
+    """)
+    out = _run_python(code, tmp_path)
+    assert "LEFT 0" in out.stdout, out.stdout
     assert "You have version 0.33.0" in out.stderr, "other vLLM versions must still warn"
-    assert f"You have version {dppo_trl.TESTED_VLLM}" not in out.stderr, out.stderr[-3000:]
+    ours = f"You have version {dppo_trl.TESTED_VLLM}"
+    shown = [line for line in out.stderr.splitlines() if ours in line]
+    assert len(shown) == 1 and shown[0].startswith("<string>:"), out.stderr[-3000:]  # TRL's own check only
 
 
 @pytest.mark.parametrize(
@@ -447,10 +517,6 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
 def test_example_script_runs_without_vllm(tmp_path):
     """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it, in a process of its own, and prints one
     line per step with the recompute variant flagged."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     example = Path(__file__).resolve().parents[1] / "examples" / "trl_dppo_grpo.py"
     env = child_env()
     out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
