@@ -142,10 +142,10 @@ class DPPOGRPOConfig(GRPOConfig):
         changed = {name: value for name, (value, default) in ratio_clips.items() if value != default}
         if changed:
             raise ValueError(
-                f"DPPOGRPOTrainer does not read TRL's ratio-clip fields {changed}: DPPO's thresholds bound a divergence "
-                f"(binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set dppo_delta_low / "
-                f"dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / epsilon_high) and "
-                f"leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
+                f"DPPOGRPOTrainer does not read TRL's ratio-clip fields {changed}: DPPO's thresholds bound a "
+                f"divergence (binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set "
+                f"dppo_delta_low / dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / "
+                f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
 
     def _warn_ignored_trl_fields(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
