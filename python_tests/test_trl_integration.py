@@ -4,7 +4,8 @@ Checks: a few training steps through TRL (fused-linear and logits paths): finite
 metrics in TRL's log history; the trainer's loss on a fixed batch equals the op-free reference computed from the
 model's ordinary logits (so the hidden-state/token alignment is right); vLLM log-probs are the anchor when
 present, NaN ones fall back to the old policy; config and version errors; the package imports nothing and
-changes nothing until a name is used, and every public name keeps its import path.
+changes nothing until a name is used, and every public name keeps its import path;
+examples/trl_dppo_grpo.py learns (its held-out accuracy and training reward rise).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import gc
 import json
 import logging
 import math
-import re
 import subprocess
 import sys
 import textwrap
@@ -44,6 +44,8 @@ from dppo_testing import child_env  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
 ROOT = Path(__file__).resolve().parents[1]
+# The flags test_example_learns runs examples/trl_dppo_grpo.py with (shorter than its default run).
+EXAMPLE_TEST_FLAGS = ("--steps", "100")
 # The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
 PUBLIC_NAMES = {
     "DPPOGRPOConfig": "config", "VLLM_DTYPES": "config", "DPPOForwardOutput": "head", "add_dppo_head": "head",
@@ -270,7 +272,8 @@ def test_config_errors(tmp_path, tiny_model):
     from trl import GRPOConfig
 
     with pytest.raises(TypeError, match=r"needs args=DPPOGRPOConfig\(\.\.\.\), got GRPOConfig"):
-        DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+        DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones,
+                        args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
     assert DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="binary_kl", use_cpu=True).dppo_deltas == \
         DEFAULT_DELTAS["binary_kl"]
     verl_named = DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="dppo_kl", use_cpu=True)  # verl's name
@@ -299,7 +302,8 @@ def test_trl_loss_fields(tmp_path):
 def test_unsupported_trl_version_is_a_clear_error():
     check_trl_version("1.16.0")
     for version in ("1.15.0", "1.17.0", "0.19.1"):
-        with pytest.raises(ImportError, match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"):
+        with pytest.raises(ImportError,
+                           match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"):
             check_trl_version(version)
 
 
@@ -328,7 +332,8 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     """Six TRL steps with colocated vLLM (float32) generating for topk_tv: the weights are pushed into vLLM before
     every generation, so the first forward of each step (before its update) sees |pi - mu| at rounding level
     although the weights move every step; vLLM's top-K reaches the loss; after a final push, vLLM scores tokens
-    as the trained model does and not as the initial one."""
+    as the trained model does and not as the initial one. Starting the engine shows no TRL warning about the
+    tested vLLM release."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
@@ -513,15 +518,38 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
         add_dppo_head(LlamaModel(config), args, 1.0)
 
 
+def _run_example(tmp_path: Path, *flags: str) -> tuple[dict, list[str]]:
+    """examples/trl_dppo_grpo.py as a user runs it, in a process of its own: (its JSON summary, its step lines)."""
+    summary = tmp_path / "summary.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "trl_dppo_grpo.py"), *flags, "--summary", str(summary),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=child_env(), timeout=900, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(summary.read_text()), [line for line in out.stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_example_learns(tmp_path):
+    """The example, shortened by its flags, with colocated vLLM rollouts: the held-out accuracy and the training
+    reward rise, and |pi - mu| stays at float32 rounding level (the weights are pushed before every generation)."""
+    pytest.importorskip("vllm")
+    summary, steps = _run_example(tmp_path, *EXAMPLE_TEST_FLAGS)
+    assert len(steps) == summary["steps"] == int(EXAMPLE_TEST_FLAGS[1])
+    assert all("recompute_variant 0" in line for line in steps), steps
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.05, summary
+    assert summary["reward_last"] > summary["reward_first"], summary
+    assert summary["mismatch_max"] < 1e-5, summary
+
+
 @pytest.mark.slow
 def test_example_script_runs_without_vllm(tmp_path):
-    """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it, in a process of its own, and prints one
-    line per step with the recompute variant flagged."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "trl_dppo_grpo.py"
-    env = child_env()
-    out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], out.stdout[-2000:]
+    """``examples/trl_dppo_grpo.py --no-vllm`` runs, prints one line per step with the recompute variant flagged
+    and reports both accuracies."""
+    summary, steps = _run_example(tmp_path, "--no-vllm", "--steps", "2", "--warm-start-steps", "5",
+                                  "--eval-problems", "8")
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], steps
     assert all("recompute_variant 1" in line for line in steps), steps
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0, summary
