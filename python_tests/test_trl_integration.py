@@ -4,8 +4,8 @@ Checks: a few training steps through TRL (fused-linear and logits paths): finite
 metrics in TRL's log history; the trainer's loss on a fixed batch equals the op-free reference computed from the
 model's ordinary logits (so the hidden-state/token alignment is right); vLLM log-probs are the anchor when
 present, NaN ones fall back to the old policy; config and version errors; the package imports nothing and
-changes nothing until a name is used, and every public name keeps its import path;
-examples/trl_dppo_grpo.py learns (its held-out accuracy and training reward rise).
+changes nothing until a name is used, and every public name keeps its import path; docs/trl.md's snippet runs
+as written; examples/trl_dppo_grpo.py learns (its held-out accuracy and training reward rise).
 """
 
 from __future__ import annotations
@@ -516,6 +516,33 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
     with pytest.raises(ValueError, match=r"add_dppo_head needs a causal LM with an LM head .*got LlamaModel.*"
                                          r"AutoModelForCausalLM"):
         add_dppo_head(LlamaModel(config), args, 1.0)
+
+
+def _doc_snippet() -> str:
+    """The ```python block of docs/trl.md whose docs-test marker names the test below, exactly as written."""
+    lines = (ROOT / "docs" / "trl.md").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "```python"
+              and "test_doc_snippet_runs_as_written" in lines[i - 1]]
+    assert len(starts) == 1, "docs/trl.md: expected one snippet marked for test_doc_snippet_runs_as_written"
+    end = lines.index("```", starts[0] + 1)
+    return "\n".join(lines[starts[0] + 1 : end])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_doc_snippet_runs_as_written(tmp_path):
+    """docs/trl.md's "in your own script" snippet, verbatim, in a fresh process on this CPU machine: it trains
+    with colocated vLLM, and |pi - mu| after each weight sync is at float32 rounding level, as the doc says for its
+    precision settings (trainer and engine in float32)."""
+    pytest.importorskip("vllm")
+    snippet = _doc_snippet()
+    code = snippet + "\nimport json\nprint('LOG_HISTORY', json.dumps(trainer.state.log_history))\n"
+    out = _run_python(code, tmp_path)
+    history = json.loads(out.stdout.split("LOG_HISTORY", 1)[1])
+    steps = [h for h in history if "dppo/mismatch_max" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps), history
+    mismatch = [h["dppo/mismatch_max"] for h in steps]
+    assert max(mismatch) < 1e-5, f"|pi - mu| after each weight sync: {mismatch}"
 
 
 def _run_example(tmp_path: Path, *flags: str) -> tuple[dict, list[str]]:
