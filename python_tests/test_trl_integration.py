@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -267,6 +268,10 @@ def test_config_errors(tmp_path, tiny_model):
                        use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_delta_low must be a finite number >= 0 or None .*got -0.1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_delta_low=-0.1, use_cpu=True)
+    for gib in (0, -1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(ValueError, match=rf"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None "
+                                             rf"\(vLLM's sizing\), got {re.escape(repr(gib))}"):
+            DPPOGRPOConfig(output_dir=str(tmp_path), dppo_vllm_kv_cache_gib=gib, use_cpu=True)
     with pytest.raises(ValueError, match=r"does not combine DPPO with TRL's \['entropy_coef'\]"):
         make_trainer(tiny_model, tmp_path, entropy_coef=0.01)
     from trl import GRPOConfig
@@ -332,8 +337,8 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     """Six TRL steps with colocated vLLM (float32) generating for topk_tv: the weights are pushed into vLLM before
     every generation, so the first forward of each step (before its update) sees |pi - mu| at rounding level
     although the weights move every step; vLLM's top-K reaches the loss; after a final push, vLLM scores tokens
-    as the trained model does and not as the initial one. Starting the engine shows no TRL warning about the
-    tested vLLM release."""
+    as the trained model does and not as the initial one. The engine gets the dtype and KV-cache size the config
+    asks for, and starting it shows no TRL warning about the tested vLLM release."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
@@ -345,7 +350,10 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
         warnings.simplefilter("always")
         trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3,
                                use_vllm=True, vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False,
-                               learning_rate=3e-2, temperature=1.3)
+                               dppo_vllm_kv_cache_gib=0.25, learning_rate=3e-2, temperature=1.3)
+    engine_config = trainer.vllm_generation.llm.llm_engine.vllm_config
+    assert engine_config.model_config.dtype == torch.float32
+    assert engine_config.cache_config.kv_cache_memory_bytes == 2**28, "dppo_vllm_kv_cache_gib reaches vLLM"
     assert not [w for w in caught if "TRL currently supports vLLM" in str(w.message)], "TRL's check at engine start"
     seen, snapshots = [], []
     generate = trainer._generate_and_score_completions

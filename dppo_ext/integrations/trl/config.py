@@ -7,6 +7,7 @@ clips are an error that names the ``dppo_*`` field to use; the fields of TRL's o
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -71,6 +72,9 @@ class DPPOGRPOConfig(GRPOConfig):
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
         dppo_vllm_dtype: dtype of the colocated vLLM engine (``vllm_mode="colocate"``); ``auto`` is vLLM's choice,
             which runs a float32 checkpoint in bfloat16 or float16, so ``|pi - mu|`` then includes that rounding.
+        dppo_vllm_kv_cache_gib: KV-cache size of the colocated vLLM engine in GiB; ``None``: vLLM sizes it from
+            ``vllm_gpu_memory_utilization``, which on CPU is a share of the machine's RAM (0.3 by TRL's default)
+            that must be free when the engine starts, or it refuses to start.
     """
 
     dppo_mode: str = field(
@@ -99,6 +103,11 @@ class DPPOGRPOConfig(GRPOConfig):
         metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
                           "bfloat16/float16), float32, bfloat16 or float16."},
     )
+    dppo_vllm_kv_cache_gib: Optional[float] = field(
+        default=None,
+        metadata={"help": "KV-cache size of the colocated vLLM engine in GiB; None: from vllm_gpu_memory_utilization "
+                          "(on CPU a share of the RAM that must be free at start)."},
+    )
 
     def __post_init__(self) -> None:
         self._warn_ignored_trl_fields()  # before GRPOConfig's own __post_init__ rewrites any of them
@@ -124,6 +133,11 @@ class DPPOGRPOConfig(GRPOConfig):
             raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
         if self.dppo_vllm_dtype not in VLLM_DTYPES:
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
+        gib = self.dppo_vllm_kv_cache_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
+                                or not (math.isfinite(gib) and gib > 0)):
+            raise ValueError(f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), "
+                             f"got {gib!r}")
 
     def _check_trl_loss_fields(self) -> None:
         """Resolve ``dppo_loss_agg_mode`` from TRL's ``loss_type``; reject TRL's ratio clips (docs/names.md)."""

@@ -93,7 +93,11 @@ class DPPOGRPOTrainer(GRPOTrainer):
                 "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
             )
         colocate = args.use_vllm and args.vllm_mode == "colocate"
-        llm_kwargs = {"dtype": args.dppo_vllm_dtype} if colocate and args.dppo_vllm_dtype != "auto" else {}
+        llm_kwargs: dict[str, Any] = {}
+        if colocate and args.dppo_vllm_dtype != "auto":
+            llm_kwargs["dtype"] = args.dppo_vllm_dtype
+        if colocate and args.dppo_vllm_kv_cache_gib is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(args.dppo_vllm_kv_cache_gib * 2**30)
         # TRL checks vLLM's version again when it starts the engine.
         with extra_llm_kwargs(trl_vllm_generation, **llm_kwargs), tested_vllm_warning_silenced():
             super().__init__(model, reward_funcs, args=args, **kwargs)
