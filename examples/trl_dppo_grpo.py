@@ -28,7 +28,7 @@ partial credit for the answer's first digit) and had reward 0 for every sample a
 Measured on this project's 2-core CPU machine (AVX-512, load average about 25 from other jobs), the default run
 (``python examples/trl_dppo_grpo.py``, 4 min 26 s): held-out accuracy 13.4% -> 30.3% (200 problems x 8 samples),
 training reward 0.143 -> 0.376 (mean of the first / last 30 steps), max |pi - mu| per step 1.8e-7 to 3.4e-6.
-With ``--steps 100`` (python_tests/test_trl_integration.py::test_example_learns): 13.4% -> 27.5%.
+With ``--steps 100`` (test_trl_integration.py::test_example_learns): 13.4% -> 27.5%.
 """
 
 from __future__ import annotations
@@ -122,7 +122,6 @@ def main() -> None:
             report_to="none",
             save_strategy="no",
             seed=args.seed,
-            disable_tqdm=True,
         )
         trainer = DPPOGRPOTrainer(model=model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset,
                                   processing_class=tokenizer)

@@ -28,8 +28,10 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from datasets import Dataset  # noqa: E402
+from dppo_testing import child_env  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.integrations import trl as dppo_trl  # noqa: E402
 from dppo_ext.integrations.trl import (  # noqa: E402
     DPPOGRPOConfig,
@@ -38,13 +40,11 @@ from dppo_ext.integrations.trl import (  # noqa: E402
     check_trl_version,
     split_vllm_logprobs,
 )
-from dppo_ext.loss import DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
-from dppo_ext.reference import LOSS_AGG_MODES, aggregate_loss_reference, dppo_loss_reference  # noqa: E402
-from dppo_testing import child_env  # noqa: E402
+from dppo_ext.reference import aggregate_loss_reference, dppo_loss_reference  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 # The flags test_example_learns runs examples/trl_dppo_grpo.py with (shorter than its default run).
 EXAMPLE_TEST_FLAGS = ("--steps", "100")
 # The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
@@ -158,20 +158,21 @@ def test_aggregation_modes(tiny_model, tmp_path):
         mode="binary_tv", temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
     )["loss"].reshape(3, 6)
     trainer.current_gradient_accumulation_steps = 2
-    for agg in LOSS_AGG_MODES:
+    for agg in AGG_MODES:
         trainer.args.dppo_loss_agg_mode = agg
         horizon = 6.0 if agg.endswith("-norm") else None
         want = aggregate_loss_reference(ref, mask, agg, horizon)
         trainer.model.eval()
         torch.testing.assert_close(trainer._compute_loss(trainer.model, inputs).double(), want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{agg} (eval): {m}")
+                                   msg=lambda m, agg=agg: f"{agg} (eval): {m}")
         trainer.model.train()
         split = 1.0 if agg in ("token-sum", "token-sum-norm") else 2.0
         if agg == "token-mean":  # the generation batch's tokens, one accumulation window of steps_per_generation
             split = 2.0 / trainer.args.steps_per_generation
         with torch.no_grad():
             got = trainer._compute_loss(trainer.model, inputs).double()
-        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6, msg=lambda m: f"{agg} (train): {m}")
+        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, agg=agg: f"{agg} (train): {m}")
 
 
 def test_bf16_autocast_fused_head_matches_logits_head(tiny_model, tmp_path):
@@ -391,7 +392,7 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     llm = trainer.vllm_generation.llm
     assert _vllm_logprob_error(llm, trainer.model.eval(), prompts, 1.3) < 1e-5
     assert _vllm_logprob_error(llm, initial, prompts, 1.3) > 1e-2
-    del trainer, generate, llm
+    trainer = generate = llm = None  # the engine goes before the process group
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -455,7 +456,7 @@ def test_public_names_keep_their_import_path():
     assert set(PUBLIC_NAMES) == set(dppo_trl.__all__)
     assert set(PUBLIC_NAMES) <= set(dir(dppo_trl))
     with pytest.raises(AttributeError, match=r"module 'dppo_ext.integrations.trl' has no attribute 'GRPOTrainer'"):
-        dppo_trl.GRPOTrainer
+        _ = dppo_trl.GRPOTrainer
 
 
 @pytest.mark.slow
@@ -464,7 +465,7 @@ def test_no_vllm_version_warning_for_the_pinned_vllm(tmp_path):
     none of TRL's "supports vLLM 0.22-0.31" warnings for the vLLM release we test with, and leaves no filter
     behind: TRL's own check afterwards still warns, and inside our block another version still warns."""
     pytest.importorskip("vllm")
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import warnings
         from dppo_ext.integrations.trl import DPPOGRPOTrainer
         from dppo_ext.integrations.trl.versions import tested_vllm_warning_silenced

@@ -49,15 +49,15 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .versions import SUPPORTED_TRL, TESTED_TRL, TESTED_VLLM, check_trl_version
+from .versions import SUPPORTED_TRL, TESTED_TRL, TESTED_VLLM, check_trl_version  # noqa: F401  (re-exported)
 
 # The names that need TRL, each imported from its module on first use. This block is their one list: type
 # checkers read it, and _lazy_names() reads it from this file for __getattr__.
 if TYPE_CHECKING:
-    from .config import VLLM_DTYPES, DPPOGRPOConfig
-    from .generation import split_vllm_logprobs
-    from .head import DPPOForwardOutput, add_dppo_head
-    from .trainer import DPPOGRPOTrainer
+    from .config import VLLM_DTYPES, DPPOGRPOConfig  # noqa: F401
+    from .generation import split_vllm_logprobs  # noqa: F401
+    from .head import DPPOForwardOutput, add_dppo_head  # noqa: F401
+    from .trainer import DPPOGRPOTrainer  # noqa: F401
 
 
 def _lazy_names() -> dict[str, str]:
