@@ -14,10 +14,10 @@ import json
 import logging
 
 import torch
+from clean_exit import exit_after
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from clean_exit import exit_after
 from dppo_ext.integrations.trl import DPPOGRPOConfig, DPPOGRPOTrainer
 
 
@@ -69,7 +69,8 @@ def main() -> None:
     params = dict(trainer.model.named_parameters())
     changed = sum(not torch.equal(before[name], p.detach()) for name, p in params.items())
     fingerprint = torch.tensor(
-        [[v for name in sorted(params) for v in (params[name].double().sum().item(), params[name].double().norm().item())]],
+        [[v for name in sorted(params) for v in (params[name].double().sum().item(),
+                                                 params[name].double().norm().item())]],
         dtype=torch.float64,
     )
     prints = trainer.accelerator.gather(fingerprint)

@@ -413,7 +413,8 @@ def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEng
     from vllm import SamplingParams
 
     from dppo_ext import dppo_loss
-    from dppo_ext.integrations.trl import _pad_topk, split_vllm_logprobs
+    from dppo_ext.integrations.trl import split_vllm_logprobs
+    from dppo_ext.integrations.trl.generation import pad_topk
 
     k, temperature = 2, 2.0
     params = SamplingParams(n=4, temperature=temperature, max_tokens=MAX_TOKENS, logprobs=k, seed=3)
@@ -426,9 +427,9 @@ def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEng
     trl_logprobs, trl_ids = extract_logprobs(outputs)
     sampled, topk_ids, topk_lps = split_vllm_logprobs(completions, trl_logprobs, trl_ids, k)
     length, mask = trainer.response_len, trainer.response_mask
-    trl_topk_ids = _pad_topk(topk_ids, length, k, 0, torch.long, "cpu")
-    trl_topk_lps = _pad_topk(topk_lps, length, k, -math.inf, torch.float32, "cpu")
-    trl_sampled = _pad_topk([[[lp] for lp in row] for row in sampled], length, 1, 0.0, torch.float32, "cpu")[..., 0]
+    trl_topk_ids = pad_topk(topk_ids, length, k, 0, torch.long, "cpu")
+    trl_topk_lps = pad_topk(topk_lps, length, k, -math.inf, torch.float32, "cpu")
+    trl_sampled = pad_topk([[[lp] for lp in row] for row in sampled], length, 1, 0.0, torch.float32, "cpu")[..., 0]
 
     outside = 0
     for request in outputs:

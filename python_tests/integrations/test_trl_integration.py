@@ -3,14 +3,23 @@
 Checks: a few training steps through TRL (fused-linear and logits paths): finite loss, every weight changes, our
 metrics in TRL's log history; the trainer's loss on a fixed batch equals the op-free reference computed from the
 model's ordinary logits (so the hidden-state/token alignment is right); vLLM log-probs are the anchor when
-present, NaN ones fall back to the old policy; config and version errors.
+present, NaN ones fall back to the old policy; config and version errors; the package imports nothing and
+changes nothing until a name is used, and every public name keeps its import path; docs/trl.md's snippet runs
+as written; examples/trl_dppo_grpo.py learns (its held-out accuracy and training reward rise).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +28,10 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from datasets import Dataset  # noqa: E402
+from dppo_testing import child_env  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.integrations import trl as dppo_trl  # noqa: E402
 from dppo_ext.integrations.trl import (  # noqa: E402
     DPPOGRPOConfig,
@@ -29,12 +40,19 @@ from dppo_ext.integrations.trl import (  # noqa: E402
     check_trl_version,
     split_vllm_logprobs,
 )
-from dppo_ext.loss import DEFAULT_DELTAS  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
-from dppo_ext.reference import LOSS_AGG_MODES, aggregate_loss_reference, dppo_loss_reference  # noqa: E402
-from dppo_testing import child_env  # noqa: E402
+from dppo_ext.reference import aggregate_loss_reference, dppo_loss_reference  # noqa: E402
 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+# The flags test_example_learns runs examples/trl_dppo_grpo.py with (shorter than its default run).
+EXAMPLE_TEST_FLAGS = ("--steps", "100")
+# The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
+PUBLIC_NAMES = {
+    "DPPOGRPOConfig": "config", "VLLM_DTYPES": "config", "DPPOForwardOutput": "head", "add_dppo_head": "head",
+    "split_vllm_logprobs": "generation", "DPPOGRPOTrainer": "trainer", "SUPPORTED_TRL": "versions",
+    "TESTED_TRL": "versions", "TESTED_VLLM": "versions", "check_trl_version": "versions",
+}
 
 
 @pytest.fixture(scope="module")
@@ -140,20 +158,21 @@ def test_aggregation_modes(tiny_model, tmp_path):
         mode="binary_tv", temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
     )["loss"].reshape(3, 6)
     trainer.current_gradient_accumulation_steps = 2
-    for agg in LOSS_AGG_MODES:
+    for agg in AGG_MODES:
         trainer.args.dppo_loss_agg_mode = agg
         horizon = 6.0 if agg.endswith("-norm") else None
         want = aggregate_loss_reference(ref, mask, agg, horizon)
         trainer.model.eval()
         torch.testing.assert_close(trainer._compute_loss(trainer.model, inputs).double(), want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{agg} (eval): {m}")
+                                   msg=lambda m, agg=agg: f"{agg} (eval): {m}")
         trainer.model.train()
         split = 1.0 if agg in ("token-sum", "token-sum-norm") else 2.0
         if agg == "token-mean":  # the generation batch's tokens, one accumulation window of steps_per_generation
             split = 2.0 / trainer.args.steps_per_generation
         with torch.no_grad():
             got = trainer._compute_loss(trainer.model, inputs).double()
-        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6, msg=lambda m: f"{agg} (train): {m}")
+        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, agg=agg: f"{agg} (train): {m}")
 
 
 def test_bf16_autocast_fused_head_matches_logits_head(tiny_model, tmp_path):
@@ -250,12 +269,17 @@ def test_config_errors(tmp_path, tiny_model):
                        use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_delta_low must be a finite number >= 0 or None .*got -0.1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_delta_low=-0.1, use_cpu=True)
+    for gib in (0, -1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(ValueError, match=rf"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None "
+                                             rf"\(vLLM's sizing\), got {re.escape(repr(gib))}"):
+            DPPOGRPOConfig(output_dir=str(tmp_path), dppo_vllm_kv_cache_gib=gib, use_cpu=True)
     with pytest.raises(ValueError, match=r"does not combine DPPO with TRL's \['entropy_coef'\]"):
         make_trainer(tiny_model, tmp_path, entropy_coef=0.01)
     from trl import GRPOConfig
 
     with pytest.raises(TypeError, match=r"needs args=DPPOGRPOConfig\(\.\.\.\), got GRPOConfig"):
-        DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+        DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones,
+                        args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
     assert DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="binary_kl", use_cpu=True).dppo_deltas == \
         DEFAULT_DELTAS["binary_kl"]
     verl_named = DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="dppo_kl", use_cpu=True)  # verl's name
@@ -284,7 +308,8 @@ def test_trl_loss_fields(tmp_path):
 def test_unsupported_trl_version_is_a_clear_error():
     check_trl_version("1.16.0")
     for version in ("1.15.0", "1.17.0", "0.19.1"):
-        with pytest.raises(ImportError, match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"):
+        with pytest.raises(ImportError,
+                           match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"):
             check_trl_version(version)
 
 
@@ -313,7 +338,8 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     """Six TRL steps with colocated vLLM (float32) generating for topk_tv: the weights are pushed into vLLM before
     every generation, so the first forward of each step (before its update) sees |pi - mu| at rounding level
     although the weights move every step; vLLM's top-K reaches the loss; after a final push, vLLM scores tokens
-    as the trained model does and not as the initial one."""
+    as the trained model does and not as the initial one. The engine gets the dtype and KV-cache size the config
+    asks for, and starting it shows no TRL warning about the tested vLLM release."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
@@ -321,9 +347,15 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     steps = 6
-    trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3, use_vllm=True,
-                           vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False, learning_rate=3e-2,
-                           temperature=1.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3,
+                               use_vllm=True, vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False,
+                               dppo_vllm_kv_cache_gib=0.25, learning_rate=3e-2, temperature=1.3)
+    engine_config = trainer.vllm_generation.llm.llm_engine.vllm_config
+    assert engine_config.model_config.dtype == torch.float32
+    assert engine_config.cache_config.kv_cache_memory_bytes == 2**28, "dppo_vllm_kv_cache_gib reaches vLLM"
+    assert not [w for w in caught if "TRL currently supports vLLM" in str(w.message)], "TRL's check at engine start"
     seen, snapshots = [], []
     generate = trainer._generate_and_score_completions
 
@@ -360,7 +392,7 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     llm = trainer.vllm_generation.llm
     assert _vllm_logprob_error(llm, trainer.model.eval(), prompts, 1.3) < 1e-5
     assert _vllm_logprob_error(llm, initial, prompts, 1.3) > 1e-2
-    del trainer, generate, llm
+    trainer = generate = llm = None  # the engine goes before the process group
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -377,27 +409,79 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
         add_dppo_head(LlamaForCausalLM(config), args, 1.0)
 
 
-@pytest.mark.slow
-def test_no_vllm_version_warning_for_the_pinned_vllm():
-    """Importing the integration (and building TRL's vLLM checks) shows none of TRL's "supports vLLM 0.22-0.31"
-    warnings for the vLLM release we test with; another version still warns."""
-    import subprocess
-    import sys
+def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that imports dppo_ext as this process does."""
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
+                         env=child_env(), cwd=str(cwd), timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
 
+
+def test_package_import_has_no_side_effects(tmp_path):
+    """``import dppo_ext.integrations.trl`` imports none of TRL, transformers, accelerate or vLLM and changes no
+    warning filter or logger; each public name loads only what it needs (the config TRL, not vLLM)."""
+    code = textwrap.dedent("""
+        import json, logging, sys, warnings
+        heavy = ("trl", "transformers", "accelerate", "vllm")
+        loaded = lambda: [m for m in heavy if m in sys.modules]
+        import torch, dppo_ext  # what the package needs anyway
+        filters, loggers = list(warnings.filters), dict(logging.root.manager.loggerDict)
+        import dppo_ext.integrations.trl as t
+        out = {"import": loaded(), "filters": warnings.filters == filters,
+               "loggers": sorted(set(logging.root.manager.loggerDict) - set(loggers))}
+        t.split_vllm_logprobs, t.check_trl_version, t.SUPPORTED_TRL
+        out["split_vllm_logprobs"] = loaded()
+        t.DPPOGRPOConfig
+        out["DPPOGRPOConfig"] = loaded()
+        print(json.dumps(out))
+    """)
+    out = json.loads(_run_python(code, tmp_path).stdout.strip().splitlines()[-1])
+    assert out["import"] == [] and out["filters"], out
+    assert all(not name.startswith(("trl", "vllm", "transformers")) for name in out["loggers"]), out
+    assert out["split_vllm_logprobs"] == [], out
+    assert "trl" in out["DPPOGRPOConfig"] and "vllm" not in out["DPPOGRPOConfig"], out
+
+
+def test_public_names_keep_their_import_path():
+    """Every public name of the former single module imports from ``dppo_ext.integrations.trl`` and is the object
+    its module defines; ``__all__`` and ``dir()`` list them; an unknown name is an AttributeError."""
+    import importlib
+
+    for name, module in PUBLIC_NAMES.items():
+        defined = getattr(importlib.import_module(f"dppo_ext.integrations.trl.{module}"), name)
+        assert getattr(dppo_trl, name) is defined, name
+        namespace: dict = {}
+        exec(f"from dppo_ext.integrations.trl import {name}", namespace)
+        assert namespace[name] is defined, name
+    assert set(PUBLIC_NAMES) == set(dppo_trl.__all__)
+    assert set(PUBLIC_NAMES) <= set(dir(dppo_trl))
+    with pytest.raises(AttributeError, match=r"module 'dppo_ext.integrations.trl' has no attribute 'GRPOTrainer'"):
+        _ = dppo_trl.GRPOTrainer
+
+
+@pytest.mark.slow
+def test_no_vllm_version_warning_for_the_pinned_vllm(tmp_path):
+    """Importing the trainer (TRL's trainer imports its vLLM modules, which check vLLM's version five times) shows
+    none of TRL's "supports vLLM 0.22-0.31" warnings for the vLLM release we test with, and leaves no filter
+    behind: TRL's own check afterwards still warns, and inside our block another version still warns."""
     pytest.importorskip("vllm")
-    script = (
-        "import warnings, dppo_ext.integrations.trl\n"
-        "from trl.import_utils import is_vllm_available\n"
-        "is_vllm_available()\n"
-        "warnings.warn('TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
-        "installed.', UserWarning)\n"
-    )
-    env = child_env()
-    out = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code = textwrap.dedent("""
+        import warnings
+        from dppo_ext.integrations.trl import DPPOGRPOTrainer
+        from dppo_ext.integrations.trl.versions import tested_vllm_warning_silenced
+        from trl.import_utils import is_vllm_available
+        print("LEFT", sum("TRL currently" in str(f[1]) for f in warnings.filters))
+        is_vllm_available()
+        with tested_vllm_warning_silenced():
+            warnings.warn("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.33.0 "
+                          "installed.", UserWarning)
+    """)
+    out = _run_python(code, tmp_path)
+    assert "LEFT 0" in out.stdout, out.stdout
     assert "You have version 0.33.0" in out.stderr, "other vLLM versions must still warn"
-    assert f"You have version {dppo_trl.TESTED_VLLM}" not in out.stderr, out.stderr[-3000:]
+    ours = f"You have version {dppo_trl.TESTED_VLLM}"
+    shown = [line for line in out.stderr.splitlines() if ours in line]
+    assert len(shown) == 1 and shown[0].startswith("<string>:"), out.stderr[-3000:]  # TRL's own check only
 
 
 @pytest.mark.parametrize(
@@ -443,19 +527,65 @@ def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
         add_dppo_head(LlamaModel(config), args, 1.0)
 
 
+def _doc_snippet() -> str:
+    """The ```python block of docs/trl.md whose docs-test marker names the test below, exactly as written."""
+    lines = (ROOT / "docs" / "trl.md").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "```python"
+              and "test_doc_snippet_runs_as_written" in lines[i - 1]]
+    assert len(starts) == 1, "docs/trl.md: expected one snippet marked for test_doc_snippet_runs_as_written"
+    end = lines.index("```", starts[0] + 1)
+    return "\n".join(lines[starts[0] + 1 : end])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_doc_snippet_runs_as_written(tmp_path):
+    """docs/trl.md's "in your own script" snippet, verbatim, in a fresh process on this CPU machine: it trains
+    with colocated vLLM, and |pi - mu| after each weight sync is at float32 rounding level, as the doc says for its
+    precision settings (trainer and engine in float32)."""
+    pytest.importorskip("vllm")
+    snippet = _doc_snippet()
+    code = snippet + "\nimport json\nprint('LOG_HISTORY', json.dumps(trainer.state.log_history))\n"
+    out = _run_python(code, tmp_path)
+    history = json.loads(out.stdout.split("LOG_HISTORY", 1)[1])
+    steps = [h for h in history if "dppo/mismatch_max" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps), history
+    mismatch = [h["dppo/mismatch_max"] for h in steps]
+    assert max(mismatch) < 1e-5, f"|pi - mu| after each weight sync: {mismatch}"
+
+
+def _run_example(tmp_path: Path, *flags: str) -> tuple[dict, list[str]]:
+    """examples/trl_dppo_grpo.py as a user runs it, in a process of its own: (its JSON summary, its step lines)."""
+    summary = tmp_path / "summary.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "trl_dppo_grpo.py"), *flags, "--summary", str(summary),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=child_env(), timeout=900, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(summary.read_text()), [line for line in out.stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_example_learns(tmp_path):
+    """The example, shortened by its flags, with colocated vLLM rollouts: the held-out accuracy and the training
+    reward rise, and |pi - mu| stays at float32 rounding level (the weights are pushed before every generation)."""
+    pytest.importorskip("vllm")
+    summary, steps = _run_example(tmp_path, *EXAMPLE_TEST_FLAGS)
+    assert len(steps) == summary["steps"] == int(EXAMPLE_TEST_FLAGS[1])
+    assert all("recompute_variant 0" in line for line in steps), steps
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.05, summary
+    assert summary["reward_last"] > summary["reward_first"], summary
+    assert summary["mismatch_max"] < 1e-5, summary
+
+
 @pytest.mark.slow
 def test_example_script_runs_without_vllm(tmp_path):
-    """``examples/trl_dppo_grpo.py --no-vllm`` runs as the docs show it, in a process of its own, and prints one
-    line per step with the recompute variant flagged."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "trl_dppo_grpo.py"
-    env = child_env()
-    out = subprocess.run([sys.executable, str(example), "--no-vllm", "--steps", "2", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], out.stdout[-2000:]
+    """``examples/trl_dppo_grpo.py --no-vllm`` runs, prints one line per step with the recompute variant flagged
+    and reports both accuracies."""
+    summary, steps = _run_example(tmp_path, "--no-vllm", "--steps", "2", "--warm-start-steps", "5",
+                                  "--eval-problems", "8")
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], steps
     assert all("recompute_variant 1" in line for line in steps), steps
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0, summary

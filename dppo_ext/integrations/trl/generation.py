@@ -1,0 +1,90 @@
+"""The vLLM side of the integration: the rollout top-K from TRL's generation output, and colocated-vLLM hooks.
+
+* :func:`split_vllm_logprobs` turns TRL's per-position vLLM log-probs (``logprobs=K``) into the sampled token's
+  log-prob and a fixed ``[K]`` top-K row with the sampled token forced in, by the conversion the reference
+  trainer's vLLM engine uses (:func:`dppo_ext.rollout.ranked_topk_rows`); :func:`pad_topk` pads the ragged rows.
+* :func:`extra_llm_kwargs` adds keyword arguments (the engine's dtype) to the ``vllm.LLM`` TRL builds.
+* :func:`reload_weights_into_vllm` replaces TRL 1.16's colocate weight sync, which fails with vLLM 0.32.
+
+Nothing here imports TRL or vLLM: the functions read the objects they are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+from ...rollout.vllm_logging import install_benign_warning_filters
+from ...rollout.vllm_outputs import ranked_topk_rows
+
+__all__ = ["extra_llm_kwargs", "pad_topk", "reload_weights_into_vllm", "split_vllm_logprobs"]
+
+
+def split_vllm_logprobs(
+    completion_ids: list[list[int]],
+    logprobs: list[list[list[Optional[float]]]],
+    logprob_token_ids: list[list[list[int]]],
+    k: int,
+) -> tuple[list[list[Optional[float]]], list[list[list[int]]], list[list[list[float]]]]:
+    """Split TRL's per-position vLLM log-probs (``logprobs=k``) into the sampled token's and the top-K.
+
+    TRL hands over, per position, vLLM's candidates sorted by rank: the top-``k`` plus the sampled token when it is
+    not among them. The rows go through :func:`dppo_ext.rollout.ranked_topk_rows`, the conversion the trainer's
+    vLLM engine uses, so the sampled token is forced into each ``[k]`` row the same way. Returns
+    ``(sampled [B][T], topk_ids [B][T][k], topk_logprobs [B][T][k])``; a log-prob vLLM could not compute (``None``)
+    stays ``None`` for the sampled token and becomes ``-inf`` (no mass) in the top-K.
+    """
+    sampled, topk_ids, topk_logprobs = [], [], []
+    for seq, seq_lps, seq_ids in zip(completion_ids, logprobs, logprob_token_ids, strict=True):
+        s_sampled, s_ids, s_lps = ranked_topk_rows(seq, seq_ids, seq_lps, k)
+        sampled.append(s_sampled)
+        topk_ids.append(s_ids)
+        topk_logprobs.append(s_lps)
+    return sampled, topk_ids, topk_logprobs
+
+
+def pad_topk(rows: list[list[list[float]]], length: int, k: int, fill: float, dtype: torch.dtype,
+             device: Any) -> torch.Tensor:
+    """``[B, length, k]`` tensor from ragged ``[B][T_b][k]`` lists, right-padded with ``fill``."""
+    out = torch.full((len(rows), length, k), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out.to(device)
+
+
+@contextlib.contextmanager
+def extra_llm_kwargs(module: ModuleType, **extra: Any) -> Iterator[None]:
+    """While the block runs, ``module.LLM(...)`` (TRL's ``trl.generation.vllm_generation``, which builds the
+    colocated engine) gets ``extra`` added to its keyword arguments; ``module.LLM`` is put back afterwards."""
+    if not extra:
+        yield
+        return
+    original = module.LLM
+    module.LLM = functools.partial(original, **extra)
+    try:
+        yield
+    finally:
+        module.LLM = original
+
+
+def reload_weights_into_vllm(generation: Any) -> None:
+    """TRL's colocate weight sync (a ``VLLMGeneration.sync_weights`` replacement) through vLLM's in-place reload.
+
+    TRL 1.16 calls the vLLM model's ``load_weights`` directly, which vLLM 0.32 no longer supports once the weights
+    are loaded (it raises ``'Parameter' object has no attribute 'weight_loader'`` on the CPU backend's float32
+    layers, as measured here). This streams the same ``(name, tensor)`` pairs (TRL's ``_iter_named_params``:
+    FSDP/DeepSpeed gathers, PEFT merges and names included) through ``reload_weights``, as
+    ``dppo_ext.rollout.VLLMEngine`` does, then resets the prefix cache so no KV block computed with the old weights
+    is reused.
+    """
+    install_benign_warning_filters()
+    generation.llm.collective_rpc(
+        "reload_weights", kwargs={"weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True}
+    )
+    generation.llm.reset_prefix_cache()
