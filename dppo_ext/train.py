@@ -98,6 +98,7 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
     settings = {
         "tiny_layers": config.tiny_layers,
         "tiny_hidden": config.tiny_hidden,
+        "tiny_vocab_size": config.tiny_vocab_size,
         "warm_start_steps": config.warm_start_steps,
         "warm_start_problems": config.warm_start_problems,
         "warm_start_lr": config.warm_start_lr,
@@ -119,6 +120,7 @@ def prepare_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Pat
         tmp,
         config=TinyModelConfig(hidden_size=config.tiny_hidden, num_layers=config.tiny_layers, num_heads=heads),
         seed=config.seed,
+        vocab_size=config.tiny_vocab_size,
     )
     tokenizer = AutoTokenizer.from_pretrained(tmp)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
