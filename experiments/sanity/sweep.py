@@ -39,15 +39,15 @@ HOST_FILE = "host.jsonl"
 # Per-step fields kept in the collected data (the rest of metrics.jsonl stays in the run folder).
 COLUMNS = (
     "step", "reward", "eval_acc", "mismatch_mean", "mismatch_max", "masked_frac", "masked_frac_first",
-    "masked_frac_later", "masked_frac_pos", "masked_frac_neg", "drift_mean", "drift_max", "bad_update_frac",
-    "neg_high_removed", "neg_high_tokens", "entropy_mean", "ratio_max", "grad_norm", "clipped_updates", "loss",
-    "response_len", "trained_seqs", "rollout_s", "update_s",
+    "masked_frac_later", "drift_mean", "drift_max", "bad_update_frac", "neg_high_removed", "neg_high_tokens",
+    "entropy_mean", "ratio_max", "grad_norm", "clipped_updates", "optimizer_steps", "trained_seqs", "rollout_s",
+    "update_s",
 )
 # Counts by rollout-probability bin, summed over each evaluation window (the steps since the previous
 # evaluation) and stored on the evaluation's row; per step they stay in metrics.jsonl.
 BIN_COLUMNS = ("masked_by_mu_pos", "masked_by_mu_neg", "tokens_by_mu_pos", "tokens_by_mu_neg")
-TIMING = ("rollout_s", "update_s")
-DIGITS = 4  # significant digits of the collected floats
+EXACT = ("reward", "eval_acc")  # fractions of a few hundred samples: kept exactly
+DIGITS = 3  # significant digits of the other collected floats
 
 
 def _finished(config: TrainConfig) -> bool:
@@ -229,21 +229,22 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
 
 
 # ---------------------------------------------------------------------------- collection
-def _round(value: Any) -> Any:
+def _round(value: Any, digits: int = DIGITS) -> Any:
     if isinstance(value, float):
         if not math.isfinite(value):
             return None
-        return float(f"{value:.{DIGITS}g}")
+        return float(f"{value:.{digits}g}")
     return value
 
 
 def data_file_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
-    """One row per record (``COLUMNS`` then ``BIN_COLUMNS``), floats to ``DIGITS`` significant digits; the bin
+    """One row per record (``COLUMNS`` then ``BIN_COLUMNS``), floats to ``DIGITS`` significant digits (``EXACT``
+    ones kept); the bin
     counts summed over the steps since the previous evaluation, on the evaluation's row (None elsewhere)."""
     rows = []
     window = {key: [0] * (len(MU_BIN_EDGES) - 1) for key in BIN_COLUMNS}
     for record in records:
-        row = [_round(record.get(key)) for key in COLUMNS]
+        row = [_round(record.get(key), 12 if key in EXACT else DIGITS) for key in COLUMNS]
         for key in BIN_COLUMNS:
             for b, count in enumerate(record.get(key) or ()):
                 window[key][b] += int(count)
