@@ -73,7 +73,7 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
 
     panels = PANELS.get(arm, PANELS["default"])
     names = list(conditions)
-    fig, axes = plt.subplots(len(panels), len(names), figsize=(4.6 * len(names) + 1.2, 2.6 * len(panels)),
+    fig, axes = plt.subplots(len(panels), len(names), figsize=(max(4.6 * len(names) + 1.2, 9.0), 2.6 * len(panels)),
                              squeeze=False, sharex=True)
     colors = plt.get_cmap("tab10")
     methods = [m for m in METHODS if any(m in runs for runs in conditions.values())]
@@ -104,11 +104,13 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, bbox_to_anchor=(0.5, 1.0))
     seeds = sorted({s for runs in conditions.values() for m in runs.values() for s in m})
-    fig.suptitle(f"arm '{arm}': thin lines = seeds {seeds}, bold = their mean; per-step curves are trailing means "
-                 f"over {SMOOTH} steps", fontsize=9, y=0.985)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.suptitle(f"arm '{arm}': thin lines = seeds {seeds}, bold = their mean (dashed: no trust region on mu);\n"
+                 f"per-step curves are trailing means over {SMOOTH} steps", fontsize=9, y=0.995)
+    top = 1 - 0.9 / fig.get_figheight()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8,
+               bbox_to_anchor=(0.5, top + 0.35 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)
     plt.close(fig)
