@@ -57,16 +57,22 @@ DOSED: dict[str, Any] = dict(
 )
 NO_CLIP = 1e6  # a --max-grad-norm that does not bind (the report counts the updates it clipped)
 
-# The calibration ladder (docs/sanity.md, "Calibration"): each rung at least as aggressive as the one before in
-# every knob. PG-IS without mismatch on two seeds that no other arm uses.
+# The calibration ladder (docs/sanity.md, "Calibration"): PG-IS without mismatch on two seeds that no other arm uses.
 LADDER: dict[str, dict[str, Any]] = {
     "cal1": dict(lr=1e-4, max_grad_norm=1.0, ppo_epochs=2),
+    # added after the first ladder's runs on seed 100 (every rung above cal1 collapsed PG-IS), before any grid run:
+    # the steps between cal1 and cal3, one knob at a time
+    "cal1b": dict(lr=1e-4, max_grad_norm=NO_CLIP, ppo_epochs=2),
+    "cal1c": dict(lr=2e-4, max_grad_norm=NO_CLIP, ppo_epochs=2),
     "cal2": dict(lr=3e-4, max_grad_norm=1.0, ppo_epochs=2),
     "cal3": dict(lr=3e-4, max_grad_norm=NO_CLIP, ppo_epochs=2),
     "cal4": dict(lr=1e-3, max_grad_norm=NO_CLIP, ppo_epochs=2),
     "cal5": dict(lr=1e-3, max_grad_norm=NO_CLIP, ppo_epochs=4),
     "cal6": dict(lr=3e-3, max_grad_norm=NO_CLIP, ppo_epochs=4),
 }
+# The chain the rule climbs, each rung at least as aggressive as the one before in every knob (cal2, lr 3e-4 with
+# clipping, is between cal1 and cal3 but not comparable with cal1b / cal1c; it runs and is reported, off the chain).
+CHAIN = ("cal1", "cal1b", "cal1c", "cal3", "cal4", "cal5", "cal6")
 CALIBRATION_SEEDS = (100, 101)
 CALIBRATION_GAIN = 0.08  # PG-IS without mismatch must gain at least 8 points on every calibration seed
 

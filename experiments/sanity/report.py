@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import stats
-from .conditions import ARMS, CALIBRATED, CALIBRATION_GAIN, CONDITIONS, LADDER, METHODS
+from .conditions import ARMS, CALIBRATED, CALIBRATION_GAIN, CHAIN, CONDITIONS, LADDER, METHODS
 from .history import history_report
 from .sweep import read_data_file
 
@@ -112,17 +112,17 @@ def mechanism_table(condition: str, summary: dict[str, dict[int, dict[str, Any]]
 
 
 def calibration_table(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> tuple[str, str | None]:
-    """The calibration ladder (PG-IS without mismatch) and the rung the rule picks: the most aggressive one
-    whose gain is >= CALIBRATION_GAIN on every calibration seed."""
+    """The calibration ladder (PG-IS without mismatch) and the rung the rule picks: the most aggressive one of
+    ``CHAIN`` whose gain is >= CALIBRATION_GAIN on every calibration seed."""
     lines = ["| rung | lr | gradient clipping | epochs | seed: start → final (gain) | updates clipped (%) | passes |",
              "|---|---|---|---|---|---|---|"]
     chosen = None
-    for rung, flags in LADDER.items():
-        runs = summary.get(rung, {}).get("pg_is", {})
+    for rung in [*CHAIN, *(r for r in LADDER if r not in CHAIN)]:
+        flags, runs = LADDER[rung], summary.get(rung, {}).get("pg_is", {})
         if not runs:
             continue
         passes = all(s["gain"] >= CALIBRATION_GAIN for s in runs.values())
-        if passes:
+        if passes and rung in CHAIN:
             chosen = rung
         cells = "; ".join(f"{seed}: {_pct(s['start_acc'])} → {_pct(s['final_acc'])} ({_pct(s['gain'])})"
                           for seed, s in sorted(runs.items()))

@@ -191,7 +191,7 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
     """Split ``runs`` over ``jobs`` worker processes (one torch thread each), wait, return the status lines."""
     from tqdm.auto import tqdm
 
-    logs = work / "_workers"
+    logs = work / "_workers" / f"sweep-{os.getpid()}"  # two sweeps may share a work folder (different runs)
     logs.mkdir(parents=True, exist_ok=True)
     procs, status_paths = [], []
     jobs = min(jobs, len(runs))
