@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dppo_ext.contract import AGG_MODES
+from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 from dppo_ext.trainer.losses import LOSSES, canonical_loss
@@ -186,8 +187,10 @@ class TrainConfig:
                 f"--max-new-tokens={self.max_new_tokens} leaves no room for the prompt in --max-model-len="
                 f"{self.max_model_len}; expected max_new_tokens < max_model_len"
             )
-        if self.tiny_vocab_size < 0:
-            raise ValueError(f"--tiny-vocab-size must be >= 0 (0 = no padding), got {self.tiny_vocab_size}")
+        unpadded = len(SPECIAL_TOKENS) + len(ARITHMETIC_ALPHABET)
+        if self.tiny_vocab_size < 0 or 0 < self.tiny_vocab_size < unpadded:
+            raise ValueError(f"--tiny-vocab-size must be 0 (no padding) or >= {unpadded} (the embedded model's own "
+                             f"tokens), got {self.tiny_vocab_size}")
         if self.model and self.tiny_vocab_size:
             raise ValueError(f"--tiny-vocab-size={self.tiny_vocab_size} pads the embedded model's vocabulary; it does "
                              f"not apply to --model {self.model!r}: drop it")

@@ -179,8 +179,10 @@ def test_noise_and_mechanism_flags_are_checked():
         TrainConfig(rollout_logit_noise=-0.1).validate()
     with pytest.raises(ValueError, match=r"--rollout-logit-noise must be a finite number, got nan"):
         TrainConfig(rollout_logit_noise=math.nan).validate()
-    with pytest.raises(ValueError, match=r"--tiny-vocab-size must be >= 0"):
-        TrainConfig(tiny_vocab_size=-1).validate()
+    for size in (-1, 16):
+        with pytest.raises(ValueError, match=rf"--tiny-vocab-size must be 0 \(no padding\) or >= 17 .*got {size}"):
+            TrainConfig(tiny_vocab_size=size).validate()
+    assert TrainConfig(tiny_vocab_size=17).validate().tiny_vocab_size == 17
 
 
 def test_padded_vocabulary_tokens_decode_to_non_numbers(tmp_path):
