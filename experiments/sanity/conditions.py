@@ -77,7 +77,7 @@ CALIBRATION_SEEDS = (100, 101)
 CALIBRATION_GAIN = 0.08  # PG-IS without mismatch must gain at least 8 points on every calibration seed
 
 # The optimizer setting of every other arm: the rung the calibration rule chose (docs/sanity.md, "Calibration").
-CALIBRATED = "cal1"
+CALIBRATED = "cal1b"
 
 GRID_METHODS = ("pg_is", "cispo", "minirl", "grpo_clip_higher", "dppo_binary_tv", "dppo_topk_tv")
 TAIL_METHODS = ("grpo_clip_higher", "dppo_binary_tv", "dppo_topk_tv")

@@ -4,6 +4,7 @@ a line per seed (thin) and the seeds' mean (bold) per method."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,7 +74,7 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
 
     panels = PANELS.get(arm, PANELS["default"])
     names = list(conditions)
-    fig, axes = plt.subplots(len(panels), len(names), figsize=(max(4.6 * len(names) + 1.2, 9.0), 2.6 * len(panels)),
+    fig, axes = plt.subplots(len(panels), len(names), figsize=(max(4.0 * len(names) + 1.2, 9.0), 2.4 * len(panels) + 0.6),
                              squeeze=False, sharex=True)
     colors = plt.get_cmap("tab10")
     methods = [m for m in METHODS if any(m in runs for runs in conditions.values())]
@@ -96,7 +97,7 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
                 ax.set_yscale("log")
             if row == 0:
                 desc = CONDITIONS[condition].description if condition in CONDITIONS else condition
-                ax.set_title(f"{condition}\n{desc}", fontsize=8)
+                ax.set_title(f"{condition}\n" + textwrap.fill(desc, 48), fontsize=7)
             if col == 0:
                 ax.set_ylabel(title, fontsize=8)
             if row == len(panels) - 1:
