@@ -176,8 +176,9 @@ def history_audit(runs_by_condition: dict[str, dict[str, dict[int, list[dict[str
                       for s, records in seeds.items()} for m, seeds in runs.items()}
         text = ", ".join(f"{m} {100 * statistics.mean(v for s, v in f.items() if s != 0):.1f}%"
                          for m, f in finals.items() if len(f) > 1)
-        lines.append("- bf16_lr3e-4 without seed 0 (the exploration's seed, on which lr 3e-4 was chosen): final "
-                     f"held-out accuracy, mean of seeds 1-2: {text}")
+        if text:
+            lines.append("- bf16_lr3e-4 without seed 0 (the exploration's seed, on which lr 3e-4 was chosen): final "
+                         f"held-out accuracy, mean of seeds 1-2: {text}")
     return lines
 
 
