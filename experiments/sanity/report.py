@@ -188,14 +188,18 @@ def dosed_tables(runs: dict[str, Runs], metas: dict[str, Any], data: Path) -> st
         parts += ["## Calibration (PG-IS, no mismatch)\n", table,
                   f"The rule picks **{chosen}** (the most aggressive rung that gains >= {100 * CALIBRATION_GAIN:.0f} "
                   f"points on every calibration seed); the grid runs with {CALIBRATED}.\n"]
+    shown: set[str] = set()
     for arm, conditions in ARMS.items():
         if arm == "calibration" or not any(c in summary for c in conditions):
             continue
         parts.append(f"## Arm: {arm}\n")
         for condition in conditions:
-            if condition in summary:
+            if condition in shown:
+                parts.append(f"(**{condition}**: the tables above.)\n")
+            elif condition in summary:
                 parts += [outcome_table(condition, summary[condition]),
                           mechanism_table(condition, summary[condition], tail=arm == "tail")]
+                shown.add(condition)
     if any(c in summary for c in ("sigma0", "tail_sigma0.3")):
         parts += ["## Verdicts (rules of docs/sanity.md)\n", "\n".join(verdict_lines(summary)) + "\n",
                   "## Power\n", "\n".join(power_lines(summary, "sigma0")) + "\n"]
