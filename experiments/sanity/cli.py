@@ -12,8 +12,17 @@ from typing import Any
 
 from dppo_ext.trainer.losses import LOSSES
 
-from .conditions import (ARMS, CONDITIONS, GRID, QUICK, QUICK_CONDITION, QUICK_METHODS, Run, condition_methods,
-                         run_config)
+from .conditions import (
+    ARMS,
+    CONDITIONS,
+    GRID,
+    QUICK,
+    QUICK_CONDITION,
+    QUICK_METHODS,
+    Run,
+    condition_methods,
+    run_config,
+)
 from .report import report
 from .sweep import _finished, collect, launch_workers, work_through
 
@@ -27,27 +36,51 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.sanity",
         description="The DPPO paper's stability sanity test at laptop scale: a dosed training-inference mismatch "
-                    "x methods x seeds (docs/sanity.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--arms", nargs="+", default=None, choices=list(ARMS),
-                        help="arms to run (their conditions); default: the grid, " + " ".join(GRID))
-    parser.add_argument("--conditions", nargs="+", default=None, choices=list(CONDITIONS),
-                        help="conditions to run instead of --arms (see experiments/sanity/conditions.py)")
-    parser.add_argument("--methods", nargs="+", default=None, choices=list(LOSSES),
-                        help="losses to compare (default: each condition's own; --quick: "
-                             + ", ".join(QUICK_METHODS) + ")")
-    parser.add_argument("--seeds", nargs="+", type=int, default=None,
-                        help="seeds (default: each condition's own, 0 1 2 for the grid; --quick: 0)")
+        "x methods x seeds (docs/sanity.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=list(ARMS),
+        help="arms to run (their conditions); default: the grid, " + " ".join(GRID),
+    )
+    parser.add_argument(
+        "--conditions",
+        nargs="+",
+        default=None,
+        choices=list(CONDITIONS),
+        help="conditions to run instead of --arms (see experiments/sanity/conditions.py)",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(LOSSES),
+        help="losses to compare (default: each condition's own; --quick: " + ", ".join(QUICK_METHODS) + ")",
+    )
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="seeds (default: each condition's own, 0 1 2 for the grid; --quick: 0)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the condition's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (one torch thread each)")
     parser.add_argument("--work", default="runs/sanity", help="run folders (checkpoints, logs; not committed)")
     parser.add_argument("--data", default=DATA, help="collected per-run data files")
     parser.add_argument("--report-dir", default=REPORT_DIR, help="figures and tables")
-    parser.add_argument("--engine", default=None, choices=("auto", "vllm", "hf"), help="rollout engine (default: the "
-                        "condition's)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"CI smoke test: {QUICK_CONDITION}, {', '.join(QUICK_METHODS)}, seed 0, {QUICK['steps']} "
-                             "steps, tiny warm start")
+    parser.add_argument(
+        "--engine", default=None, choices=("auto", "vllm", "hf"), help="rollout engine (default: the condition's)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"CI smoke test: {QUICK_CONDITION}, {', '.join(QUICK_METHODS)}, seed 0, {QUICK['steps']} "
+        "steps, tiny warm start",
+    )
     parser.add_argument("--report-only", action="store_true", help="only redraw figures and tables from --data")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: a worker's spec file
     return parser
@@ -64,8 +97,9 @@ def planned_runs(args: argparse.Namespace) -> list[Run]:
     methods = args.methods or (list(QUICK_METHODS) if args.quick else None)
     by_condition = {c: (args.seeds or ([0] if args.quick else list(CONDITIONS[c].seeds))) for c in conditions}
     seeds = sorted({s for seeds in by_condition.values() for s in seeds})
-    return [Run(c, m, s) for s in seeds for c in conditions if s in by_condition[c]
-            for m in condition_methods(c, methods)]
+    return [
+        Run(c, m, s) for s in seeds for c in conditions if s in by_condition[c] for m in condition_methods(c, methods)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
         logger.info("sweep of %d runs done in %.0f s wall (%s)", len(runs), wall, counts)
         with (work / "sweep_log.jsonl").open("a") as handle:
-            handle.write(json.dumps({"runs": len(runs), "wall_s": wall, **counts,
-                                     "argv": argv if argv is not None else sys.argv[1:]}) + "\n")
+            handle.write(
+                json.dumps(
+                    {"runs": len(runs), "wall_s": wall, **counts, "argv": argv if argv is not None else sys.argv[1:]}
+                )
+                + "\n"
+            )
         failed = [r["run"] for r in results if r["status"] == "failed"]
     for path in report(data, report_dir):
         print(f"wrote {path}")

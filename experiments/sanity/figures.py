@@ -17,6 +17,7 @@ SMOOTH = 10  # per-step curves: trailing mean over this many steps (held-out acc
 def _bin_share(numerator: str, index: int) -> Callable[[dict[str, Any]], float | None]:
     """Per evaluation window: ``numerator``'s count in bin ``index`` over the window's tokens in that bin
     (``masked_by_mu``), or over all its tokens (``tokens_by_mu``)."""
+
     def value(r: dict[str, Any]) -> float | None:
         if r.get("tokens_by_mu_pos") is None:
             return None
@@ -25,6 +26,7 @@ def _bin_share(numerator: str, index: int) -> Callable[[dict[str, Any]], float |
             masked = r["masked_by_mu_pos"][index] + r["masked_by_mu_neg"][index]
             return masked / tokens[index] if tokens[index] else None
         return tokens[index] / sum(tokens) if sum(tokens) else None
+
     return value
 
 
@@ -43,6 +45,7 @@ PANELS: dict[str, list[tuple[Callable[[dict[str, Any]], float | None], str, bool
     ],
     "tail": [
         (_key("eval_acc"), "held-out accuracy", False, False),
+        (_key("mismatch_mean"), "pre-update mean |π − μ| (first mini-batch)", True, True),
         (_bin_share("masked", 0), "masked fraction of μ < 1e-3 tokens (per 20 steps)", False, False),
         (_bin_share("tokens", 0), "share of trained tokens with μ < 1e-3 (per 20 steps)", False, False),
         (_key("masked_frac_first"), "masked fraction, first mini-batch", False, True),
@@ -61,7 +64,7 @@ def _series(records: Records, value: Callable[[dict[str, Any]], float | None], s
     points = [(s, v) for s, v in points if v is not None]
     steps, values = [s for s, _ in points], [v for _, v in points]
     if smooth:
-        values = [statistics.mean(values[max(0, i - SMOOTH + 1): i + 1]) for i in range(len(values))]
+        values = [statistics.mean(values[max(0, i - SMOOTH + 1) : i + 1]) for i in range(len(values))]
     return steps, values
 
 
@@ -74,8 +77,8 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
 
     panels = PANELS.get(arm, PANELS["default"])
     names = list(conditions)
-    fig, axes = plt.subplots(len(panels), len(names), figsize=(max(4.0 * len(names) + 1.2, 9.0), 2.4 * len(panels) + 0.6),
-                             squeeze=False, sharex=True)
+    size = (max(4.0 * len(names) + 1.2, 9.0), 2.4 * len(panels) + 0.6)
+    fig, axes = plt.subplots(len(panels), len(names), figsize=size, squeeze=False, sharex=True)
     colors = plt.get_cmap("tab10")
     methods = [m for m in METHODS if any(m in runs for runs in conditions.values())]
     for col, condition in enumerate(names):
@@ -91,8 +94,16 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
                 if common:
                     steps = sorted(common)
                     mean = [statistics.mean(dict(zip(s, v))[t] for s, v in curves) for t in steps]
-                    ax.plot(steps, mean, style, color=colors(i), lw=1.6, label=method,
-                            marker="o" if not smooth else None, ms=2.5)
+                    ax.plot(
+                        steps,
+                        mean,
+                        style,
+                        color=colors(i),
+                        lw=1.6,
+                        label=method,
+                        marker="o" if not smooth else None,
+                        ms=2.5,
+                    )
             if log_scale:
                 ax.set_yscale("log")
             if row == 0:
@@ -106,11 +117,21 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     seeds = sorted({s for runs in conditions.values() for m in runs.values() for s in m})
-    fig.suptitle(f"arm '{arm}': thin lines = seeds {seeds}, bold = their mean (dashed: no trust region on mu);\n"
-                 f"per-step curves are trailing means over {SMOOTH} steps", fontsize=9, y=0.995)
+    fig.suptitle(
+        f"arm '{arm}': thin lines = seeds {seeds}, bold = their mean (dashed: no trust region on mu);\n"
+        f"per-step curves are trailing means over {SMOOTH} steps",
+        fontsize=9,
+        y=0.995,
+    )
     top = 1 - 0.9 / fig.get_figheight()
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8,
-               bbox_to_anchor=(0.5, top + 0.35 / fig.get_figheight()))
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        ncol=min(len(labels), 6),
+        fontsize=8,
+        bbox_to_anchor=(0.5, top + 0.35 / fig.get_figheight()),
+    )
     fig.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)

@@ -35,8 +35,9 @@ def history_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "collapsed": bool(non_finite or (evals and final < 0.5 * peak)),
         "mismatch_mean_median": median("mismatch_mean"),
         "mismatch_max_median": median("mismatch_max"),
-        "mismatch_max_max": max((r["mismatch_max"] for r in steps if r.get("mismatch_max") is not None),
-                                default=math.nan),
+        "mismatch_max_max": max(
+            (r["mismatch_max"] for r in steps if r.get("mismatch_max") is not None), default=math.nan
+        ),
         "rollout_s": median("rollout_s"),
         "update_s": median("update_s", trained),
         "sync_s": median("sync_s", trained),
@@ -64,7 +65,7 @@ def history_table(condition: str, runs: dict[str, dict[int, list[dict[str, Any]]
     ]
     for method in [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS)):
         per_seed = [history_summary(records) for _, records in sorted(runs[method].items())]
-        med = lambda key: statistics.median([s[key] for s in per_seed])  # noqa: E731
+        med = lambda key, per_seed=per_seed: statistics.median([s[key] for s in per_seed])  # noqa: E731
         lines.append(
             f"| {method} | {len(per_seed)} | {min(s['steps'] for s in per_seed)} "
             f"| {_mean_sd([s['final_acc'] for s in per_seed])} | {_mean_sd([s['peak_acc'] for s in per_seed])} "
@@ -120,8 +121,16 @@ def history_figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]
             lo = _smooth([min(series[s]) for s in steps], key)
             hi = _smooth([max(series[s]) for s in steps], key)
             style = "--" if method in ("pg_is", "cispo", "minirl", "minirl_tis") else "-"
-            ax.plot(steps, mean, style, color=colors(i), label=method, lw=1.4,
-                    marker="o" if key == "eval_acc" else None, ms=3)
+            ax.plot(
+                steps,
+                mean,
+                style,
+                color=colors(i),
+                label=method,
+                lw=1.4,
+                marker="o" if key == "eval_acc" else None,
+                ms=3,
+            )
             ax.fill_between(steps, lo, hi, color=colors(i), alpha=0.08, lw=0)
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -131,8 +140,10 @@ def history_figure(condition: str, runs: dict[str, dict[int, list[dict[str, Any]
     axes.flat[0].legend(fontsize=7, ncol=2)
     seeds = sorted({seed for m in runs.values() for seed in m})
     desc = CONDITIONS[condition].description if condition in CONDITIONS else condition
-    fig.suptitle(f"Sanity test, {desc}\n(seeds {seeds}; line = mean over seeds, band = min-max; per-step curves "
-                 f"smoothed over {SMOOTH} steps)")
+    fig.suptitle(
+        f"Sanity test, {desc}\n(seeds {seeds}; line = mean over seeds, band = min-max; per-step curves "
+        f"smoothed over {SMOOTH} steps)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -146,44 +157,67 @@ def history_audit(runs_by_condition: dict[str, dict[str, dict[int, list[dict[str
 
     def steps(condition: str, method: str | None = None) -> list[dict[str, Any]]:
         runs = runs_by_condition.get(condition, {})
-        return [r for m, seeds in runs.items() if method in (None, m) for records in seeds.values() for r in records
-                if r["step"] > 0]
+        return [
+            r
+            for m, seeds in runs.items()
+            if method in (None, m)
+            for records in seeds.values()
+            for r in records
+            if r["step"] > 0
+        ]
 
     if "learn_bf16" in runs_by_condition:
         rows = steps("learn_bf16")
-        lines.append(f"- learn_bf16: {sum((r.get('mismatch_max') or 0.0) > 0.15 for r in rows)} of {len(rows)} steps "
-                     "had a token with |pi - mu| > 0.15 (DPPO Binary-TV's threshold) before the step's update")
+        lines.append(
+            f"- learn_bf16: {sum((r.get('mismatch_max') or 0.0) > 0.15 for r in rows)} of {len(rows)} steps "
+            "had a token with |pi - mu| > 0.15 (DPPO Binary-TV's threshold) before the step's update"
+        )
     for condition in ("learn_bf16", "learn_fp32"):
         rows = [r for r in steps(condition, "dppo_binary_tv") if "masked_frac" in r]
         if rows:
             masked = 100 * statistics.mean(r["masked_frac"] for r in rows)
-            lines.append(f"- {condition}: DPPO Binary-TV masked {masked:.2f}% of its tokens (mean over steps and "
-                         "seeds)")
+            lines.append(
+                f"- {condition}: DPPO Binary-TV masked {masked:.2f}% of its tokens (mean over steps and seeds)"
+            )
     for condition in runs_by_condition:
         rows = [r for r in steps(condition) if r.get("grad_norm") is not None]
         if rows:
-            lines.append(f"- {condition}: the mean pre-clipping gradient norm of a step exceeded the clipping norm "
-                         f"1.0 on {100 * sum(r['grad_norm'] > 1.0 for r in rows) / len(rows):.1f}% of its steps")
+            lines.append(
+                f"- {condition}: the mean pre-clipping gradient norm of a step exceeded the clipping norm "
+                f"1.0 on {100 * sum(r['grad_norm'] > 1.0 for r in rows) / len(rows):.1f}% of its steps"
+            )
     for condition in ("bf16_lr3e-4", "fp32_lr3e-4"):
         rows = steps(condition)
         if rows:
             idle = 100 * sum(r.get("trained_seqs", 0) == 0 for r in rows) / len(rows)
-            lines.append(f"- {condition}: median {statistics.median(r.get('trained_seqs', 0) for r in rows):g} of 128 "
-                         f"sequences per step carried a non-zero advantage; {idle:.1f}% of the steps trained nothing")
+            lines.append(
+                f"- {condition}: median {statistics.median(r.get('trained_seqs', 0) for r in rows):g} of 128 "
+                f"sequences per step carried a non-zero advantage; {idle:.1f}% of the steps trained nothing"
+            )
     runs = runs_by_condition.get("bf16_lr3e-4", {})
     if runs:
-        finals = {m: {s: [r for r in records if r.get("eval_acc") is not None][-1]["eval_acc"]
-                      for s, records in seeds.items()} for m, seeds in runs.items()}
-        text = ", ".join(f"{m} {100 * statistics.mean(v for s, v in f.items() if s != 0):.1f}%"
-                         for m, f in finals.items() if len(f) > 1)
+        finals = {
+            m: {
+                s: [r for r in records if r.get("eval_acc") is not None][-1]["eval_acc"] for s, records in seeds.items()
+            }
+            for m, seeds in runs.items()
+        }
+        text = ", ".join(
+            f"{m} {100 * statistics.mean(v for s, v in f.items() if s != 0):.1f}%"
+            for m, f in finals.items()
+            if len(f) > 1
+        )
         if text:
-            lines.append("- bf16_lr3e-4 without seed 0 (the exploration's seed, on which lr 3e-4 was chosen): final "
-                         f"held-out accuracy, mean of seeds 1-2: {text}")
+            lines.append(
+                "- bf16_lr3e-4 without seed 0 (the exploration's seed, on which lr 3e-4 was chosen): final "
+                f"held-out accuracy, mean of seeds 1-2: {text}"
+            )
     return lines
 
 
-def history_report(runs_by_condition: dict[str, dict[str, dict[int, list[dict[str, Any]]]]], data: Path,
-                   out: Path) -> list[Path]:
+def history_report(
+    runs_by_condition: dict[str, dict[str, dict[int, list[dict[str, Any]]]]], data: Path, out: Path
+) -> list[Path]:
     """Write ``figure_<condition>.png`` and ``table.md`` for every earlier-sweep condition."""
     written, tables = [], []
     for condition, runs in runs_by_condition.items():
@@ -192,7 +226,10 @@ def history_report(runs_by_condition: dict[str, dict[str, dict[int, list[dict[st
     (out / "table.md").write_text(
         "Generated by `python -m experiments.sanity --report-only` from the JSONL files under "
         f"`{data.name}/`. Collapsed: last held-out accuracy < half its peak, or a non-finite loss.\n\n"
-        + "\n".join(tables) + "\n**Audit** (docs/sanity.md, \"History\")\n\n"
-        + "\n".join(history_audit(runs_by_condition)) + "\n")
+        + "\n".join(tables)
+        + '\n**Audit** (docs/sanity.md, "History")\n\n'
+        + "\n".join(history_audit(runs_by_condition))
+        + "\n"
+    )
     written.append(out / "table.md")
     return written

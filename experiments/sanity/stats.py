@@ -33,7 +33,8 @@ def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     evals = [(r["step"], r["eval_acc"]) for r in records if r.get("eval_acc") is not None]
     steps = [r for r in records if r["step"] > 0]
     non_finite = any(r.get(k, 0.0) is None for r in steps for k in ("loss", "grad_norm") if k in r) or any(
-        isinstance(r.get(k), float) and not math.isfinite(r[k]) for r in steps for k in ("loss", "grad_norm"))
+        isinstance(r.get(k), float) and not math.isfinite(r[k]) for r in steps for k in ("loss", "grad_norm")
+    )
     start = evals[0][1] if evals and evals[0][0] == 0 else math.nan
     later = [acc for step, acc in evals if step > 0]
     final = _mean(later[-FINAL_EVALS:]) if later else math.nan
@@ -73,8 +74,9 @@ def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "drift": window("drift_mean", 1, last),
         "bad_updates": window("bad_update_frac", 1, last),
         "neg_high_removed": window("neg_high_removed", 1, last),
-        "clipped": sum(r.get("clipped_updates", 0) for r in trained) / optimizer_updates if optimizer_updates else
-        math.nan,
+        "clipped": sum(r.get("clipped_updates", 0) for r in trained) / optimizer_updates
+        if optimizer_updates
+        else math.nan,
         "idle_steps": sum(r.get("trained_seqs", 0) == 0 for r in steps) / len(steps) if steps else math.nan,
         "masked_rare": frac(masked[0], tokens[0]),
         "masked_common": frac(sum(masked[3:]), sum(tokens[3:])),
@@ -134,8 +136,9 @@ def minimal_detectable(sd: float, n: int) -> float:
     return (T975[df] + T80[df]) * sd / math.sqrt(n)
 
 
-def paired(summaries: dict[str, dict[int, dict[str, Any]]], method: str, reference: str,
-           key: str = "final_acc") -> dict[int, float]:
+def paired(
+    summaries: dict[str, dict[int, dict[str, Any]]], method: str, reference: str, key: str = "final_acc"
+) -> dict[int, float]:
     """``{seed: summary[method][key] - summary[reference][key]}`` over the seeds both ran."""
     a, b = summaries.get(method, {}), summaries.get(reference, {})
     return {s: a[s][key] - b[s][key] for s in sorted(set(a) & set(b))}
@@ -148,15 +151,28 @@ def _majority(flags: list[bool]) -> bool:
 def separation(summaries: dict[str, dict[int, dict[str, Any]]], method: str, reference: str) -> dict[str, Any]:
     """Per seed: does ``method`` collapse or end >= MARGIN below ``reference``; is it within MARGIN of it."""
     diff = paired(summaries, method, reference)
-    worse = [summaries[method][s]["collapsed"] and not summaries[reference][s]["collapsed"] or d <= -MARGIN
-             for s, d in diff.items()]
+    worse = [
+        summaries[method][s]["collapsed"] and not summaries[reference][s]["collapsed"] or d <= -MARGIN
+        for s, d in diff.items()
+    ]
     level = [abs(d) < MARGIN and not summaries[method][s]["collapsed"] for s, d in diff.items()]
-    return {"n": len(diff), "worse": sum(worse), "level": sum(level), "majority_worse": _majority(worse),
-            "majority_level": _majority(level), "diff": interval(list(diff.values()))}
+    return {
+        "n": len(diff),
+        "worse": sum(worse),
+        "level": sum(level),
+        "majority_worse": _majority(worse),
+        "majority_level": _majority(level),
+        "diff": interval(list(diff.values())),
+    }
 
 
-def mechanism_verdict(arm: dict[str, dict[str, dict[int, dict[str, Any]]]], control: str, top: str,
-                      baseline: str = "pg_is", dppo: str = "dppo_binary_tv") -> tuple[str, list[str]]:
+def mechanism_verdict(
+    arm: dict[str, dict[str, dict[int, dict[str, Any]]]],
+    control: str,
+    top: str,
+    baseline: str = "pg_is",
+    dppo: str = "dppo_binary_tv",
+) -> tuple[str, list[str]]:
     """The rule of docs/sanity.md, "Rules" 1-2, for ``baseline`` against ``dppo`` in one arm.
 
     Returns ``(confirmed | refuted | inconclusive, the reasons)``.
@@ -193,13 +209,17 @@ def anchor_verdict(arms: dict[str, tuple[dict[str, dict[int, dict[str, Any]]], s
             level_everywhere = False
             reasons.append(f"{name}: no data")
             continue
-        at_top, at_control = separation(arm[top], "minirl", "dppo_binary_tv"), separation(arm[control], "minirl",
-                                                                                          "dppo_binary_tv")
+        at_top, at_control = (
+            separation(arm[top], "minirl", "dppo_binary_tv"),
+            separation(arm[control], "minirl", "dppo_binary_tv"),
+        )
         sees = {m: _median_of(arm[top], m, "masked_first_start") for m in ("minirl", "dppo_binary_tv")}
-        reasons.append(f"{name} at {top}: MiniRL collapsed or >= {100 * MARGIN:.0f} points below DPPO Binary-TV in "
-                       f"{at_top['worse']} of {at_top['n']} seeds, within in {at_top['level']}; masked first "
-                       f"mini-batch, steps 1-10: MiniRL {100 * sees['minirl']:.1f}%, "
-                       f"DPPO {100 * sees['dppo_binary_tv']:.1f}%")
+        reasons.append(
+            f"{name} at {top}: MiniRL collapsed or >= {100 * MARGIN:.0f} points below DPPO Binary-TV in "
+            f"{at_top['worse']} of {at_top['n']} seeds, within in {at_top['level']}; masked first "
+            f"mini-batch, steps 1-10: MiniRL {100 * sees['minirl']:.1f}%, "
+            f"DPPO {100 * sees['dppo_binary_tv']:.1f}%"
+        )
         worse_somewhere |= at_top["majority_worse"] and at_control["majority_level"]
         level_everywhere &= at_top["majority_level"] and sees["minirl"] < sees["dppo_binary_tv"]
     if worse_somewhere:
@@ -209,22 +229,34 @@ def anchor_verdict(arms: dict[str, tuple[dict[str, dict[int, dict[str, Any]]], s
     return "inconclusive", reasons
 
 
-def tail_verdict(arm: dict[str, dict[str, dict[int, dict[str, Any]]]], condition: str,
-                 ratio: str = "grpo_clip_higher", dppo: str = "dppo_binary_tv") -> tuple[str, str, list[str]]:
+def tail_verdict(
+    arm: dict[str, dict[str, dict[int, dict[str, Any]]]],
+    condition: str,
+    ratio: str = "grpo_clip_higher",
+    dppo: str = "dppo_binary_tv",
+) -> tuple[str, str, list[str]]:
     """Rule 4: does ratio clipping over-mask rare tokens (mu < 1e-3), and does that cost accuracy?
 
     Returns ``(over-masking verdict, learning verdict, reasons)``.
     """
     runs = arm.get(condition, {})
     seeds = sorted(set(runs.get(ratio, {})) & set(runs.get(dppo, {})))
-    over = [runs[ratio][s]["masked_rare"] - runs[ratio][s]["masked_common"] >= RARE_MARGIN
-            and runs[ratio][s]["masked_rare"] - runs[dppo][s]["masked_rare"] >= RARE_MARGIN for s in seeds]
-    sep = separation(runs, ratio, dppo) if seeds else {"majority_worse": False, "majority_level": False, "worse": 0,
-                                                       "level": 0, "n": 0}
-    reasons = [f"{condition}: {ratio} masked mu < 1e-3 tokens >= {100 * RARE_MARGIN:.0f} points more than its "
-               f"mu >= 0.1 tokens and than {dppo}'s in {sum(over)} of {len(seeds)} seeds",
-               f"{condition}: {ratio} collapsed or ended >= {100 * MARGIN:.0f} points below {dppo} in {sep['worse']} "
-               f"of {sep['n']} seeds, within in {sep['level']}"]
+    over = [
+        runs[ratio][s]["masked_rare"] - runs[ratio][s]["masked_common"] >= RARE_MARGIN
+        and runs[ratio][s]["masked_rare"] - runs[dppo][s]["masked_rare"] >= RARE_MARGIN
+        for s in seeds
+    ]
+    sep = (
+        separation(runs, ratio, dppo)
+        if seeds
+        else {"majority_worse": False, "majority_level": False, "worse": 0, "level": 0, "n": 0}
+    )
+    reasons = [
+        f"{condition}: {ratio} masked mu < 1e-3 tokens >= {100 * RARE_MARGIN:.0f} points more than its "
+        f"mu >= 0.1 tokens and than {dppo}'s in {sum(over)} of {len(seeds)} seeds",
+        f"{condition}: {ratio} collapsed or ended >= {100 * MARGIN:.0f} points below {dppo} in {sep['worse']} "
+        f"of {sep['n']} seeds, within in {sep['level']}",
+    ]
     masking = "confirmed" if _majority(over) else "refuted" if seeds and not any(over) else "inconclusive"
     learning = "confirmed" if sep["majority_worse"] else "refuted" if sep["majority_level"] else "inconclusive"
     return masking, learning, reasons

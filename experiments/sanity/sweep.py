@@ -38,9 +38,26 @@ HOST_FILE = "host.jsonl"
 
 # Per-step fields kept in the collected data (the rest of metrics.jsonl stays in the run folder).
 COLUMNS = (
-    "step", "reward", "eval_acc", "mismatch_mean", "mismatch_max", "masked_frac", "masked_frac_first",
-    "masked_frac_later", "drift_mean", "drift_max", "bad_update_frac", "neg_high_removed", "neg_high_tokens",
-    "entropy_mean", "ratio_max", "grad_norm", "clipped_updates", "optimizer_steps", "trained_seqs", "rollout_s",
+    "step",
+    "reward",
+    "eval_acc",
+    "mismatch_mean",
+    "mismatch_max",
+    "masked_frac",
+    "masked_frac_first",
+    "masked_frac_later",
+    "drift_mean",
+    "drift_max",
+    "bad_update_frac",
+    "neg_high_removed",
+    "neg_high_tokens",
+    "entropy_mean",
+    "ratio_max",
+    "grad_norm",
+    "clipped_updates",
+    "optimizer_steps",
+    "trained_seqs",
+    "rollout_s",
     "update_s",
 )
 # Counts by rollout-probability bin, summed over each evaluation window (the steps since the previous
@@ -71,8 +88,19 @@ def _resumable(config: TrainConfig) -> bool:
     return True
 
 
-WARM_START_KEYS = ("seed", "tiny_layers", "tiny_hidden", "tiny_vocab_size", "warm_start_steps", "warm_start_problems",
-                   "warm_start_lr", "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval")
+WARM_START_KEYS = (
+    "seed",
+    "tiny_layers",
+    "tiny_hidden",
+    "tiny_vocab_size",
+    "warm_start_steps",
+    "warm_start_problems",
+    "warm_start_lr",
+    "warm_start_label_smoothing",
+    "max_operand",
+    "max_second_operand",
+    "num_eval",
+)
 
 
 def ensure_base_model(config: TrainConfig, work: Path) -> None:
@@ -156,8 +184,9 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
             if engine is None or _engine_key(config) != engine_key:
                 if engine is not None:
                     engine.close()
-                engine = make_rollout_engine(config, str(Path(config.out) / "base_model"),
-                                             resolve_device(config.device))
+                engine = make_rollout_engine(
+                    config, str(Path(config.out) / "base_model"), resolve_device(config.device)
+                )
                 engine_key = _engine_key(config)
             handler = logging.FileHandler(Path(config.out) / "train.log")
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -183,8 +212,15 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
 def worker_env() -> dict[str, str]:
     """A worker's environment: one thread, in-process vLLM with a small KV cache, this repository importable."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
-                VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=path,
+    )
 
 
 def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs: int) -> list[dict[str, Any]]:
@@ -202,11 +238,26 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
         spec = logs / f"worker{i}.json"
         status = logs / f"worker{i}.status.jsonl"
         status.write_text("")
-        spec.write_text(json.dumps({"runs": [[r.condition, r.method, r.seed] for r in share], "work": str(work),
-                                    "overrides": overrides, "status": str(status)}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "runs": [[r.condition, r.method, r.seed] for r in share],
+                    "work": str(work),
+                    "overrides": overrides,
+                    "status": str(status),
+                }
+            )
+        )
         with (logs / f"worker{i}.log").open("a") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "experiments.sanity", "--worker", str(spec)],
-                                          stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "experiments.sanity", "--worker", str(spec)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=worker_env(),
+                    cwd=REPO,
+                )
+            )
         status_paths.append(status)
 
     def statuses() -> list[dict[str, Any]]:
@@ -223,8 +274,9 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
     for i, proc in enumerate(procs):
         if proc.returncode not in (0, 1):
             tail = (logs / f"worker{i}.log").read_text().splitlines()[-15:]
-            raise RuntimeError(f"sweep worker {i} exited with {proc.returncode}; last lines of its log:\n"
-                               + "\n".join(tail))
+            raise RuntimeError(
+                f"sweep worker {i} exited with {proc.returncode}; last lines of its log:\n" + "\n".join(tail)
+            )
     return statuses()
 
 
@@ -268,11 +320,22 @@ def collect(run: Run, config: TrainConfig, data: Path) -> Path:
     out = Path(config.out)
     target = data / run.condition / run.method / f"seed{run.seed}.jsonl"
     target.parent.mkdir(parents=True, exist_ok=True)
-    hosts = [json.loads(line) for line in (out / HOST_FILE).read_text().splitlines() if line.strip()] \
-        if (out / HOST_FILE).is_file() else []
+    hosts = (
+        [json.loads(line) for line in (out / HOST_FILE).read_text().splitlines() if line.strip()]
+        if (out / HOST_FILE).is_file()
+        else []
+    )
     settings = {k: v for k, v in config.to_dict().items() if k not in ("out", "resume", "overwrite")}
-    meta = {"run": run.name, "condition": run.condition, "method": run.method, "seed": run.seed, "config": settings,
-            "hosts": hosts, "columns": [*COLUMNS, *BIN_COLUMNS], "mu_bin_edges": list(MU_BIN_EDGES)}
+    meta = {
+        "run": run.name,
+        "condition": run.condition,
+        "method": run.method,
+        "seed": run.seed,
+        "config": settings,
+        "hosts": hosts,
+        "columns": [*COLUMNS, *BIN_COLUMNS],
+        "mu_bin_edges": list(MU_BIN_EDGES),
+    }
     rows = data_file_rows(read_metrics(out / "metrics.jsonl"))
     target.write_text(json.dumps({"meta": meta}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
     return target

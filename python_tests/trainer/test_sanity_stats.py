@@ -98,8 +98,10 @@ def test_tail_rule():
 
 def test_collected_rows_sum_the_bins_over_each_evaluation_window():
     bins = {key: [1, 0, 0, 0, 0, 2] for key in BIN_COLUMNS}
-    records = [{"step": 0, "eval_acc": 0.1}] + [{"step": s, "reward": 1 / 3, "mismatch_mean": 0.0123456, **bins,
-                                                  **({"eval_acc": 0.12375} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)]
+    evaluation = {"eval_acc": 0.12375}
+    records = [{"step": 0, "eval_acc": 0.1}] + [
+        {"step": s, "reward": 1 / 3, "mismatch_mean": 0.0123456, **bins, **(evaluation if s % 2 == 0 else {})}
+        for s in (1, 2, 3, 4)]
     rows = data_file_rows(records)
     at = {name: i for i, name in enumerate([*COLUMNS, *BIN_COLUMNS])}
     assert rows[0][at["eval_acc"]] == 0.1 and rows[0][at["masked_by_mu_pos"]] is None
@@ -108,3 +110,15 @@ def test_collected_rows_sum_the_bins_over_each_evaluation_window():
     assert rows[1][at["tokens_by_mu_neg"]] is None  # not an evaluation step: the bins wait for the window's end
     assert rows[2][at["eval_acc"]] == 0.12375 and rows[2][at["tokens_by_mu_neg"]] == [2, 0, 0, 0, 0, 4]
     assert rows[4][at["masked_by_mu_pos"]] == [2, 0, 0, 0, 0, 4]  # steps 3-4 only
+
+
+def test_verdict_table_gives_each_rule_its_verdict_and_effect():
+    from experiments.sanity.report import verdict_table
+
+    # PG-IS ends 15, 10 and 1 points below DPPO Binary-TV (0.25) at sigma1, level in the control
+    table = verdict_table(_arm([0.10, 0.15, 0.24], [0.24, 0.26, 0.22]))
+    row = next(line for line in table.splitlines() if line.startswith("| 1 (noise, sigma1) | pg_is"))
+    assert "**confirmed**" in row and "| 2 / 1 / 3 |" in row
+    assert f"| {100 * statistics.mean([-0.15, -0.10, -0.01]):.1f} ± " in row  # the paired mean difference, points
+    assert f"| {100 * statistics.mean([-0.01, 0.01, -0.03]):.1f} ± " in row  # the control's
+    assert "**inconclusive**" in next(line for line in table.splitlines() if line.startswith("| 2 (lag"))
