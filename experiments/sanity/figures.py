@@ -110,7 +110,7 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
                 desc = CONDITIONS[condition].description if condition in CONDITIONS else condition
                 ax.set_title(f"{condition}\n" + textwrap.fill(desc, 48), fontsize=7)
             if col == 0:
-                ax.set_ylabel(title, fontsize=8)
+                ax.set_ylabel(textwrap.fill(title, 30), fontsize=8)
             if row == len(panels) - 1:
                 ax.set_xlabel("step")
             ax.tick_params(labelsize=7)
