@@ -127,8 +127,8 @@ def build_task(config: TrainConfig) -> Task:
 
 def warm_start_settings(config: TrainConfig) -> dict[str, Any]:
     """The settings that make the embedded model's warm start (recorded in its ``warm_start.json``)."""
-    names = ("tiny_layers", "tiny_hidden", "warm_start_steps", "warm_start_problems", "warm_start_lr",
-             "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval", "seed")
+    names = ("tiny_layers", "tiny_hidden", "tiny_vocab_size", "warm_start_steps", "warm_start_problems",
+             "warm_start_lr", "warm_start_label_smoothing", "max_operand", "max_second_operand", "num_eval", "seed")
     return {name: getattr(config, name) for name in names}
 
 
@@ -158,6 +158,7 @@ def build_embedded_model(folder: Path, config: TrainConfig, task: Task) -> Path:
             folder,
             config=TinyModelConfig(hidden_size=config.tiny_hidden, num_layers=config.tiny_layers, num_heads=heads),
             seed=config.seed,
+            vocab_size=config.tiny_vocab_size,
         )
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

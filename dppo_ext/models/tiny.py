@@ -6,6 +6,11 @@ The embedded default task (arithmetic) needs no download: the tokenizer is a cha
 Both are written with ``save_pretrained`` so the folder loads with ``from_pretrained`` and with
 vLLM like any Hugging Face checkpoint.
 
+``vocab_size`` pads the vocabulary with tokens ``<r0>``, ``<r1>``, ... that no text encodes to
+(the pre-tokenizer splits text into single characters) and that decode to themselves, so a
+response holding one is never a number: a tail of rare, always-wrong tokens, which a warm start
+with label smoothing gives a small probability each.
+
 Prompts are plain text (no chat template). Encoding prepends ``<s>``; a response ends with
 ``</s>``. Example: ``"12+7="`` -> ``[<s>, 1, 2, +, 7, =]``, response ``"19</s>"``.
 """
@@ -26,6 +31,7 @@ EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 ARITHMETIC_ALPHABET = "0123456789+-="
+RARE_TOKEN = "<r{}>"  # the padding tokens of a padded vocabulary
 
 # vLLM's CPU attention backend rejects small head sizes (16 failed, 32 and 64 work).
 MIN_HEAD_DIM = 32
@@ -66,11 +72,12 @@ class TinyModelConfig:
             )
 
 
-def build_char_tokenizer(alphabet: str = ARITHMETIC_ALPHABET):
+def build_char_tokenizer(alphabet: str = ARITHMETIC_ALPHABET, vocab_size: int = 0):
     """Build a character-level ``PreTrainedTokenizerFast`` over ``alphabet`` plus special tokens.
 
-    Ids: ``<pad>=0, <s>=1, </s>=2, <unk>=3``, then the alphabet characters in order. Encoding
-    splits text into single characters and prepends ``<s>``; decoding joins characters with no
+    Ids: ``<pad>=0, <s>=1, </s>=2, <unk>=3``, then the alphabet characters in order, then (when
+    ``vocab_size`` exceeds that count) the rare tokens ``<r0>, <r1>, ...`` up to ``vocab_size`` ids.
+    Encoding splits text into single characters and prepends ``<s>``; decoding joins tokens with no
     separator.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -83,6 +90,13 @@ def build_char_tokenizer(alphabet: str = ARITHMETIC_ALPHABET):
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab[ch] = len(vocab)
+    if vocab_size and vocab_size < len(vocab):
+        raise ValueError(
+            f"vocab_size={vocab_size} is below the {len(vocab)} tokens of the alphabet and the special "
+            "tokens; pass 0 (no padding) or a larger size"
+        )
+    for i in range(max(0, vocab_size - len(vocab))):
+        vocab[RARE_TOKEN.format(i)] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -106,6 +120,7 @@ def build_tiny_model(
     config: TinyModelConfig | None = None,
     alphabet: str = ARITHMETIC_ALPHABET,
     seed: int = 0,
+    vocab_size: int = 0,
 ) -> Path:
     """Build a randomly initialised tiny Llama model + tokenizer and save them to ``out_dir``.
 
@@ -115,6 +130,7 @@ def build_tiny_model(
         config: model shape (default ``TinyModelConfig()``: hidden 128, 2 layers, 2 heads of 64).
         alphabet: characters the tokenizer knows besides the special tokens.
         seed: seed for the weight initialisation (the same seed gives the same weights).
+        vocab_size: pad the vocabulary with rare tokens to this many ids (0 = no padding).
 
     Returns:
         ``Path(out_dir)``.
@@ -124,7 +140,7 @@ def build_tiny_model(
     config = config or TinyModelConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer(alphabet)
+    tokenizer = build_char_tokenizer(alphabet, vocab_size)
     llama_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,

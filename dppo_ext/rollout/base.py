@@ -6,6 +6,9 @@ log-probabilities the trainer needs for DPPO:
 * ``logprobs[t]`` is log mu(y_t | prefix) of the sampled token under the SAME
   temperature-processed distribution the trainer scores,
   i.e. ``log_softmax(logits / temperature)``.
+* with ``logit_noise = sigma > 0`` the engine samples from, and reports, ``mu = softmax((z +
+  sigma * eps) / T)`` instead (``dppo_ext.rollout.noise``: a training-inference mismatch of a
+  chosen size).
 * ``topk_ids[t]`` / ``topk_logprobs[t]`` are the K highest-ranked tokens of that
   distribution, ordered by rank (highest log-prob first), with the sampled token
   forced in (it replaces the lowest-ranked entry when the engine did not rank it
@@ -23,6 +26,8 @@ import abc
 from dataclasses import dataclass
 
 import torch
+
+from dppo_ext.rollout.noise import check_logit_noise
 
 
 @dataclass
@@ -87,7 +92,8 @@ def force_sampled_into_topk(
 
 
 def check_generate_args(
-    prompts: list[list[int]], n: int, temperature: float, max_tokens: int, top_k: int
+    prompts: list[list[int]], n: int, temperature: float, max_tokens: int, top_k: int, *,
+    logit_noise: float = 0.0, seed: int | None = None,
 ) -> None:
     """Validate the arguments shared by every engine's ``generate``; raise ValueError."""
     if not isinstance(prompts, list) or not all(isinstance(p, list) and p for p in prompts):
@@ -103,6 +109,7 @@ def check_generate_args(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if top_k < 0:
         raise ValueError(f"top_k (number of rollout top-K log-probs) must be >= 0, got {top_k}")
+    check_logit_noise(logit_noise, seed)
 
 
 class RolloutEngine(abc.ABC):
@@ -120,6 +127,7 @@ class RolloutEngine(abc.ABC):
         max_tokens: int,
         top_k: int = 0,
         seed: int | None = None,
+        logit_noise: float = 0.0,
     ) -> list[list[RolloutSample]]:
         """Sample ``n`` responses per prompt.
 
@@ -131,6 +139,9 @@ class RolloutEngine(abc.ABC):
             max_tokens: maximum generated tokens per response.
             top_k: number of rollout top-K log-probs per token (0 = none).
             seed: seed for this call; the same seed and weights give the same samples.
+            logit_noise: sigma of the Gaussian noise added to the logits before the temperature
+                (``dppo_ext.rollout.noise``; needs ``seed``); the samples and their log-probs are of
+                ``softmax((z + sigma * eps) / T)``. 0 = none.
 
         Returns:
             ``[len(prompts)][n]`` samples.

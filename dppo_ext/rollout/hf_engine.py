@@ -4,7 +4,10 @@ It samples from ``softmax(logits / temperature)`` with no other logits processin
 sampling filters off, no repetition penalty), and reads each step's processed scores
 (``output_scores``: the logits after the temperature warper) to report
 ``log_softmax(logits / temperature)`` of the sampled token and its top-K, the same fields as the
-vLLM engine. It keeps its own copy of the model in a configurable rollout dtype, so e.g. bf16
+vLLM engine. With ``logit_noise = sigma`` a logits processor adds the noise of
+``dppo_ext.rollout.noise`` to the logits first (``generate`` runs custom processors before its
+temperature warper), so the samples and the reported log-probs are of
+``softmax((z + sigma * eps) / T)``. It keeps its own copy of the model in a configurable rollout dtype, so e.g. bf16
 rollouts for an fp32 trainer give a real training-inference mismatch.
 """
 
@@ -21,6 +24,7 @@ from dppo_ext.rollout.base import (
     check_generate_args,
     force_sampled_into_topk,
 )
+from dppo_ext.rollout.noise import add_logit_noise
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,18 @@ def topk_with_sampled(
         ids_out.append(ids)
         lps_out.append(lps)
     return ids_out, lps_out
+
+
+class _LogitNoise:
+    """transformers logits processor: row ``r`` of the ``[B * n, V]`` scores (sample ``r % n`` of prompt
+    ``r // n``) gets the noise of sample seed ``seed + r`` at the current response position."""
+
+    def __init__(self, seed: int, sigma: float, prompt_len: int) -> None:
+        self.seed, self.sigma, self.prompt_len = seed, sigma, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_len
+        return add_logit_noise(scores, [(row, self.seed + row, position, self.sigma) for row in range(scores.shape[0])])
 
 
 class HFEngine(RolloutEngine):
@@ -108,11 +124,12 @@ class HFEngine(RolloutEngine):
         max_tokens: int,
         top_k: int = 0,
         seed: int | None = None,
+        logit_noise: float = 0.0,
     ) -> list[list[RolloutSample]]:
         """See :meth:`RolloutEngine.generate`. Prompts are left-padded into one batch."""
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        check_generate_args(prompts, n, temperature, max_tokens, top_k)
+        check_generate_args(prompts, n, temperature, max_tokens, top_k, logit_noise=logit_noise, seed=seed)
         vocab = self.model.config.vocab_size
         if top_k > vocab:
             raise ValueError(f"top_k={top_k} exceeds the vocabulary size {vocab}")
@@ -152,6 +169,7 @@ class HFEngine(RolloutEngine):
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=config,
+                logits_processor=LogitsProcessorList([_LogitNoise(seed, logit_noise, longest)] if logit_noise else []),
             )
         new_tokens = out.sequences[:, longest:].cpu()  # [B*n, S]
         # scores[s]: [B*n, V] logits after the temperature warper at step s.

@@ -9,6 +9,11 @@ highest-ranked tokens plus the sampled one;
 shares) turns that into the sampled token's log-prob and a fixed-size [K] top-K row with the
 sampled token forced in.
 
+Logit noise (``generate(..., logit_noise=sigma)``, ``dppo_ext.rollout.noise``): the engine is created
+with :class:`dppo_ext.rollout.vllm_noise.LogitNoiseProcessor`, which adds ``sigma * eps`` to the logits
+of the requests that ask for it before vLLM's temperature scaling, so the token is sampled from, and
+its processed log-prob reports, ``mu = softmax((z + sigma * eps) / T)``.
+
 Weight sync: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
 "is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs through the model's
 own ``load_weights`` (vLLM's in-place reload path), then the prefix cache is reset so no KV
@@ -114,6 +119,8 @@ class VLLMEngine(RolloutEngine):
         from transformers import AutoConfig
         from vllm import LLM
 
+        from dppo_ext.rollout.vllm_noise import LogitNoiseProcessor
+
         hf_config = AutoConfig.from_pretrained(model_path)
         positions = getattr(hf_config, "max_position_embeddings", None)
         if positions is not None and max_model_len > positions:
@@ -142,6 +149,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=max_model_len,
             max_logprobs=max_logprobs,
             logprobs_mode="processed_logprobs",
+            logits_processors=[LogitNoiseProcessor],
             enforce_eager=enforce_eager,
             **llm_kwargs,
         )
@@ -160,12 +168,15 @@ class VLLMEngine(RolloutEngine):
         max_tokens: int,
         top_k: int = 0,
         seed: int | None = None,
+        logit_noise: float = 0.0,
     ) -> list[list[RolloutSample]]:
         """See :meth:`RolloutEngine.generate`. With a seed, prompt i samples with seeds
         ``seed + i * n + j`` for j < n, so equal prompts still get distinct samples."""
         from vllm import SamplingParams
 
-        check_generate_args(prompts, n, temperature, max_tokens, top_k)
+        from dppo_ext.rollout.vllm_noise import NOISE_ARG
+
+        check_generate_args(prompts, n, temperature, max_tokens, top_k, logit_noise=logit_noise, seed=seed)
         if top_k > min(self.max_logprobs, self.vocab_size):
             raise ValueError(
                 f"top_k={top_k} exceeds this engine's limit min(max_logprobs={self.max_logprobs}, "
@@ -178,6 +189,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=max_tokens,
                 logprobs=max(top_k, 1),
                 seed=None if seed is None else seed + i * n,
+                extra_args={NOISE_ARG: float(logit_noise)} if logit_noise else None,
             )
             for i in range(len(prompts))
         ]

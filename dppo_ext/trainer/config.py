@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dppo_ext.contract import AGG_MODES
+from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 from dppo_ext.trainer.losses import LOSSES, canonical_loss
@@ -50,6 +51,9 @@ class TrainConfig:
     max_second_operand: int = _opt(9, "embedded task: the second operand is an integer in [0, max_second_operand]")
     tiny_layers: int = _opt(2, "embedded model: decoder layers")
     tiny_hidden: int = _opt(128, "embedded model: hidden size (head_dim = hidden / 2)")
+    tiny_vocab_size: int = _opt(
+        0, "embedded model: pad the vocabulary with tokens no prompt or answer uses (each decodes to a non-digit) up "
+        "to this size; with --warm-start-label-smoothing they carry a long tail of rare tokens. 0 = no padding")
     warm_start_steps: int = _opt(1000, "embedded model: supervised warm-start steps")
     warm_start_problems: int = _opt(600, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
     warm_start_lr: float = _opt(3e-3, "embedded model: warm-start learning rate")
@@ -78,7 +82,16 @@ class TrainConfig:
     ppo_epochs: int = _opt(2, "passes over each rollout batch")
     micro_batch_size: int = _opt(0, "sequences per forward/backward (gradient accumulation); 0 = whole mini-batch")
     rollout_lag: int = _opt(0, "the engine rolls out with the trainer's weights of k steps ago (asynchronous RL); 0 = synced")
+    rollout_logit_noise: float = _opt(
+        0.0, "sigma of Gaussian noise the engine adds to its logits before the temperature: rollouts sample from and "
+        "report mu = softmax((z + sigma * eps) / T), eps ~ N(0, I) fresh per token (a training-inference mismatch of "
+        "a chosen size; held-out evaluation stays noise-free). 0 = off")
     drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
+    mechanism_metrics: bool = _opt(
+        False, "record per step the mask split (first mini-batch / later ones, by rollout probability x advantage "
+        "sign) and, after each optimizer step, the post-update drift |pi_new - mu|, the mass negative samples removed "
+        "from tokens with mu > 0.5 and the bad-update fraction (dppo_ext.trainer.mechanism; one extra no-grad pass "
+        "per mini-batch)")
     # evaluation
     eval_every: int = _opt(25, "held-out accuracy every k steps (also at start and end)")
     eval_samples: int = _opt(2, "samples per held-out prompt (accuracy = mean reward at --eval-temperature)")
@@ -161,7 +174,7 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
         if self.ratio_cap is not None and not self.ratio_cap > 0:
             raise ValueError(f"--ratio-cap must be > 0, got {self.ratio_cap}")
-        for name in ("delta_low", "delta_high", "weight_decay"):
+        for name in ("delta_low", "delta_high", "weight_decay", "rollout_logit_noise"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
@@ -174,6 +187,13 @@ class TrainConfig:
                 f"--max-new-tokens={self.max_new_tokens} leaves no room for the prompt in --max-model-len="
                 f"{self.max_model_len}; expected max_new_tokens < max_model_len"
             )
+        unpadded = len(SPECIAL_TOKENS) + len(ARITHMETIC_ALPHABET)
+        if self.tiny_vocab_size < 0 or 0 < self.tiny_vocab_size < unpadded:
+            raise ValueError(f"--tiny-vocab-size must be 0 (no padding) or >= {unpadded} (the embedded model's own "
+                             f"tokens), got {self.tiny_vocab_size}")
+        if self.model and self.tiny_vocab_size:
+            raise ValueError(f"--tiny-vocab-size={self.tiny_vocab_size} pads the embedded model's vocabulary; it does "
+                             f"not apply to --model {self.model!r}: drop it")
         heads = tiny_heads(self.tiny_hidden)
         if not self.model and (self.tiny_hidden % heads or (self.tiny_hidden // heads) % 2 or self.tiny_hidden // heads < 32):
             raise ValueError(
@@ -227,7 +247,7 @@ class TrainConfig:
 
 # Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
 RESUME_MAY_CHANGE = ("steps", "save_every", "save_total_limit", "threads", "device", "vllm_gpu_memory_utilization",
-                     "out", "resume", "overwrite", "report_to", "log_level", "verbose")
+                     "out", "resume", "overwrite", "report_to", "log_level", "verbose", "mechanism_metrics")
 
 
 def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:

@@ -19,6 +19,12 @@ score the whole rollout batch once with the trainer's pre-update weights before 
 optimizer step; those log-probs stay fixed for every epoch and mini-batch of that batch and are
 the op's ``anchor_logprobs``.
 
+With ``rollout_logit_noise = sigma`` the engine samples the rollouts (never the held-out
+evaluation) from ``softmax((z + sigma * eps) / T)`` and reports that ``mu``
+(``dppo_ext.rollout.noise``): a training-inference mismatch of a chosen size. With
+``mechanism_metrics`` every step's record also holds the masking and post-update metrics of
+``dppo_ext.trainer.mechanism`` (one extra no-grad pass over each mini-batch after its update).
+
 Weight sync is measured, not assumed: the first mini-batch of every step runs before any
 update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
 compares the engine's log-probs with the trainer's own for exactly the same weights. It stays
@@ -48,6 +54,7 @@ from dppo_ext.trainer.advantages import group_advantages
 from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
+from dppo_ext.trainer.mechanism import MechanismStats, op_rows
 from dppo_ext.trainer.metrics import MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
 
@@ -194,6 +201,7 @@ class Trainer:
             max_tokens=cfg.max_new_tokens,
             top_k=cfg.top_k if cfg.uses_topk else 0,
             seed=cfg.seed * STEP_SEED_STRIDE + (self.step + 1) * cfg.prompts_per_step * cfg.group_size,
+            **({"logit_noise": cfg.rollout_logit_noise} if cfg.rollout_logit_noise else {}),
         )
         samples = [s for group in groups for s in group]
         rewards = torch.tensor([[self.score(s, p) for s in group] for p, group in zip(problems, groups)])
@@ -220,6 +228,7 @@ class Trainer:
         losses, grad_norms = [], []
         skipped_steps = 0
         first = True
+        mechanism = MechanismStats() if cfg.mechanism_metrics else None
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(batch.size, generator=generator)
             for mb_index in perm.chunk(min(cfg.num_minibatches, batch.size)):
@@ -229,6 +238,7 @@ class Trainer:
                 mb_tokens, mb_seqs = float(mb_mask.sum()), float(mb_mask.any(-1).sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = 0.0
+                before: list[torch.Tensor] = []  # mechanism metrics: the micro-batches' log-probs before the step
                 for part in micro_parts:
                     micro = batch.select(part).to(self.device)
                     share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
@@ -248,6 +258,10 @@ class Trainer:
                         loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
                         **settings,
                     )
+                    if mechanism is not None:
+                        rows, valid, mu, adv = op_rows(logits, micro, cfg.mode, cfg.temperature, settings)
+                        mechanism.add_mask(rows.mask, valid, mu, adv, first=first)
+                        before.append(rows.logp)
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
                     n_tok = float(metrics["num_tokens"])
@@ -262,6 +276,9 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
+                    if mechanism is not None:
+                        mechanism.clipped_updates += int(float(grad_norm) > cfg.max_grad_norm)
+                        self._post_update_pass(batch, micro_parts, before, mechanism, settings)
                 else:
                     # A NaN/inf gradient would poison the weights (and AdamW's moments) for good:
                     # skip this optimizer step and say so; the record keeps the non-finite loss.
@@ -284,7 +301,21 @@ class Trainer:
             skipped_optimizer_steps=skipped_steps,
             lr=lr,
         )
+        if mechanism is not None:
+            out.update(mechanism.record())
         return out
+
+    @torch.no_grad()
+    def _post_update_pass(self, batch: RolloutBatch, parts: list[torch.Tensor], before: list[torch.Tensor],
+                          stats: MechanismStats, settings: dict[str, float]) -> None:
+        """Score the mini-batch just trained (``parts``: its micro-batches' rows; ``before``: their log-probs
+        before the step) with the updated weights."""
+        cfg = self.config
+        for part, logp_old in zip(parts, before):
+            micro = batch.select(part).to(self.device)
+            rows, valid, mu, adv = op_rows(response_logits(self.model, micro), micro, cfg.mode, cfg.temperature,
+                                           settings)
+            stats.add_post_update(rows.logp, logp_old, valid, mu, adv)
 
     @torch.no_grad()
     def recompute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

@@ -476,3 +476,96 @@ def test_vllm_rollout_example_shows_the_raw_logprobs_pitfall(tmp_path: Path) -> 
     assert ok["binary_tv_masked_frac"] == 0.0 and ok["topk_tv_masked_frac"] == 0.0, ok
     assert raw["mismatch_mean"] > 100 * max(ok["mismatch_mean"], 1e-7), (ok, raw)
     assert raw["binary_tv_masked_frac"] > 0.0 and raw["topk_tv_masked_frac"] > 0.0, raw
+
+
+# --- rollout logit noise (a dosed training-inference mismatch) ------------------------------
+
+NOISE_SIGMA = 1.0
+NOISE_TEMPERATURE = 0.7
+
+
+def reference_noise(sample_seed: int, position: int, vocab: int) -> torch.Tensor:
+    """eps of one token, from the documented key (``dppo_ext.rollout.noise``), written out here."""
+    generator = torch.Generator().manual_seed((sample_seed * 65536 + position) % 2**63)
+    return torch.randn(vocab, generator=generator)
+
+
+def noisy_reference(model: torch.nn.Module, groups: list[list[RolloutSample]], seed: int, sigma: float,
+                    temperature: float) -> list[tuple[RolloutSample, torch.Tensor, torch.Tensor]]:
+    """(sample, log mu [T, V], log pi [T, V]) per sample: mu = softmax((z + sigma eps) / T), pi = softmax(z / T),
+    z from a teacher-forced float32 forward pass, eps regenerated from the sample's seed seed + i * n + j."""
+    out = []
+    for i, group in enumerate(groups):
+        for j, sample in enumerate(group):
+            ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+            with torch.no_grad():
+                z = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+            eps = torch.stack([reference_noise(seed + i * len(group) + j, t, z.shape[-1]) for t in range(len(z))])
+            out.append((sample, torch.log_softmax((z + sigma * eps) / temperature, -1),
+                        torch.log_softmax(z / temperature, -1)))
+    return out
+
+
+def check_noisy_rollout(engine: RolloutEngine, model: torch.nn.Module, prompts: list[list[int]], n: int) -> None:
+    """The engine's log-probs are log mu of the noisy distribution, and the tokens were drawn from mu, not pi."""
+    seed = 123
+    groups = engine.generate(prompts, n=n, temperature=NOISE_TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=seed,
+                             logit_noise=NOISE_SIGMA)
+    rows = noisy_reference(model, groups, seed, NOISE_SIGMA, NOISE_TEMPERATURE)
+    worst_mu = worst_pi = 0.0
+    ratios, variance, if_from_pi = [], 0.0, []
+    for sample, log_mu, log_pi in rows:
+        tokens = torch.tensor(sample.response_ids)
+        reported = torch.tensor(sample.logprobs)
+        worst_mu = max(worst_mu, (log_mu.gather(-1, tokens[:, None])[:, 0] - reported).abs().max().item())
+        worst_pi = max(worst_pi, (log_pi.gather(-1, tokens[:, None])[:, 0] - reported).abs().max().item())
+        topk = log_mu.gather(-1, torch.tensor(sample.topk_ids))
+        worst_mu = max(worst_mu, (topk - torch.tensor(sample.topk_logprobs)).abs().max().item())
+        # E_{y ~ mu}[pi(y) / mu(y)] = 1 at every position; were y drawn from pi it would be sum_v pi^2 / mu >= 1
+        ratio_all = (log_pi - log_mu).exp()
+        ratios += (log_pi - log_mu).gather(-1, tokens[:, None])[:, 0].exp().tolist()
+        second = (ratio_all * log_pi.exp()).sum(-1)  # sum_v pi^2 / mu = E_mu[(pi / mu)^2]
+        variance += float((second - 1).sum())
+        if_from_pi += second.tolist()
+    # the reported mu is the noisy distribution, to float32 rounding, and far from pi (a real mismatch)
+    assert worst_mu < 1e-4, worst_mu
+    assert worst_pi > 0.3, worst_pi
+    count = len(ratios)
+    mean, se = sum(ratios) / count, math.sqrt(variance) / count
+    logger.info("%s noise: max |log mu err| %.2g, max |reported - log pi| %.2g, mean pi/mu %.3f +- %.3f over %d tokens "
+                "(%.3f if drawn from pi)", engine.name, worst_mu, worst_pi, mean, se, count, sum(if_from_pi) / count)
+    assert abs(mean - 1.0) < 4 * se, (mean, se, count)
+    assert sum(if_from_pi) / count > 1.0 + 10 * se, (sum(if_from_pi) / count, se)
+
+
+@pytest.mark.vllm
+def test_vllm_logit_noise_is_what_was_sampled_and_reported(vllm_on_tiny: RolloutEngine,
+                                                          tiny_model: torch.nn.Module) -> None:
+    check_noisy_rollout(vllm_on_tiny, tiny_model, PROMPTS * 8, n=16)
+
+
+def test_hf_logit_noise_is_what_was_sampled_and_reported(hf_engine: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+    check_noisy_rollout(hf_engine, tiny_model, PROMPTS * 8, n=16)
+
+
+@pytest.mark.vllm
+def test_vllm_logit_noise_does_not_depend_on_the_batch(vllm_on_tiny: RolloutEngine) -> None:
+    """A sample's noise is a function of its seed and position: the same request alone or among others gets
+    the same tokens and log-probs, and a request without noise in the same batch gets none."""
+    args = dict(temperature=NOISE_TEMPERATURE, max_tokens=MAX_TOKENS, seed=40, logit_noise=NOISE_SIGMA)
+    alone = vllm_on_tiny.generate(PROMPTS[:1], n=3, **args)[0]
+    shared = vllm_on_tiny.generate(PROMPTS[:1] * 5, n=3, **args)[0]
+    assert [s.response_ids for s in alone] == [s.response_ids for s in shared]
+    assert [s.logprobs for s in alone] == [s.logprobs for s in shared]
+    clean = vllm_on_tiny.generate(PROMPTS[:1], n=3, temperature=NOISE_TEMPERATURE, max_tokens=MAX_TOKENS, seed=40)[0]
+    assert [s.logprobs for s in clean] != [s.logprobs for s in alone]
+
+
+def test_logit_noise_errors(hf_engine: RolloutEngine) -> None:
+    good = dict(n=2, temperature=1.0, max_tokens=4, seed=0)
+    for value, match in [(-0.5, "logit_noise must be >= 0 .*got -0.5"), (math.nan, "logit_noise must be a finite"),
+                         ("1", "logit_noise must be a finite number")]:
+        with pytest.raises(ValueError, match=match):
+            hf_engine.generate(PROMPTS, **good, logit_noise=value)
+    with pytest.raises(ValueError, match="logit_noise > 0 needs a seed"):
+        hf_engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=4, logit_noise=0.3)

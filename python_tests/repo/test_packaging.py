@@ -251,6 +251,7 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path):
         whl.extractall(tmp_path / "site")
     assert any(re.fullmatch(r"dppo_ext/_C\..*\.so", f) for f in files), files
     assert "dppo_ext/py.typed" in files
+    assert not [f for f in files if f.startswith(("experiments/", "dppo_ext/experiments/"))], files  # repo-only
     assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files), files
     assert "License-Expression: Apache-2.0" in metadata
     assert f"Version: {dppo_ext.__version__}" in metadata

@@ -13,6 +13,7 @@ import torch
 
 from dppo_ext import dppo_loss
 from dppo_ext.trainer.config import TrainConfig
+from experiments.sanity.conditions import QUICK_CONDITION, QUICK_METHODS
 
 # The baselines as the papers define them, written independently of dppo_ext.trainer.losses:
 # (mask anchor or None = never masked, clip low, clip high, weight cap or None = uncapped).
@@ -200,29 +201,58 @@ def test_rollout_lag_feeds_the_engine_weights_of_k_steps_ago(tiny_dir, tmp_path)
 
 
 # ---------------------------------------------------------------- the --quick sweep
-def test_quick_sweep_runs_resumes_and_skips(tmp_path):
-    from dppo_ext.experiments.sanity import QUICK_CONDITION, QUICK_METHODS, main
+TIMINGS = ("rollout_s", "update_s")
 
-    common = ["--quick", "--work", str(tmp_path / "work"), "--data", str(tmp_path / "data"),
-              "--report-dir", str(tmp_path / "report"), "--jobs", "2"]
-    assert main([*common, "--steps", "2"]) == 0
-    first = {m: (tmp_path / "data" / QUICK_CONDITION / m / "seed0.jsonl").read_text().splitlines() for m in QUICK_METHODS}
-    assert main(common) == 0  # 3 steps: every run continues from its step-2 checkpoint
-    assert main(common) == 0  # nothing left to do
-    log = [json.loads(line) for line in (tmp_path / "work" / "sweep_log.jsonl").read_text().splitlines()]
+
+def _collected(data: Path, method: str) -> tuple[dict, list[dict]]:
+    from experiments.sanity.sweep import read_data_file
+
+    return read_data_file(data / QUICK_CONDITION / method / "seed0.jsonl")
+
+
+def _without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+def test_quick_sweep_runs_resumes_skips_and_repeats(tmp_path):
+    """The CI smoke test of the experiment: 2 steps fresh, resumed to 3, then skipped; then the same 3-step
+    command in a fresh folder gives the same records (timings aside) as the resumed run."""
+    from experiments.sanity import main
+
+    def common(name: str) -> list[str]:
+        return ["--quick", "--work", str(tmp_path / name / "work"), "--data", str(tmp_path / name / "data"),
+                "--report-dir", str(tmp_path / name / "report"), "--jobs", "2"]
+
+    assert main([*common("a"), "--steps", "2"]) == 0
+    first = {m: _collected(tmp_path / "a" / "data", m)[1] for m in QUICK_METHODS}
+    assert main(common("a")) == 0  # 3 steps: every run continues from its step-2 checkpoint
+    assert main(common("a")) == 0  # nothing left to do
+    log = [json.loads(line) for line in (tmp_path / "a" / "work" / "sweep_log.jsonl").read_text().splitlines()]
     n = len(QUICK_METHODS)
     assert [(r["fresh"], r["resumed"], r["skipped"]) for r in log] == [(n, 0, 0), (0, n, 0), (0, 0, n)]
+    assert main(common("b")) == 0
     for method in QUICK_METHODS:
-        lines = (tmp_path / "data" / QUICK_CONDITION / method / "seed0.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
+        meta, records = _collected(tmp_path / "a" / "data", method)
         assert [r["step"] for r in records] == [0, 1, 2, 3]
-        assert lines[:3] == first[method]  # resumed, not restarted: steps 0-2 (timings too) are the first run's
-        # bf16 rollouts vs the fp32 trainer: a real, measured mismatch on every step that trained
+        assert records[:3] == first[method]  # resumed, not restarted: steps 0-2 (timings too) are the first run's
+        # the data file names its host and run: SIMD levels, library versions, the full configuration
+        assert [h["attempt"] for h in meta["hosts"]] == ["fresh", "resumed"]
+        assert meta["hosts"][0]["dppo_cpu_capability"] and meta["hosts"][0]["versions"]["torch"]
+        assert meta["config"]["rollout_logit_noise"] == 1.0 and meta["config"]["loss"] == method
+        # logit noise sigma = 1 on fp32 rollouts: a large, measured mismatch on every step that trained
         trained = [r for r in records[1:] if "mismatch_max" in r]
-        assert trained and all(r["mismatch_max"] > 0 for r in trained)
-    table = (tmp_path / "report" / "table.md").read_text()
-    assert all(f"| {m} | 1 | 3 |" in table for m in QUICK_METHODS)
-    assert (tmp_path / "report" / f"figure_{QUICK_CONDITION}.png").stat().st_size > 10_000
+        assert trained and all(r["mismatch_max"] > 0.05 for r in trained)
+        assert all("drift_mean" in r and "masked_frac_first" in r for r in trained)
+        # the same command on the same host gives the same records (uninterrupted here, resumed above)
+        again = _collected(tmp_path / "b" / "data", method)[1]
+        assert _without_timings(again) == _without_timings(records)
+    tables = (tmp_path / "a" / "report" / "tables.md").read_text()
+    assert all(f"| {m} | 1 |" in tables for m in QUICK_METHODS)
+    assert "avx" in tables.lower() or "AVX" in tables  # the host section names the SIMD level
+    assert (tmp_path / "a" / "report" / "figure_noise.png").stat().st_size > 10_000
+    # --report-only redraws the same tables from the collected data alone
+    assert main(["--report-only", "--data", str(tmp_path / "a" / "data"), "--report-dir", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "tables.md").read_text() == tables
 
 
 def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(tiny_dir, tmp_path):

@@ -1,1 +1,0 @@
-"""Experiments built on the reference trainer (``python -m dppo_ext.experiments.<name>``)."""

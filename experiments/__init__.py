@@ -1,0 +1,1 @@
+"""Experiments run with this repository's trainer; not part of the installed ``dppo_ext`` package."""

@@ -1,0 +1,160 @@
+"""``python -m experiments.sanity``: run a sweep (resumable), collect its data, draw the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dppo_ext.trainer.losses import LOSSES
+
+from .conditions import (
+    ARMS,
+    CONDITIONS,
+    GRID,
+    QUICK,
+    QUICK_CONDITION,
+    QUICK_METHODS,
+    Run,
+    condition_methods,
+    run_config,
+)
+from .report import report
+from .sweep import _finished, collect, launch_workers, work_through
+
+logger = logging.getLogger("experiments.sanity")
+
+DATA = "docs/sanity/dosed/data"
+REPORT_DIR = "docs/sanity/dosed"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.sanity",
+        description="The DPPO paper's stability sanity test at laptop scale: a dosed training-inference mismatch "
+        "x methods x seeds (docs/sanity.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=list(ARMS),
+        help="arms to run (their conditions); default: the grid, " + " ".join(GRID),
+    )
+    parser.add_argument(
+        "--conditions",
+        nargs="+",
+        default=None,
+        choices=list(CONDITIONS),
+        help="conditions to run instead of --arms (see experiments/sanity/conditions.py)",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(LOSSES),
+        help="losses to compare (default: each condition's own; --quick: " + ", ".join(QUICK_METHODS) + ")",
+    )
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="seeds (default: each condition's own, 0 1 2 for the grid; --quick: 0)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the condition's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side (one torch thread each)")
+    parser.add_argument("--work", default="runs/sanity", help="run folders (checkpoints, logs; not committed)")
+    parser.add_argument("--data", default=DATA, help="collected per-run data files")
+    parser.add_argument("--report-dir", default=REPORT_DIR, help="figures and tables")
+    parser.add_argument(
+        "--engine", default=None, choices=("auto", "vllm", "hf"), help="rollout engine (default: the condition's)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"CI smoke test: {QUICK_CONDITION}, {', '.join(QUICK_METHODS)}, seed 0, {QUICK['steps']} "
+        "steps, tiny warm start",
+    )
+    parser.add_argument("--report-only", action="store_true", help="only redraw figures and tables from --data")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: a worker's spec file
+    return parser
+
+
+def planned_runs(args: argparse.Namespace) -> list[Run]:
+    """The runs the arguments ask for, seed-major (a sweep stopped early leaves whole seed blocks)."""
+    if args.quick:
+        conditions = args.conditions or [QUICK_CONDITION]
+    elif args.conditions:
+        conditions = args.conditions
+    else:
+        conditions = list(dict.fromkeys(c for arm in args.arms for c in ARMS[arm])) if args.arms else list(GRID)
+    methods = args.methods or (list(QUICK_METHODS) if args.quick else None)
+    by_condition = {c: (args.seeds or ([0] if args.quick else list(CONDITIONS[c].seeds))) for c in conditions}
+    seeds = sorted({s for seeds in by_condition.values() for s in seeds})
+    return [
+        Run(c, m, s) for s in seeds for c in conditions if s in by_condition[c] for m in condition_methods(c, methods)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.worker:
+        spec = json.loads(Path(args.worker).read_text())
+        runs = [Run(*r) for r in spec["runs"]]
+        return 1 if work_through(runs, Path(spec["work"]), spec["overrides"], Path(spec["status"])) else 0
+    data, report_dir = Path(args.data), Path(args.report_dir)
+    failed: list[str] = []
+    if not args.report_only:
+        if args.jobs < 1:
+            print(f"sanity: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+            return 2
+        overrides: dict[str, Any] = dict(QUICK) if args.quick else {}
+        if args.steps is not None:
+            overrides["steps"] = args.steps
+        if args.engine is not None:
+            overrides["engine"] = args.engine
+        work = Path(args.work)
+        runs = planned_runs(args)
+        try:
+            configs = {run: run_config(run, work, overrides) for run in runs}
+        except ValueError as err:
+            print(f"sanity: error: {err}", file=sys.stderr)
+            return 2
+        for config in configs.values():
+            Path(config.out).mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        # finished runs are skipped here, so a sweep with nothing left starts no worker
+        todo = [run for run in runs if not _finished(configs[run])]
+        results = [{"run": run.name, "status": "skipped", "seconds": 0.0} for run in runs if run not in todo]
+        if todo:
+            results += launch_workers(todo, work, overrides, args.jobs)
+        for run in runs:
+            if (Path(configs[run].out) / "metrics.jsonl").is_file():
+                collect(run, configs[run], data)
+        wall = time.perf_counter() - start
+        counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
+        logger.info("sweep of %d runs done in %.0f s wall (%s)", len(runs), wall, counts)
+        with (work / "sweep_log.jsonl").open("a") as handle:
+            handle.write(
+                json.dumps(
+                    {"runs": len(runs), "wall_s": wall, **counts, "argv": argv if argv is not None else sys.argv[1:]}
+                )
+                + "\n"
+            )
+        failed = [r["run"] for r in results if r["status"] == "failed"]
+    for path in report(data, report_dir):
+        print(f"wrote {path}")
+    if failed:
+        print(
+            f"sanity: {len(failed)} run(s) failed (see <run folder>.train.log beside each): {', '.join(failed)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
