@@ -49,7 +49,9 @@ EXPECTED = {
 LOCAL = {  # rank 1's own error; the others name rank 1
     "local_shape_error": ("ValueError", r"advantages must have shape"),
     "local_dtype_error": ("TypeError", r"tokens must have dtype Long"),
-    "local_fused_error": ("ValueError", r"weight"),
+    "local_fused_error": ("ValueError", r"weight must be 2-D \[V, H\] with H=6"),
+    "local_settings_error": ("ValueError", r"mode must be one of .* got 'bogus'"),
+    "local_empty_slice": ("ValueError", r"must hold at least one vocabulary column.*this rank got 0"),
 }
 PEER = ("RuntimeError", _SAME + r"rank\(s\) \[1\] of vocab_parallel_group raised an error in their own checks")
 

@@ -75,7 +75,7 @@ def scenario_rows_derived_offsets():
     return dppo_loss_forward_vocab_parallel(local, **kw).loss.sum()
 
 
-def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, **over):
+def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, over: dict | None = None):
     """dppo_loss on [B, T, V_local] logits with a response mask (the aggregating entry point)."""
     local, kw, offsets = _inputs(mode)
     b, t = 2, local.shape[0] // 2
@@ -85,7 +85,7 @@ def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, **over):
     mask[1, -1] = False
     if mask_change and _odd():
         mask[0, 1] = False
-    shaped.update(over)
+    shaped.update(over or {})
     logits = local[:n].reshape(b, t, -1)
     loss, _ = dppo_loss(logits, **shaped, response_mask=mask, vocab_parallel_group=dist.group.WORLD,
                         vocab_offsets=offsets)
@@ -116,6 +116,13 @@ def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_w
     return loss
 
 
+def scenario_empty_slice():
+    local, kw, offsets = _inputs("binary_tv")
+    if _odd():
+        local = local[:, :0]
+    return dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=offsets).loss.sum()
+
+
 def _bad_advantages_shape(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t[:1]]) if _odd() else t
 
@@ -135,12 +142,14 @@ SCENARIOS = {
     "topk_logprobs": lambda: per_row_call("topk_kl", topk_logprobs=_changed),
     "anchor_logprobs": lambda: per_row_call("binary_kl", anchor=True, anchor_logprobs=_changed),
     "response_mask": lambda: _sequence_call(mask_change=True),
-    "settings": lambda: _sequence_call(delta_low=0.3 if _odd() else 0.2),
+    "settings": lambda: _sequence_call(over={"delta_low": 0.3 if _odd() else 0.2}),
     "fused_tokens": lambda: scenario_fused(tokens_differ=True),
     "fused_rows": lambda: scenario_fused(rows_differ=True),
-    "local_shape_error": lambda: _sequence_call(advantages=_bad_advantages_shape(torch.zeros(2, 1))),
+    "local_shape_error": lambda: _sequence_call(over={"advantages": _bad_advantages_shape(torch.zeros(2, 1))}),
     "local_dtype_error": lambda: per_row_call("binary_tv", tokens=_int32),
     "local_fused_error": lambda: scenario_fused(bad_weight=True),
+    "local_settings_error": lambda: _sequence_call(over={"mode": "bogus"} if _odd() else {}),
+    "local_empty_slice": scenario_empty_slice,
     "correct_call_after": lambda: per_row_call("topk_kl"),
 }
 
