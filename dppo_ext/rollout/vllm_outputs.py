@@ -234,6 +234,13 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
             raise ValueError(f"sample {row}: {t} response tokens but {len(sample.logprobs)} log-probs")
         if t == 0:
             continue
+        missing = next((pos for pos, lp in enumerate(sample.logprobs) if lp is None), None)
+        if missing is not None:
+            raise ValueError(
+                f"sample {row}, position {missing}: no rollout log-prob (None) for the sampled token "
+                f"{sample.response_ids[missing]}; every sampled token needs one (drop the sample, or generate with "
+                "SamplingParams(logprobs=K) and logprobs_mode='processed_logprobs')"
+            )
         tokens[row, :t] = torch.tensor(sample.response_ids, dtype=torch.long)
         response_mask[row, :t] = True
         rollout_logprobs[row, :t] = torch.tensor(sample.logprobs, dtype=torch.float32)

@@ -167,6 +167,15 @@ def test_vllm_output_missing_the_sampled_token_names_the_sequence():
         vllm_rollout_tensors(outputs)
 
 
+def test_packing_a_sample_without_a_sampled_log_prob_names_sample_and_position():
+    from dppo_ext.rollout import RolloutSample, pack_rollout_samples
+
+    samples = [RolloutSample(prompt_ids=[1], response_ids=[4, 5, 6], logprobs=[-0.5, -0.2, None], topk_ids=None,
+                             topk_logprobs=None, text="", finish_reason="stop")]
+    with pytest.raises(ValueError, match=r"sample 0, position 2: no rollout log-prob \(None\) for the sampled token 6"):
+        pack_rollout_samples(samples, pad_token_id=0, with_topk=False)
+
+
 def test_vllm_output_with_every_log_prob_packs():
     packed = vllm_rollout_tensors([_request([4, 5], [-0.5, -math.inf])])
     assert packed.rollout_logprobs.tolist() == [[-0.5, -math.inf]]
