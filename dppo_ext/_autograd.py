@@ -86,6 +86,8 @@ def check_inplace_backward(logits: Tensor, name: str = "logits") -> None:
     """Refuse the uses of ``inplace_backward=True`` that would silently corrupt a tensor or a gradient."""
     if torch.compiler.is_compiling():
         return
+    # under torch.func a wrapped tensor looks like a leaf: name the transform, not the leaf rule
+    check_no_functorch(f"inplace_backward=True on {name}", logits)
     if logits.is_leaf or (logits._base is not None and logits._base.is_leaf):
         raise ValueError(
             f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a view of one), "

@@ -36,7 +36,10 @@ __all__ = [
     "LossSettings",
     "RowInputs",
     "broadcast_advantages",
+    "check_row_counts",
     "check_row_shapes",
+    "check_temperature",
+    "check_tensors",
     "check_topk_shapes",
     "prepare_rows",
 ]
@@ -76,6 +79,7 @@ class LossSettings:
         ``DEFAULT_DELTAS[mode]``; ValueError for an unknown mode or aggregation. The other values are kept as given,
         so that the entry point's tensor checks run before :meth:`op_args` converts them to the schema's types."""
         mode = canonical_mode(mode)
+        temperature = check_temperature(temperature)
         if loss_agg_mode is None:
             loss_agg_mode = DEFAULT_AGG_MODE
         else:
@@ -137,9 +141,62 @@ class RowInputs(NamedTuple):
     topk_logprobs: Optional[Tensor] = None
     anchor_logprobs: Optional[Tensor] = None
 
+    @classmethod
+    def of(
+        cls,
+        tokens: Tensor,
+        rollout_logprobs: Tensor,
+        advantages: Tensor,
+        topk_ids: Optional[Tensor] = None,
+        topk_logprobs: Optional[Tensor] = None,
+        anchor_logprobs: Optional[Tensor] = None,
+    ) -> RowInputs:
+        """The rows of a per-row entry point, each checked to be a tensor (or None where optional)."""
+        rows = cls(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        check_tensors(**rows._asdict())
+        return rows
+
     def narrow(self, rows: slice) -> RowInputs:
         """The given rows of every input (views)."""
         return RowInputs(*(None if t is None else t[rows] for t in self))
+
+
+def check_tensors(**tensors: object) -> None:
+    """Every given argument must be a ``torch.Tensor`` (None passes: the optional ones). A list or array would
+    otherwise fail deep inside with an error that names no argument."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got a {type(t).__name__}; convert it first with "
+                f"torch.as_tensor({name}) (on the device of the logits or hidden states)"
+            )
+
+
+def check_temperature(temperature: object, name: str = "temperature") -> object:
+    """``temperature`` as a Python number when it is a 0-d tensor (the op's ``float temperature``); refused: a
+    tensor that requires grad (the op treats the temperature as a constant, so its ``.grad`` would silently stay
+    None) and a tensor of more than one element (one temperature divides every row's logits)."""
+    if not isinstance(temperature, Tensor):
+        return temperature
+    if temperature.requires_grad:
+        raise ValueError(
+            f"{name} is a tensor that requires grad, but the loss treats the temperature as a constant: its gradient "
+            f"would silently stay None. Pass a Python float (or {name}.detach()) if it is not meant to be learned."
+        )
+    if temperature.numel() != 1:
+        raise ValueError(
+            f"{name} must be one number (the rollout's sampling temperature, the same for every row), got a tensor "
+            f"of shape {tuple(temperature.shape)}; per-row temperatures are not supported: divide the logits by "
+            "them yourself and pass temperature=1.0"
+        )
+    return temperature.item()
+
+
+def check_row_counts(n: int, rows: RowInputs) -> None:
+    """Every per-row input of ``rows`` must have ``N = n`` rows (the logits' or hidden states' rows)."""
+    for name, t in rows._asdict().items():
+        if t is not None and (t.dim() == 0 or t.shape[0] != n):
+            raise ValueError(f"{name} must have N={n} rows (one per row of the logits), got shape {tuple(t.shape)}")
 
 
 def broadcast_advantages(advantages: Tensor, lead: torch.Size, layout: str) -> Tensor:
@@ -185,6 +242,15 @@ def prepare_rows(
     leading dims ``lead``: the inputs checked against ``lead`` (token ids must be integers), per-sequence advantages
     broadcast, then everything flattened to ``N = lead.numel()`` rows, floats in ``acc``. ``valid`` (``[*lead]``
     bool) marks the response tokens; a row outside ``response_mask`` gets the token ``IGNORE_INDEX``."""
+    check_tensors(
+        tokens=tokens,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+        anchor_logprobs=anchor_logprobs,
+    )
     check_row_shapes(
         lead,
         _LEAD_DIMS[layout],
@@ -234,6 +300,7 @@ class LossModule(nn.Module):
     ) -> None:
         super().__init__()
         # checked in this order: the op's settings, each bool setting, then the aggregation
+        temperature = check_temperature(temperature)
         check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
         for name, flag in {"compute_entropy": compute_entropy, **flags}.items():
             if not isinstance(flag, bool):

@@ -59,7 +59,8 @@ from ._chunking import (
     logits_tiles,
     plan_chunks,
 )
-from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, prepare_rows
+from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
+from ._vocab_shards import Rendezvous, agreed_failures, check_split_args
 from .aggregation import aggregate_with, dppo_metrics
 from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
@@ -142,12 +143,12 @@ def _per_row(
     vocab_chunk_size: Optional[int],
     memory_budget_bytes: Optional[int],
     weight_context: Optional[Callable[[], ContextManager]],
-    vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
+    rendezvous: Optional[Rendezvous],
     vocab_offsets: Optional[Sequence[int]],
 ) -> DPPOOutputs:
     """The per-row outputs on flat rows with resolved settings: the single-device fused function, or its
-    vocab-parallel form when ``vocab_parallel_group`` is given."""
-    if vocab_parallel_group is not None:
+    vocab-parallel form inside ``agreed_failures(vocab_parallel_group)`` (``rendezvous``)."""
+    if rendezvous is not None:
         if vocab_chunk_size is not None or weight_context is not None:
             raise ValueError(
                 "vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
@@ -161,7 +162,7 @@ def _per_row(
             settings,
             chunk_size=chunk_size,
             memory_budget_bytes=memory_budget_bytes,
-            group=vocab_parallel_group,
+            rendezvous=rendezvous,
             vocab_offsets=vocab_offsets,
         )
     check_fused_inputs(hidden, weight, bias, rows)
@@ -223,28 +224,37 @@ def fused_linear_dppo_loss_per_row(
             a vocabulary-sharded LM head (``bias`` its ``[V_local]``); ``hidden`` and the per-row inputs are
             replicated, ids global. See ``dppo_ext.vocab_parallel.fused_linear_dppo_loss_vocab_parallel``
             (``vocab_chunk_size`` and ``weight_context`` do not apply there).
-        vocab_offsets: ``[W + 1]`` global offsets of the ranks' slices; None derives them (one all-gather).
+        vocab_offsets: ``[W + 1]`` global offsets of the ranks' slices; None derives them from the ranks' widths.
 
     Returns:
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each [N] in float32 (float64 for
         float64 inputs).
     """
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-    check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
-    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return _per_row(
-        hidden,
-        weight,
-        bias,
-        rows,
-        settings,
-        chunk_size,
-        vocab_chunk_size,
-        memory_budget_bytes,
-        weight_context,
-        vocab_parallel_group,
-        vocab_offsets,
-    )
+    check_split_args(vocab_parallel_group, vocab_offsets)
+    with _agreement(vocab_parallel_group) as rendezvous:
+        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+        check_tensors(hidden=hidden, weight=weight, bias=bias)
+        check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
+        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        return _per_row(
+            hidden,
+            weight,
+            bias,
+            rows,
+            settings,
+            chunk_size,
+            vocab_chunk_size,
+            memory_budget_bytes,
+            weight_context,
+            rendezvous,
+            vocab_offsets,
+        )
+
+
+def _agreement(group: Optional[torch.distributed.ProcessGroup]) -> ContextManager[Optional[Rendezvous]]:
+    """``agreed_failures(group)`` for a vocab-parallel call (an error of this rank alone still reaches the other
+    ranks), nothing for a single-device one."""
+    return contextlib.nullcontext() if group is None else agreed_failures(group)
 
 
 def fused_linear_dppo_loss(
@@ -298,42 +308,45 @@ def fused_linear_dppo_loss(
     Returns:
         ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
     """
-    settings = LossSettings.resolve(
-        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
-    )
-    if hidden.dim() < 2:
-        raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
-    lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
-    valid, rows = prepare_rows(
-        lead,
-        "hidden",
-        accumulation_dtype(hidden.dtype),
-        hidden.device,
-        tokens,
-        rollout_logprobs,
-        advantages,
-        response_mask,
-        topk_ids,
-        topk_logprobs,
-        anchor_logprobs,
-    )
-    flat = hidden.reshape(lead.numel(), hidden_size)
-    check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
-    out = _per_row(
-        flat,
-        weight,
-        bias,
-        rows,
-        settings,
-        chunk_size,
-        vocab_chunk_size,
-        memory_budget_bytes,
-        weight_context,
-        vocab_parallel_group,
-        vocab_offsets,
-    )
-    loss = aggregate_with(out.loss.reshape(lead), valid, settings)
-    return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
+    check_split_args(vocab_parallel_group, vocab_offsets)
+    with _agreement(vocab_parallel_group) as rendezvous:
+        settings = LossSettings.resolve(
+            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+        )
+        check_tensors(hidden=hidden, weight=weight, bias=bias)
+        if hidden.dim() < 2:
+            raise ValueError(f"hidden must be [..., H] with at least 2 dims, got shape {tuple(hidden.shape)}")
+        lead, hidden_size = hidden.shape[:-1], hidden.shape[-1]
+        valid, rows = prepare_rows(
+            lead,
+            "hidden",
+            accumulation_dtype(hidden.dtype),
+            hidden.device,
+            tokens,
+            rollout_logprobs,
+            advantages,
+            response_mask,
+            topk_ids,
+            topk_logprobs,
+            anchor_logprobs,
+        )
+        flat = hidden.reshape(lead.numel(), hidden_size)
+        check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
+        out = _per_row(
+            flat,
+            weight,
+            bias,
+            rows,
+            settings,
+            chunk_size,
+            vocab_chunk_size,
+            memory_budget_bytes,
+            weight_context,
+            rendezvous,
+            vocab_offsets,
+        )
+        loss = aggregate_with(out.loss.reshape(lead), valid, settings)
+        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
 
 
 class FusedLinearDPPOLoss(LossModule):

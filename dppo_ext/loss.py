@@ -16,8 +16,8 @@ from torch import Tensor
 
 from . import ops, vocab_parallel
 from ._autograd import check_no_functorch, inplace_applies
-from ._rows import LossModule, LossSettings, broadcast_advantages, prepare_rows
-from ._vocab_shards import is_dtensor, replicated_local, vocab_shard
+from ._rows import LossModule, LossSettings, broadcast_advantages, check_tensors, prepare_rows
+from ._vocab_shards import Rendezvous, agreed_failures, check_split_args, is_dtensor, replicated_local, vocab_shard
 from .aggregation import aggregate_loss, aggregate_with, dppo_metrics
 from .contract import (
     AGG_MODES,
@@ -99,15 +99,12 @@ def dppo_loss(
             the loss and metrics are identical on every rank (``dppo_ext.vocab_parallel``,
             docs/distributed.md). A ``DTensor`` sharded on the vocabulary dim needs neither argument.
         vocab_offsets: ``[W + 1]`` global column offsets of the ranks' slices (group-rank order); None
-            derives them with one extra all-gather per call.
+            derives them from the slice widths the ranks exchange anyway. Refused without a group.
 
     Returns:
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
         :func:`dppo_metrics`).
     """
-    settings = LossSettings.resolve(
-        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
-    )
     named = dict(
         tokens=tokens,
         rollout_logprobs=rollout_logprobs,
@@ -117,22 +114,39 @@ def dppo_loss(
         topk_logprobs=topk_logprobs,
         anchor_logprobs=anchor_logprobs,
     )
-    sharded = vocab_parallel_group is not None or is_dtensor(logits)
-    if sharded:
-        shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
-        logits = shard.logits
+    settings = (mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor)
+    check_split_args(vocab_parallel_group, vocab_offsets)
+    if vocab_parallel_group is None and not is_dtensor(logits):
+        return _dppo_loss(logits, named, settings, inplace_backward, None, None)
+    shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
+    with agreed_failures(shard.group) as rendezvous:  # an error of this rank alone still reaches the other ranks
         named = {name: replicated_local(t, name) for name, t in named.items()}
+        return _dppo_loss(shard.logits, named, settings, inplace_backward, rendezvous, shard.vocab_offsets)
+
+
+def _dppo_loss(
+    logits: Tensor,
+    named: dict[str, Optional[Tensor]],
+    settings: tuple,
+    inplace_backward: bool,
+    rendezvous: Optional[Rendezvous],
+    vocab_offsets: Optional[Sequence[int]],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`dppo_loss` on single-device logits (``rendezvous`` None) or on this rank's vocabulary slice."""
+    settings = LossSettings.resolve(*settings)
+    check_tensors(logits=logits)
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     valid, rows = prepare_rows(lead, "logits", accumulation_dtype(logits.dtype), logits.device, **named)
-    inplace = inplace_applies(inplace_backward, logits)
     flat = logits.reshape(lead.numel(), vocab)
-    if sharded:
+    if rendezvous is not None:
         check_no_functorch("dppo_loss_forward_vocab_parallel", flat)
-        out = vocab_parallel.forward_rows(flat, rows, settings, inplace, shard.group, shard.vocab_offsets)
+        inplace = inplace_applies(inplace_backward, logits)
+        out = vocab_parallel.forward_rows(flat, rows, settings, inplace, rendezvous, vocab_offsets)
     else:
         check_no_functorch("dppo_loss_forward", flat)
+        inplace = inplace_applies(inplace_backward, logits)
         out = ops.forward_rows(flat, rows, settings, inplace)
     loss = aggregate_with(out.loss.reshape(lead), valid, settings)
     return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))

@@ -38,7 +38,7 @@ from ._autograd import (
     input_grads,
     refuse_double_backward,
 )
-from ._rows import DPPOOutputs, LossSettings, RowInputs
+from ._rows import DPPOOutputs, LossSettings, RowInputs, check_tensors
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, MODE_ALIASES, MODES, accumulation_dtype, canonical_mode
 
 __all__ = [
@@ -241,8 +241,9 @@ def dppo_loss_forward(
         scaled logits hold a NaN or +inf or are all -inf has NaN outputs (docs/contract.md).
     """
     settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+    check_tensors(logits=logits)
     check_no_functorch("dppo_loss_forward", logits)
-    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+    rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
     return forward_rows(logits, rows, settings, inplace_applies(inplace_backward, logits))
 
 

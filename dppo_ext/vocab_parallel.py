@@ -6,12 +6,16 @@ rollout's top-K are global ids/values, identical on every rank. The result on ev
 same and equals the single-device op on the gathered logits (to rounding: sums are merged in another order).
 
 Forward, per call (``docs/distributed.md``):
-  1. ``torch.ops.dppo.dppo_vocab_parallel_stats`` reads the local slice once and keeps, per row, the
+  1. The call header (``dppo_ext._vocab_shards.Rendezvous``): every rank all-gathers 16 int64 words (row count,
+     K, slice width, statistics dtype, hashes of the split and the settings, a bitwise fingerprint of each
+     per-row input, a failure flag) and checks every rank's; ranks whose calls differ all raise the same error,
+     and a rank whose own checks failed (``agreed_failures``) still joins it, so no rank waits in a collective.
+     Its size never depends on the inputs: the only way ranks with different row counts can meet.
+  2. ``torch.ops.dppo.dppo_vocab_parallel_stats`` reads the local slice once and keeps, per row, the
      single-device kernel's state: max, non-target exp-sum, entropy moment, and the sampled token's and the
      top-K ids' logits where this rank owns them -- ``4 + K`` numbers.
-  2. ONE collective: an all-gather of those ``[N, 4 + K]`` statistics (plus one header row holding each
-     rank's slice, checked against ``vocab_offsets``) over ``group``.
-  3. ``torch.ops.dppo.dppo_vocab_parallel_epilogue`` merges the ranks' states and runs the per-row epilogue
+  3. An all-gather of those ``[N, 4 + K]`` statistics over ``group``.
+  4. ``torch.ops.dppo.dppo_vocab_parallel_epilogue`` merges the ranks' states and runs the per-row epilogue
      (divergence, mask, weight, loss, entropy, lse) -- the same code on every rank, on the same bytes.
 Backward: no communication. Each rank writes only its slice's gradient with the single-device backward op
 (``dppo_loss_backward``), fed the merged ``lse``/entropy. A row whose sampled token lives on another rank has
@@ -19,7 +23,8 @@ no ``1[j = a]`` term here: the op is pointed at column 0 and that column is then
 column by the same op on a two-column copy (``_slice_backward``).
 
 Bytes per row gathered by each rank: ``W * (4 + K) * 4`` (float32 statistics; 8 for float64 logits), e.g.
-96 B for W = 4 binary modes, 384 B for W = 4, K = 20 -- against ``V * 2`` bytes to all-gather bf16 logits.
+96 B for W = 4 binary modes, 384 B for W = 4, K = 20 -- against ``V * 2`` bytes to all-gather bf16 logits; plus
+``W * 128`` B per call for the headers.
 The fused-linear form (``fused_linear_dppo_loss(..., vocab_parallel_group=)``) runs the stats op on row chunks
 of ``hidden @ weight.T`` (``dppo_ext._chunking``'s tile loop) and additionally all-reduces the ``[N, H]``
 hidden-state gradient in backward, as Megatron's column-parallel LM head does.
@@ -43,15 +48,21 @@ from ._autograd import (
     refuse_double_backward,
 )
 from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
-from ._rows import DPPOOutputs, LossSettings, RowInputs
+from ._rows import DPPOOutputs, LossSettings, RowInputs, check_row_counts, check_tensors
 from ._vocab_shards import (
+    Rendezvous,
+    agreed_failures,
+    call_header,
+    check_agreement,
+    check_offsets,
+    comm_device,
     dtensor_vocab_shard,
     even_vocab_offsets,
     gather_stats,
     gathered_bytes_per_row,
+    group_rank,
     is_dtensor,
     replicated_local,
-    resolve_offsets,
     vocab_parallel_offsets,
 )
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
@@ -112,11 +123,37 @@ def _slice_backward(
     return grad
 
 
-def _merged_outputs(
-    stats: Tensor, local_vocab: int, start: int, offsets: list[int], group, rows: RowInputs, settings: LossSettings
-) -> tuple[Tensor, ...]:
-    """The seven per-row outputs from this rank's statistics: one all-gather, then the epilogue op."""
-    gathered = gather_stats(stats, local_vocab, start, offsets, group)
+def _check_local(n: int, local_vocab: int, dtype: torch.dtype, device, rows: RowInputs, settings: LossSettings) -> None:
+    """Every check this rank's statistics op would make, run before the call header is exchanged (the op itself runs
+    after it, when a failure of one rank alone would leave the others waiting in the statistics all-gather): the
+    rows' counts, then the op on zero rows (dtypes, devices, top-K shape)."""
+    if local_vocab == 0:
+        raise ValueError(
+            "every rank of vocab_parallel_group must hold at least one vocabulary column (logits column or LM-head "
+            f"row), this rank got {local_vocab}"
+        )
+    check_row_counts(n, rows)
+    topk = None if rows.topk_ids is None else rows.topk_ids[:0]
+    empty = torch.empty((0, local_vocab), dtype=dtype, device=device)
+    torch.ops.dppo.dppo_vocab_parallel_stats(empty, rows.tokens[:0], topk, 0, *settings.stats_args())
+
+
+def _agreed_offsets(
+    rendezvous: Rendezvous, rows: RowInputs, settings: LossSettings, n: int, local_vocab: int, dtype, device, offsets
+) -> tuple[list[int], int]:
+    """``(offsets, this rank's first column)`` once every rank's call header agrees (else the same error on every
+    rank): the forward's first collective and its one host sync."""
+    world, rank = group_rank(rendezvous.group)
+    header = call_header(
+        rows, n, local_vocab, accumulation_dtype(dtype), offsets, settings, comm_device(rendezvous.group, device)
+    )
+    offsets = check_agreement(rendezvous.exchange(header), offsets, world)
+    return offsets, offsets[rank]
+
+
+def _merged_outputs(stats: Tensor, offsets: list[int], group, rows: RowInputs, settings: LossSettings):
+    """The seven per-row outputs from this rank's statistics: the statistics all-gather, then the epilogue op."""
+    gathered = gather_stats(stats, len(offsets) - 1, group)
     return torch.ops.dppo.dppo_vocab_parallel_epilogue(gathered, offsets, *rows, *settings.epilogue_args())
 
 
@@ -127,13 +164,15 @@ def _topk_only(rows: RowInputs, settings: LossSettings) -> RowInputs:
 
 class _VocabParallelDPPO(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, rows: RowInputs, settings: LossSettings, group, offsets, inplace):
-        rows = _topk_only(rows, settings)
-        local_vocab, start = logits.shape[1], offsets[dist.get_rank(group)]
+    def forward(ctx, logits, rows: RowInputs, settings: LossSettings, rendezvous: Rendezvous, offsets, inplace):
+        n, local_vocab = logits.shape
+        offsets, start = _agreed_offsets(
+            rendezvous, rows, settings, n, local_vocab, logits.dtype, logits.device, offsets
+        )
         stats = torch.ops.dppo.dppo_vocab_parallel_stats(
             logits, rows.tokens, rows.topk_ids, start, *settings.stats_args()
         )
-        outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
+        outs = _merged_outputs(stats, offsets, rendezvous.group, rows, settings)
         _loss, _logp, divergence, mask, weight, entropy, lse = outs
         local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
         ctx.save_for_backward(logits, local_tokens, foreign, rows.advantages, mask, weight, entropy, lse)
@@ -163,18 +202,17 @@ def forward_rows(
     rows: RowInputs,
     settings: LossSettings,
     inplace: bool,
-    group: Optional[dist.ProcessGroup],
+    rendezvous: Rendezvous,
     vocab_offsets: Optional[Sequence[int]],
 ) -> DPPOOutputs:
     """:func:`dppo_loss_forward_vocab_parallel` on ``logits [N, V_local]`` and ``rows`` with resolved ``settings``
-    (``inplace`` decided by ``inplace_applies``): for the entry points, which checked the rest already."""
-    if logits.shape[1] == 0:
-        raise ValueError(
-            "every rank of vocab_parallel_group must hold at least one vocabulary column, this rank "
-            f"got logits of shape {tuple(logits.shape)}"
-        )
-    offsets = resolve_offsets(logits.shape[1], group, vocab_offsets)
-    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, rows, settings, group, offsets, bool(inplace)))
+    (``inplace`` decided by ``inplace_applies``), inside ``agreed_failures(group)`` (``rendezvous``): for the entry
+    points, which checked the rest already."""
+    world, _rank = group_rank(rendezvous.group)
+    offsets = None if vocab_offsets is None else check_offsets(vocab_offsets, world)
+    rows = _topk_only(rows, settings)
+    _check_local(logits.shape[0], logits.shape[1], logits.dtype, logits.device, rows, settings)
+    return DPPOOutputs(*_VocabParallelDPPO.apply(logits, rows, settings, rendezvous, offsets, bool(inplace)))
 
 
 def dppo_loss_forward_vocab_parallel(
@@ -204,7 +242,7 @@ def dppo_loss_forward_vocab_parallel(
             ``dppo_loss_forward``, with GLOBAL vocabulary ids, identical on every rank.
         group: the tensor-parallel process group (None: the default group).
         vocab_offsets: ``[W + 1]`` global column offsets of the ranks' slices, in group-rank order. None
-            derives them with one extra all-gather of the slice sizes (pass them to save it; see
+            derives them from the slice widths in the call header (no extra collective; see
             :func:`even_vocab_offsets`, :func:`vocab_parallel_offsets`).
         Everything else: as ``dppo_loss_forward``.
 
@@ -212,12 +250,15 @@ def dppo_loss_forward_vocab_parallel(
         ``DPPOOutputs``, each ``[N]``, identical on every rank; ``loss``, ``logp`` and ``entropy`` are
         differentiable w.r.t. the local logits (the backward writes only this slice, no communication).
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-    check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
-    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return forward_rows(logits, rows, settings, inplace_applies(inplace_backward, logits), group, vocab_offsets)
+    with agreed_failures(group) as rendezvous:  # an error of this rank alone still reaches the other ranks
+        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+        check_tensors(logits=logits)
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
+        check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
+        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        inplace = inplace_applies(inplace_backward, logits)
+        return forward_rows(logits, rows, settings, inplace, rendezvous, vocab_offsets)
 
 
 # ---- fused linear: LM-head rows sharded over the group -----------------------------------------------
@@ -233,13 +274,15 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
         rows: RowInputs,
         settings: LossSettings,
         chunk_rows,
-        group,
+        rendezvous: Rendezvous,
         offsets,
         reduce_hidden_grad,
     ):
-        rows = _topk_only(rows, settings)
         n, local_vocab = hidden.shape[0], weight.shape[0]
-        start = offsets[dist.get_rank(group)]
+        offsets, start = _agreed_offsets(
+            rendezvous, rows, settings, n, local_vocab, hidden.dtype, hidden.device, offsets
+        )
+        group = rendezvous.group
         k = 0 if rows.topk_ids is None else rows.topk_ids.shape[1]
         stats = torch.empty((n, 4 + k), dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         for tile in logits_tiles(hidden, weight, bias, chunk_rows):
@@ -247,7 +290,7 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
             stats[tile.rows] = torch.ops.dppo.dppo_vocab_parallel_stats(
                 tile.logits, chunk.tokens, chunk.topk_ids, start, *settings.stats_args()
             )
-        outs = _merged_outputs(stats, local_vocab, start, offsets, group, rows, settings)
+        outs = _merged_outputs(stats, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, row_weight, entropy, lse = outs
         local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
         ctx.save_for_backward(
@@ -297,19 +340,17 @@ def fused_linear_rows(
     *,
     chunk_size: Optional[int],
     memory_budget_bytes: Optional[int],
-    group: Optional[dist.ProcessGroup],
+    rendezvous: Rendezvous,
     vocab_offsets: Optional[Sequence[int]],
     reduce_hidden_grad: bool = True,
 ) -> DPPOOutputs:
-    """:func:`fused_linear_dppo_loss_vocab_parallel` on ``rows`` with resolved ``settings``: for the entry points,
-    which resolved the settings already."""
+    """:func:`fused_linear_dppo_loss_vocab_parallel` on ``rows`` with resolved ``settings``, inside
+    ``agreed_failures(group)`` (``rendezvous``): for the entry points, which resolved the settings already."""
     check_fused_inputs(hidden, weight, bias, rows)
-    if weight.shape[0] == 0:
-        raise ValueError(
-            "every rank of vocab_parallel_group must hold at least one LM-head row, this rank got "
-            f"weight of shape {tuple(weight.shape)}"
-        )
-    offsets = resolve_offsets(weight.shape[0], group, vocab_offsets)
+    world, _rank = group_rank(rendezvous.group)
+    offsets = None if vocab_offsets is None else check_offsets(vocab_offsets, world)
+    rows = _topk_only(rows, settings)
+    _check_local(hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, rows, settings)
     plan = plan_chunks(
         hidden.shape[0],
         weight.shape[0],
@@ -320,7 +361,7 @@ def fused_linear_rows(
     )
     return DPPOOutputs(
         *_FusedLinearVocabParallel.apply(
-            hidden, weight, bias, rows, settings, plan.chunk_rows, group, offsets, bool(reduce_hidden_grad)
+            hidden, weight, bias, rows, settings, plan.chunk_rows, rendezvous, offsets, bool(reduce_hidden_grad)
         )
     )
 
@@ -357,18 +398,20 @@ def fused_linear_dppo_loss_vocab_parallel(
     contribution), as Megatron's column-parallel linear does; pass False when the framework reduces it itself
     (e.g. a reduce-scatter under sequence parallelism).
     """
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-    check_no_functorch("fused_linear_dppo_loss_vocab_parallel", hidden, weight, bias)
-    rows = RowInputs(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return fused_linear_rows(
-        hidden,
-        weight,
-        bias,
-        rows,
-        settings,
-        chunk_size=chunk_size,
-        memory_budget_bytes=memory_budget_bytes,
-        group=group,
-        vocab_offsets=vocab_offsets,
-        reduce_hidden_grad=reduce_hidden_grad,
-    )
+    with agreed_failures(group) as rendezvous:  # an error of this rank alone still reaches the other ranks
+        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+        check_tensors(hidden=hidden, weight=weight, bias=bias)
+        check_no_functorch("fused_linear_dppo_loss_vocab_parallel", hidden, weight, bias)
+        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        return fused_linear_rows(
+            hidden,
+            weight,
+            bias,
+            rows,
+            settings,
+            chunk_size=chunk_size,
+            memory_budget_bytes=memory_budget_bytes,
+            rendezvous=rendezvous,
+            vocab_offsets=vocab_offsets,
+            reduce_hidden_grad=reduce_hidden_grad,
+        )

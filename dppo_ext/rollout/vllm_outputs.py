@@ -151,15 +151,27 @@ def rollout_samples_from_vllm(outputs: Sequence[Any], top_k: int) -> list[list[R
         ``[len(outputs)][n]`` samples, in vLLM's order.
     """
     results: list[list[RolloutSample]] = []
-    for request in outputs:
+    for i, request in enumerate(outputs):
         group = []
-        for completion in request.outputs:
+        for j, completion in enumerate(request.outputs):
             if completion.finish_reason not in ("stop", "length"):
                 raise RuntimeError(
                     f"vLLM finished a request with reason {completion.finish_reason!r}; expected 'stop' or 'length'"
                 )
             response = list(completion.token_ids)
-            logprobs, topk_ids, topk_logprobs = extract_token_logprobs(response, completion.logprobs, top_k)
+            try:
+                logprobs, topk_ids, topk_logprobs = extract_token_logprobs(response, completion.logprobs, top_k)
+            except ValueError as exc:  # name the sequence: the position alone does not find it in a batch
+                raise ValueError(f"request {i}, completion {j}: {exc}") from exc
+            missing = [pos for pos, lp in enumerate(logprobs) if lp is None]
+            if missing:
+                pos = missing[0]
+                raise ValueError(
+                    f"request {i}, completion {j}, position {pos}: vLLM returned no log-prob (None) for the sampled "
+                    f"token {response[pos]} ({len(missing)} such position(s) in this completion); the loss needs "
+                    "the rollout log-prob of every sampled token: generate with SamplingParams(logprobs=K) and "
+                    "LLM(..., logprobs_mode='processed_logprobs'), or drop this completion"
+                )
             group.append(
                 RolloutSample(
                     prompt_ids=list(request.prompt_token_ids),
@@ -222,6 +234,13 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
             raise ValueError(f"sample {row}: {t} response tokens but {len(sample.logprobs)} log-probs")
         if t == 0:
             continue
+        missing = next((pos for pos, lp in enumerate(sample.logprobs) if lp is None), None)
+        if missing is not None:
+            raise ValueError(
+                f"sample {row}, position {missing}: no rollout log-prob (None) for the sampled token "
+                f"{sample.response_ids[missing]}; every sampled token needs one (drop the sample, or generate with "
+                "SamplingParams(logprobs=K) and logprobs_mode='processed_logprobs')"
+            )
         tokens[row, :t] = torch.tensor(sample.response_ids, dtype=torch.long)
         response_mask[row, :t] = True
         rollout_logprobs[row, :t] = torch.tensor(sample.logprobs, dtype=torch.float32)
