@@ -257,6 +257,30 @@ OLD_PATHS = {
         "dppo_loss_reference",
     ],
     "dppo_ext.trainer.losses": ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"],
+    # the run folder's pieces, split into one module per job (errors, atomic_files, run_lock, manifest, ...)
+    "dppo_ext.trainer.run_dir": [
+        "EMBEDDED_MODEL_DIR",
+        "KINDS",
+        "LOCK_FILE",
+        "MANIFEST_FILE",
+        "MANIFEST_FORMAT",
+        "SETUP",
+        "STARTED",
+        "TEMPORARY_TAGS",
+        "Adopt",
+        "RunError",
+        "RunFolder",
+        "RunLock",
+        "atomic_write_bytes",
+        "atomic_write_text",
+        "check_out_apart",
+        "forget_output",
+        "fsync_dir",
+        "open_run_dir",
+        "read_manifest",
+        "record_output",
+        "temporary_sibling",
+    ],
 }
 DEPRECATED = {("dppo_ext.reference", "LOSS_AGG_MODES")}
 

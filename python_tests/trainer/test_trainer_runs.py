@@ -175,12 +175,12 @@ def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path
 def test_a_filesystem_without_flock_warns_and_runs(tmp_path: Path, monkeypatch, caplog):
     import errno
 
-    from dppo_ext.trainer import run_dir
+    from dppo_ext.trainer import run_dir, run_lock
 
     def unsupported(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_dir.fcntl, "flock", unsupported)
+    monkeypatch.setattr(run_lock.fcntl, "flock", unsupported)
     with caplog.at_level(logging.WARNING), run_dir.open_run_dir(tmp_path / "nfs", resume=False, overwrite=False) as run:
         assert run.lock.held
     assert "does not support flock); make sure only one trainer writes" in caplog.text
