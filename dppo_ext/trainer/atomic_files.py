@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 # Temporary siblings: ``.<name>.<tag>-<pid>`` (``temporary_sibling``); TEMPORARY_NAME_RE reads ``name`` and ``pid``
@@ -47,3 +48,16 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """``atomic_write_bytes`` of UTF-8 text."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def install_folder(built: Path, folder: Path) -> Path:
+    """Rename the complete folder ``built`` to ``folder``, replacing what is there only once it is in place."""
+    if folder.exists():
+        old = temporary_sibling(folder, "old")
+        os.rename(folder, old)
+        os.rename(built, folder)
+        shutil.rmtree(old)
+    else:
+        os.rename(built, folder)
+    fsync_dir(folder.parent)
+    return folder

@@ -555,6 +555,7 @@ def test_a_crash_while_plotting_keeps_the_previous_plot(tmp_path: Path, monkeypa
 def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
     from dppo_ext import train
     from dppo_ext.tasks import make_arithmetic_task
+    from dppo_ext.trainer import embedded_model
 
     config = _tiny_run_config(tmp_path / "out", warm_start_steps=2)
     task = make_arithmetic_task(max_operand=9, num_eval=16, num_sft=60, seed=5)
@@ -565,7 +566,7 @@ def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
     def dies(*args, **kwargs):
         raise KeyboardInterrupt("killed during the warm start")
 
-    monkeypatch.setattr(train, "supervised_warm_start", dies)
+    monkeypatch.setattr(embedded_model, "supervised_warm_start", dies)
     with pytest.raises(KeyboardInterrupt):
         train.prepare_embedded_model(folder, _tiny_run_config(tmp_path / "out", warm_start_steps=3, tiny_layers=1), task)
     # the folder still holds the model its warm_start.json describes, so reusing it is right
