@@ -288,6 +288,7 @@ OLD_PATHS = {
         "warm_start_matches",
         "warm_start_settings",
     ],
+    "dppo_ext.trainer.loop": ["EvalResult", "PromptSampler", "Trainer"],
     # the run folder's pieces, split into one module per job (errors, atomic_files, run_lock, manifest, ...)
     "dppo_ext.trainer.run_dir": [
         "EMBEDDED_MODEL_DIR",
