@@ -36,7 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_ext.trainer.run_dir import RunError, forget_output, fsync_dir, record_output, temporary_sibling
+from dppo_ext.trainer.atomic_files import fsync_dir, temporary_sibling
+from dppo_ext.trainer.errors import RunError
+from dppo_ext.trainer.manifest import forget_output, record_output
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -57,39 +56,12 @@ from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MechanismStats, op_rows
 from dppo_ext.trainer.metrics import MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
+from dppo_ext.trainer.sampler import PromptSampler
 
 logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 7_919  # eval rollouts use a fixed seed so every evaluation sees the same draws
 STEP_SEED_STRIDE = 1_000_003
-
-
-class PromptSampler:
-    """Draws training problems without replacement, reshuffling (seeded) after each pass."""
-
-    def __init__(self, num_problems: int, seed: int) -> None:
-        self.num_problems = num_problems
-        self.rng = random.Random(seed)
-        self.order: list[int] = []
-
-    def draw(self, count: int) -> list[int]:
-        """``count`` problem indices."""
-        picked = []
-        while len(picked) < count:
-            if not self.order:
-                self.order = list(range(self.num_problems))
-                self.rng.shuffle(self.order)
-            picked.append(self.order.pop())
-        return picked
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the same sequence of draws."""
-        return {"rng": self.rng.getstate(), "order": list(self.order)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict``."""
-        self.rng.setstate(state["rng"])
-        self.order = list(state["order"])
 
 
 @dataclass

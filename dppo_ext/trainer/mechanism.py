@@ -56,11 +56,18 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
 
     with torch.no_grad():
         out = dppo_loss_forward(
-            logits.detach().reshape(rows, logits.shape[-1]), tokens, flat(micro.rollout_logprobs).float(), advantages,
-            topk_ids=flat(micro.topk_ids), topk_logprobs=None if micro.topk_logprobs is None else
-            flat(micro.topk_logprobs).float(), anchor_logprobs=None if micro.anchor_logprobs is None else
-            flat(micro.anchor_logprobs).float(), mode=mode, temperature=temperature, compute_entropy=False,
-            **settings)
+            logits.detach().reshape(rows, logits.shape[-1]),
+            tokens,
+            flat(micro.rollout_logprobs).float(),
+            advantages,
+            topk_ids=flat(micro.topk_ids),
+            topk_logprobs=None if micro.topk_logprobs is None else flat(micro.topk_logprobs).float(),
+            anchor_logprobs=None if micro.anchor_logprobs is None else flat(micro.anchor_logprobs).float(),
+            mode=mode,
+            temperature=temperature,
+            compute_entropy=False,
+            **settings,
+        )
     return out, valid, flat(micro.rollout_logprobs).float().exp(), advantages
 
 
@@ -82,8 +89,9 @@ class MechanismStats:
         self.neg_high_tokens = 0.0
         self.clipped_updates = 0
 
-    def add_mask(self, mask: torch.Tensor, valid: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor,
-                 *, first: bool) -> None:
+    def add_mask(
+        self, mask: torch.Tensor, valid: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, *, first: bool
+    ) -> None:
         """The loss's mask ``[N]`` (1 = trained, 0 = masked) over valid rows, before an optimizer step."""
         masked = (mask < 0.5) & valid
         key = "first" if first else "later"
@@ -99,8 +107,14 @@ class MechanismStats:
         for b, c in enumerate(torch.bincount(bins, minlength=len(counts)).tolist()):
             counts[b] += int(c)
 
-    def add_post_update(self, logp_new: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, mu: torch.Tensor,
-                        advantages: torch.Tensor) -> None:
+    def add_post_update(
+        self,
+        logp_new: torch.Tensor,
+        logp_old: torch.Tensor,
+        valid: torch.Tensor,
+        mu: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> None:
         """The tokens ``[N]`` right after the optimizer step that trained them (``logp_new``) and just before it
         (``logp_old``), as log-probs."""
         pi, pi_old = logp_new.float().exp(), logp_old.float().exp()

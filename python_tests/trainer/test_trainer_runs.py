@@ -175,12 +175,12 @@ def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path
 def test_a_filesystem_without_flock_warns_and_runs(tmp_path: Path, monkeypatch, caplog):
     import errno
 
-    from dppo_ext.trainer import run_dir
+    from dppo_ext.trainer import run_dir, run_lock
 
     def unsupported(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_dir.fcntl, "flock", unsupported)
+    monkeypatch.setattr(run_lock.fcntl, "flock", unsupported)
     with caplog.at_level(logging.WARNING), run_dir.open_run_dir(tmp_path / "nfs", resume=False, overwrite=False) as run:
         assert run.lock.held
     assert "does not support flock); make sure only one trainer writes" in caplog.text
@@ -555,6 +555,7 @@ def test_a_crash_while_plotting_keeps_the_previous_plot(tmp_path: Path, monkeypa
 def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
     from dppo_ext import train
     from dppo_ext.tasks import make_arithmetic_task
+    from dppo_ext.trainer import embedded_model
 
     config = _tiny_run_config(tmp_path / "out", warm_start_steps=2)
     task = make_arithmetic_task(max_operand=9, num_eval=16, num_sft=60, seed=5)
@@ -565,7 +566,7 @@ def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
     def dies(*args, **kwargs):
         raise KeyboardInterrupt("killed during the warm start")
 
-    monkeypatch.setattr(train, "supervised_warm_start", dies)
+    monkeypatch.setattr(embedded_model, "supervised_warm_start", dies)
     with pytest.raises(KeyboardInterrupt):
         train.prepare_embedded_model(folder, _tiny_run_config(tmp_path / "out", warm_start_steps=3, tiny_layers=1), task)
     # the folder still holds the model its warm_start.json describes, so reusing it is right

@@ -1,0 +1,319 @@
+"""Opening a run folder (``--out``): deciding whether it may be used, and undoing the set-up's traces.
+
+- **a fresh run needs an empty folder** (or a missing one; the lock file does not count).
+  ``--resume`` continues the run the manifest describes. ``--overwrite`` deletes exactly what the
+  manifest lists, and nothing else, before starting over (the one exception is ``base_model/``
+  when the new run reuses it). A non-empty folder without a manifest is refused by all three,
+  touching nothing, except ``--resume`` of a run written by a dppo-train older than the manifest
+  (``adopt``: the caller recognises that trainer's outputs by their content);
+- **setup changes nothing**: until the run calls ``RunFolder.commit`` it writes nothing into
+  ``--out`` but the lock file, a manifest (only into a folder that was empty) and temporaries; a
+  failure or Ctrl-C before that leaves ``--out`` as it was (``RunFolder.rollback``). A manifest
+  left in state ``setup`` by a process killed outright is cleared by the next fresh run.
+
+The rules in full: ``dppo_ext.trainer.run_dir`` and docs/run_folder.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from dppo_ext.trainer.atomic_files import TEMPORARY_NAME_RE
+from dppo_ext.trainer.errors import RunError
+from dppo_ext.trainer.manifest import MANIFEST_FILE, SETUP, STARTED, read_manifest, record_output, write_manifest
+from dppo_ext.trainer.run_lock import LOCK_FILE, RunLock
+
+logger = logging.getLogger("dppo_ext.trainer.run_dir")  # the run folder's messages keep one logger name
+
+EMBEDDED_MODEL_DIR = "base_model"
+# ``.tmp-<pid>-<name>``: the temporaries of dppo-train versions before the manifest.
+_EARLIER_TEMPORARY_RE = re.compile(r"^\.tmp-(?P<pid>\d+)-(?P<name>.+)$")
+_CHECKPOINT_NAME_RE = re.compile(r"^checkpoint-\d+$")
+
+
+def _is_temporary(name: str, outputs: Mapping[str, str], pid: int | None = None) -> bool:
+    """True for a temporary sibling of the manifest, a listed output, ``base_model`` or a checkpoint."""
+    match = TEMPORARY_NAME_RE.match(name) or _EARLIER_TEMPORARY_RE.match(name)
+    if match is None or (pid is not None and int(match.group("pid")) != pid):
+        return False
+    base = match.group("name")
+    return base in outputs or base in (MANIFEST_FILE, EMBEDDED_MODEL_DIR) or _CHECKPOINT_NAME_RE.match(base) is not None
+
+
+def _kind(path: Path) -> str:
+    if path.is_symlink():
+        return "symlink"
+    return "dir" if path.is_dir() else "file"
+
+
+def _contents(folder: Path) -> list[str]:
+    """Names in ``folder`` other than the lock file (sorted); [] when it does not exist."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE)
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link (never what it points to) or a folder tree (``rmtree`` does not follow links)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+# adopt(folder) -> {name: kind}: a run of an earlier dppo-train (no manifest) recognised by its outputs'
+# contents, or RunError saying why the folder is not one.
+Adopt = Callable[[Path], dict[str, str]]
+
+
+class RunFolder:
+    """An opened ``--out``: its lock held, its previous outputs known, nothing of it changed before ``commit``.
+
+    Use it as a context manager: leaving the block without ``commit`` (an error or Ctrl-C during
+    setup, or a run with nothing to do) undoes the set-up's traces, so the folder is as it was.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        lock: RunLock,
+        *,
+        mode: str,
+        outputs: dict[str, str],
+        adopted: bool,
+        created_dirs: list[Path],
+        lock_before: bytes | None,
+        manifest_created: bool,
+    ) -> None:
+        self.path = path
+        self.lock = lock
+        self.mode = mode  # "fresh", "overwrite" (a previous run's outputs to delete at commit) or "resume"
+        self.outputs = outputs  # the previous run's outputs (manifest, or adopted from an earlier trainer)
+        self.adopted = adopted
+        self.committed = False
+        self._created_dirs = created_dirs
+        self._lock_before = lock_before
+        self._manifest_created = manifest_created
+        self._found = set(_contents(path))  # what was there when the lock was taken
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self.rollback()
+        self.lock.release()
+
+    def commit(self, record: Mapping[str, str] = (), *, keep: Iterable[str] = ()) -> None:
+        """The run starts: from here on what it writes stays (a later failure leaves a run to ``--resume``).
+
+        Args:
+            record: ``{name: kind}`` of the outputs the run writes next (recorded before they exist).
+            keep: names left in place: previous outputs the new run reuses (``--overwrite``: ``base_model``)
+                and temporaries of its own still to be renamed into place (every other trainer
+                temporary is a dead writer's and is removed).
+        """
+        folder = self.path
+        keep = set(keep)
+        outputs = dict(self.outputs)
+        if self.mode == "overwrite":
+            _check_listed_kinds(folder, outputs)
+            doomed = [name for name in sorted(outputs) if name not in keep]
+            write_manifest(folder, SETUP, outputs)  # a crash while deleting leaves a folder the next run may clear
+            removed = []
+            for name in doomed:
+                path = folder / name
+                if path.exists() or path.is_symlink():
+                    _remove(path)
+                    removed.append(name)
+                del outputs[name]
+                write_manifest(folder, SETUP, outputs)
+            if removed:
+                logger.warning("--overwrite: deleted what the previous run wrote in %s: %s", folder, ", ".join(removed))
+        elif self.adopted:
+            logger.warning(
+                "--resume: %s has no %s (written by a dppo-train older than the run manifest); recorded these outputs "
+                "of it, recognised by their content, as the run's: %s; everything else in it stays untouched",
+                folder,
+                MANIFEST_FILE,
+                ", ".join(sorted(outputs)) or "none",
+            )
+        known = {**self.outputs, **dict(record)}  # temporaries of what the previous run wrote are recognised too
+        for name in sorted(_contents(folder)):
+            if _is_temporary(name, known) and name not in keep:
+                logger.info("removing %s, left behind by an interrupted run", folder / name)
+                _remove(folder / name)
+        write_manifest(folder, STARTED, {**outputs, **dict(record)})
+        self.committed = True
+
+    def record(self, name: str, kind: str) -> None:
+        """``record_output`` in this folder (after ``commit``)."""
+        record_output(self.path, name, kind)
+
+    def rollback(self) -> None:
+        """Undo what opening and setting up wrote: the folder is left as ``open_run_dir`` found it."""
+        folder = self.path
+        pid = os.getpid()
+        for name in set(_contents(folder)) - self._found:
+            match = TEMPORARY_NAME_RE.match(name)
+            if match is not None and int(match.group("pid")) == pid:  # this process's: whatever it was building
+                _remove(folder / name)
+        if self._manifest_created:
+            (folder / MANIFEST_FILE).unlink(missing_ok=True)
+        lock_path = folder / LOCK_FILE
+        if self._lock_before is None:
+            lock_path.unlink(missing_ok=True)
+        elif lock_path.is_file() and lock_path.read_bytes() != self._lock_before:
+            with open(lock_path, "r+b") as handle:  # the same open file keeps the flock until release
+                handle.truncate(0)
+                handle.write(self._lock_before)
+        for path in reversed(self._created_dirs):
+            try:
+                path.rmdir()
+            except OSError:  # something else was put there in the meantime: leave it
+                logger.warning("kept %s: it is not empty", path)
+                break
+        self.lock.release()
+
+
+def _check_listed_kinds(folder: Path, outputs: Mapping[str, str]) -> None:
+    """Refuse to delete a listed name that now holds something else than what the trainer wrote there."""
+    for name, kind in sorted(outputs.items()):
+        path = folder / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        now = _kind(path)
+        if now != kind:
+            raise RunError(
+                f"--overwrite: {str(path)!r} is a {now}, but dppo-train wrote a {kind} there ({MANIFEST_FILE}): it was "
+                "replaced since, so it is not the trainer's to delete; nothing was changed. Move it out of the "
+                "folder, or pass another --out"
+            )
+
+
+def _plan(
+    folder: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    adopt: Adopt | None,
+) -> tuple[str, dict[str, str], bool, list[str]]:
+    """Decide what opening ``folder`` does, changing nothing: (mode, previous outputs, adopted, leftovers to clear)."""
+    if folder.is_symlink() and not folder.exists():
+        raise RunError(f"--out {str(folder)!r} is a symbolic link to a missing folder; pass a folder path")
+    if folder.exists() and not folder.is_dir():
+        raise RunError(f"--out {str(folder)!r} exists and is not a folder; pass a folder path")
+    names = _contents(folder)
+    if not names:
+        return ("resume" if resume else "fresh"), {}, False, []
+    manifest = read_manifest(folder)
+    if manifest is None:
+        if resume and adopt is not None:
+            return "resume", adopt(folder), True, []
+        what = (
+            "--overwrite deletes only what that record lists"
+            if overwrite
+            else "--resume continues only a run recorded there"
+            if resume
+            else "a fresh run needs an empty folder"
+        )
+        raise RunError(
+            f"--out {str(folder)!r} is not empty (it holds {_shown(names)}) and has no {MANIFEST_FILE}, the record of "
+            f"what dppo-train wrote there, so nothing in it is the trainer's to replace or delete; {what}. Nothing "
+            "was changed. Pass an empty or new --out (or, if nothing in the folder is yours, delete it yourself)"
+        )
+    outputs = dict(manifest["outputs"])
+    if resume:
+        if manifest["state"] == SETUP:
+            raise RunError(
+                f"--resume: the run in {str(folder)!r} never started training (its {MANIFEST_FILE} is in state "
+                f"{SETUP!r}: a run killed during its set-up, or an --overwrite of it that was interrupted), so there "
+                "is nothing to continue; nothing was changed. Start it again without --resume"
+            )
+        return "resume", outputs, False, []
+    if overwrite:
+        _check_listed_kinds(folder, outputs)
+        return "overwrite", outputs, False, []
+    others = [n for n in names if n != MANIFEST_FILE and n not in outputs and not _is_temporary(n, outputs)]
+    if manifest["state"] == SETUP and not others:
+        # what a run killed during its setup (or while --overwrite deleted) left: nothing a run produced
+        return "fresh", {}, False, [n for n in names if n != MANIFEST_FILE]
+    raise RunError(
+        f"--out {str(folder)!r} already holds a run (its {MANIFEST_FILE} lists "
+        f"{_shown(sorted(outputs)) or 'nothing'}): pass --resume to continue it, --overwrite to delete what it wrote "
+        "and start over (files it did not write stay), or another --out"
+    )
+
+
+def open_run_dir(folder: str | Path, *, resume: bool, overwrite: bool, adopt: Adopt | None = None) -> RunFolder:
+    """Check that ``folder`` may be used as ``--out`` and lock it; nothing is deleted before ``commit``.
+
+    Args:
+        folder: the run folder (created when missing, with its parents; removed again by a rollback).
+        resume: the run continues the one recorded in ``folder``.
+        overwrite: the run replaces the one recorded in ``folder`` (deleted at ``commit``).
+        adopt: with ``resume``, how to recognise a run of an earlier dppo-train that wrote no manifest.
+
+    Returns:
+        The opened ``RunFolder`` (lock held); use it as a context manager.
+
+    Raises:
+        RunError: ``folder`` is not a folder, is not empty without a manifest, already holds a run
+            without ``resume``/``overwrite``, its manifest is unreadable, or another trainer holds
+            its lock (the message names its pid). Nothing in ``folder`` is changed then.
+    """
+    folder = Path(folder)
+    # Checked before anything is created (a refused --out is left exactly as it was), and again
+    # once the lock is held (another trainer may have written to it in between). A folder in use
+    # is reported as such first: --resume or --overwrite would not help there.
+    RunLock(folder).check_free()
+    _plan(folder, resume=resume, overwrite=overwrite, adopt=adopt)
+    created = []
+    for parent in reversed([folder, *folder.parents]):
+        if not parent.exists():
+            created.append(parent)
+    lock_path = folder / LOCK_FILE
+    lock_before = lock_path.read_bytes() if lock_path.is_file() else None
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(folder)
+    try:
+        lock.acquire()
+    except BaseException:  # another trainer took it in between: its lock file is not ours to remove
+        for path in reversed(created):
+            try:
+                path.rmdir()
+            except OSError:
+                break
+        raise
+    run = RunFolder(
+        folder,
+        lock,
+        mode="fresh",
+        outputs={},
+        adopted=False,
+        created_dirs=created,
+        lock_before=lock_before,
+        manifest_created=False,
+    )
+    try:
+        mode, outputs, adopted, leftovers = _plan(folder, resume=resume, overwrite=overwrite, adopt=adopt)
+        run.mode, run.outputs, run.adopted = mode, outputs, adopted
+        if mode == "fresh":
+            for name in leftovers:
+                logger.info("removing %s, left by a run killed during its setup", folder / name)
+                _remove(folder / name)
+            run._manifest_created = not (folder / MANIFEST_FILE).exists()
+            write_manifest(folder, SETUP, {})
+    except BaseException:
+        run.rollback()
+        raise
+    return run

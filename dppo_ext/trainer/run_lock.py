@@ -1,0 +1,110 @@
+"""One writer per run folder: ``RunLock`` holds an advisory ``fcntl.flock`` on ``<out>/.dppo-train.lock``
+for the whole run; a second trainer gets an error naming the holder's pid. The kernel drops the lock
+when the holder exits or dies, so a crash never leaves the folder locked."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+
+from dppo_ext.trainer.errors import RunError
+
+logger = logging.getLogger("dppo_ext.trainer.run_dir")  # the run folder's messages keep one logger name
+
+LOCK_FILE = ".dppo-train.lock"
+
+
+class RunLock:
+    """An exclusive advisory lock on a run folder (``fcntl.flock`` on ``<folder>/.dppo-train.lock``).
+
+    The lock file holds the holder's ``pid host`` so that a refused trainer can say who holds
+    it. ``flock`` locks belong to the open file, so the kernel releases them when the holder
+    exits, crashes or is killed; ``release`` (or leaving the ``with`` block) releases earlier.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock or raise ``RunError`` naming the process that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locked = self._flock(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
+            self._fd = fd
+            return self
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def check_free(self) -> None:
+        """Raise ``RunError`` if another process holds the lock; change nothing (the file is only read)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            self._flock(fd)
+        finally:
+            os.close(fd)  # drops the probe's flock, if it got one
+
+    def _flock(self, fd: int) -> bool:
+        """Lock ``fd``: True when locked, False when the filesystem has no flock (warned); raise when held."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                logger.warning(
+                    "cannot lock %s (%s: this filesystem does not support flock); make sure only one trainer writes "
+                    "to %s",
+                    self.path,
+                    os.strerror(err.errno),
+                    self.folder,
+                )
+                return False
+            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            holder = _read_holder(self.path)
+            raise RunError(
+                f"--out {str(self.folder)!r} is in use: another dppo-train ({holder}) holds its lock "
+                f"{str(self.path)!r}; wait for that run to end, or pass another --out"
+            ) from None
+        return True
+
+    def release(self) -> None:
+        """Release the lock (the lock file stays; it means nothing without the flock)."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the open file drops its flock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._fd is not None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(path: Path) -> str:
+    try:
+        fields = path.read_text().split()
+    except OSError:
+        fields = []
+    if not fields:
+        return "pid unknown: it is starting"
+    return f"pid {fields[0]}" + (f" on host {fields[1]}" if len(fields) > 1 else "")
