@@ -101,8 +101,8 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
     for (; j + kStep <= v; j += kStep) {
       FVec a, b;
       load2(z + j, a, b);
-      store2(g + j, grad_from_p_noent((a * vinv - vlse).exp_u20(), vgt, vneg),
-             grad_from_p_noent((b * vinv - vlse).exp_u20(), vgt, vneg));
+      store2(g + j, grad_from_p_noent(vexp(a * vinv - vlse), vgt, vneg),
+             grad_from_p_noent(vexp(b * vinv - vlse), vgt, vneg));
     }
     for (; j < v; ++j) {
       g[j] = static_cast<scalar_t>(grad_from_p_noent(std::exp(static_cast<float>(z[j]) * inv_t - lse), gt, -inv_t));
@@ -112,10 +112,9 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
     for (; j + kStep <= v; j += kStep) {
       FVec a, b;
       load2(z + j, a, b);
-      const FVec la = at::vec::maximum(a * vinv - vlse, vfloor);
-      const FVec lb = at::vec::maximum(b * vinv - vlse, vfloor);
-      store2(g + j, grad_from_p(la.exp_u20(), la, vgt, vgh, vent, vneg),
-             grad_from_p(lb.exp_u20(), lb, vgt, vgh, vent, vneg));
+      const FVec la = floor_at(a * vinv - vlse, vfloor);
+      const FVec lb = floor_at(b * vinv - vlse, vfloor);
+      store2(g + j, grad_from_p(vexp(la), la, vgt, vgh, vent, vneg), grad_from_p(vexp(lb), lb, vgt, vgh, vent, vneg));
     }
     for (; j < v; ++j) {
       const float l = std::max(static_cast<float>(z[j]) * inv_t - lse, shift_floor<float>());
