@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchlib import contenders, inputs, machine, peak_memory, timing  # noqa: E402
 import report  # noqa: E402
+from benchlib import contenders, inputs, machine, peak_memory, timing  # noqa: E402
 
 log = logging.getLogger("bench_loss")
 

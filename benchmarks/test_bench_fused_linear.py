@@ -49,7 +49,9 @@ def _inputs(dtype: torch.dtype) -> dict:
 
 def _loss(path: str, x: dict) -> torch.Tensor:
     if path == "fused":
-        return fused_linear_dppo_loss(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"], mode=MODE)[0]
+        loss, _ = fused_linear_dppo_loss(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],
+                                         mode=MODE)
+        return loss
     if path == "fused_per_row":
         out = fused_linear_dppo_loss_per_row(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],
                                              mode=MODE)

@@ -13,11 +13,10 @@ import resource
 import subprocess
 import sys
 
-import pytest
 import torch
+from dppo_testing import child_env
 
 from dppo_ext import _native
-from dppo_testing import child_env
 
 MIB = 1 << 20
 

@@ -7,11 +7,10 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from dppo_testing import child_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
