@@ -3,9 +3,10 @@
 One step = forward + backward of the token-mean loss from ``hidden [N, H]`` and the LM-head ``weight [V, H]`` (both
 require grad), the LM-head matmul included:
 
-  fused            dppo_ext.fused_linear_dppo_loss(hidden, weight, ...) as a trainer calls it
+  fused            dppo_ext.fused_linear_dppo_loss(hidden, weight, ...) as a trainer calls it: the hidden and
+                   weight gradients computed in the forward, chunk by chunk (three LM-head products)
   fused_recompute  dppo_ext.fused_linear_dppo_loss_per_row(...).loss, summed / N by the caller: the per-row path,
-                   whose backward recomputes the logits tile by tile
+                   whose backward recomputes the logits tile by tile (four LM-head products)
   logits           logits = hidden @ weight.T; dppo_ext.dppo_loss(logits, ...)
   logits_inplace   the same with inplace_backward=True (the gradient is written into the logits buffer)
 
@@ -41,6 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchlib.peak_memory import MALLOC_ENV  # noqa: E402  (benchmarks/ on the path first)
 
 CASES = ("fused", "fused_recompute", "logits", "logits_inplace")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -164,7 +167,9 @@ def _plan(args: argparse.Namespace, case: str) -> dict | None:
     name, chunk = _split_case(case)
     if not name.startswith("fused"):
         return None
-    return plan_chunks(args.n, args.vocab, args.hidden, getattr(torch, DTYPES[args.dtype]), chunk_size=chunk).__dict__
+    dtype = getattr(torch, DTYPES[args.dtype])
+    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=name == "fused")
+    return plan.__dict__
 
 
 def _mem_available_bytes() -> int:
@@ -179,8 +184,9 @@ def _child(args: argparse.Namespace, extra: list[str]) -> dict:
     passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
                    "--device", args.device, "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                    "--rounds", str(args.rounds)]
+    # the memory children: every freed block of 64 KiB or more leaves the resident set (benchlib/peak_memory.py)
     proc = subprocess.run([sys.executable, __file__, *passthrough, *extra], capture_output=True, text=True,
-                          env=dict(os.environ))
+                          env=dict(os.environ, **MALLOC_ENV))
     if proc.returncode != 0:
         sys.exit(f"child {extra} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

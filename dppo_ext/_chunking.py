@@ -38,6 +38,14 @@ __all__ = [
 MIN_VOCAB_BLOCK = 2048
 # Default memory budget for one logits buffer: max(this, the size of ``hidden``).
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
+# Default logits buffer of a training forward, which computes the LM head's gradients chunk by chunk
+# (plan_chunks(grads_in_forward=True)): its rows are revisited by two products right after the loss op, and they
+# hold the float32 (float64) grad_weight accumulator's inner size, so fewer rows cost product efficiency and more
+# cost memory without making the step faster (measured with benchmarks/bench_fused_linear.py --chunk-sizes,
+# docs/benchmarks.md).
+TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
+# Fewest rows of a training chunk under the default budget (below this the products lose efficiency).
+MIN_TRAINING_CHUNK_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ def plan_chunks(
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
+    grads_in_forward: bool = False,
 ) -> FusedLinearPlan:
     """Choose chunk sizes for ``num_rows`` rows, a ``[vocab, hidden_size]`` weight and ``dtype``.
 
@@ -87,10 +96,22 @@ def plan_chunks(
     splits the vocabulary into blocks of at least 2048 columns; only when even that does not fit are rows split too.
     ``chunk_size`` (rows) overrides the forward chunk and the backward tile rows; ``vocab_chunk_size`` overrides the
     backward vocabulary block (default with ``chunk_size``: the whole vocabulary).
+
+    ``grads_in_forward``: the plan of a forward that computes the LM head's gradients chunk by chunk (no backward
+    tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
+    ``memory_budget_bytes``, else in ``TRAINING_CHUNK_BYTES`` but at least ``MIN_TRAINING_CHUNK_ROWS``.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
     element_size = torch.empty((), dtype=dtype).element_size()
+    if grads_in_forward:  # forward chunks only: there is no backward tile
+        if chunk_size is not None:
+            chunk_rows = chunk_size
+        elif memory_budget_bytes is None:
+            chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), MIN_TRAINING_CHUNK_ROWS)
+        else:
+            chunk_rows = max(memory_budget_bytes // (vocab * element_size), 1)
+        return FusedLinearPlan(min(chunk_rows, rows), 0, 0)
     if memory_budget_bytes is None:
         memory_budget_bytes = max(DEFAULT_BUDGET_BYTES, rows * hidden_size * element_size)
     budget_elems = max(memory_budget_bytes // element_size, 1)
