@@ -17,10 +17,12 @@ get no upstream gradient on the loss.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
-from dppo_testing import TOL, ambiguous_rows
+from dppo_testing import TOL, ambiguous_rows, child_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dppo_ext
@@ -621,3 +623,53 @@ def test_torch_compile_fullgraph_training_step():
         torch.testing.assert_close(metrics_c[key], metrics_e[key], rtol=1e-12, atol=1e-14, msg=key)
     for key in grads_e:
         torch.testing.assert_close(grads_c[key], grads_e[key], rtol=1e-10, atol=1e-13, msg=key)
+
+
+_VOCAB_PARALLEL_RANK = """
+import os, sys
+import torch
+import torch.distributed as dist
+from dppo_ext import fused_linear_dppo_loss
+
+store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+d = torch.load(sys.argv[4])
+bounds = (0, 23, 61)  # uneven slices of the LM head's rows
+lo, hi = bounds[rank], bounds[rank + 1]
+hidden = d["hidden"].clone().requires_grad_(True)
+weight = d["weight"][lo:hi].clone().requires_grad_(True)
+bias = d["bias"][lo:hi].clone().requires_grad_(True)
+loss, metrics = fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"], bias=bias,
+                                       response_mask=d["response_mask"], temperature=0.9,
+                                       vocab_parallel_group=dist.group.WORLD, vocab_offsets=list(bounds))
+(1.7 * loss).backward()
+torch.save({"loss": loss.detach(), "metrics": metrics, "hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad},
+           out)
+sys.stdout.flush()
+os._exit(0)  # no gloo teardown (docs/distributed.md)
+"""
+
+
+def test_vocab_parallel_fused_matches_single_device(tmp_path):
+    """The vocabulary-parallel fused path (two gloo ranks, uneven slices of the LM head) gives the loss, the metrics
+    and the gradients of the single-device path that computes them in the forward."""
+    d = _batch(seed=11)
+    torch.save(d, tmp_path / "inputs.pt")
+    loss_s, metrics_s, grads_s = _train_step(d, True, torch.float64)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _VOCAB_PARALLEL_RANK, str(tmp_path / "store"), str(rank),
+                          str(tmp_path / f"rank{rank}.pt"), str(tmp_path / "inputs.pt")],
+                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], loss_s, rtol=1e-12, atol=1e-14)
+        for key in metrics_s:
+            torch.testing.assert_close(r["metrics"][key], metrics_s[key], rtol=1e-12, atol=1e-14, msg=key)
+        torch.testing.assert_close(r["hidden"], grads_s["hidden"], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(torch.cat([r["weight"] for r in ranks]), grads_s["weight"], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(torch.cat([r["bias"] for r in ranks]), grads_s["bias"], rtol=1e-10, atol=1e-13)
