@@ -225,7 +225,14 @@ def _aggregation_coefficients(valid: torch.Tensor, settings: LossSettings, dtype
     def aggregated(loss_rows: torch.Tensor) -> torch.Tensor:
         return aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
 
-    return torch.func.grad(aggregated)(torch.zeros(valid.numel(), dtype=dtype, device=valid.device))
+    probe = torch.zeros(valid.numel(), dtype=dtype, device=valid.device)
+    if torch.compiler.is_compiling():  # torch.compile traces torch.func.grad, not a tensor created with grad
+        return torch.func.grad(aggregated)(probe)
+    # eager: plain autograd (torch.func's first call imports torch._dynamo, ~140 MiB of resident memory)
+    with torch.enable_grad():
+        probe.requires_grad_(True)
+        (coef,) = torch.autograd.grad(aggregated(probe), probe)
+    return coef
 
 
 def _per_row(

@@ -5,7 +5,10 @@ gradient on loss, logp and entropy, for every mode, in float64, float32 and bflo
 rows unevenly (N = 37, chunk 8), split the vocabulary into uneven tiles, N = 1, N = 0 and the automatic plan;
 (3) in float64 also against the op-free dppo_ext.reference with autograd; (4) tied input/output embeddings;
 (5) no [N, V] tensor is ever created; (6) fused_linear_dppo_loss and FusedLinearDPPOLoss equal dppo_ext.dppo_loss
-and DPPOLoss (same argument names and defaults, every aggregation mode, [B, T, H] and [N, H]); (7) error messages.
+and DPPOLoss (same argument names and defaults, every aggregation mode, [B, T, H] and [N, H]); (7) error messages;
+(8) the training path that computes the gradients in the forward (fused_linear_dppo_loss with grad): against the
+logits path in every aggregation and dtype, frozen head or hidden, a second backward, torch.compile, the vocabulary-
+parallel form, and its three LM-head products per step (counted).
 Steps (1)-(5) drive the per-row core, fused_linear_dppo_loss_per_row.
 
 Tolerance rule (as test_dppo_op.py): the truth is the float64 logits path on the same rounded inputs; in float32
