@@ -20,7 +20,8 @@ bytes before the step. The gradients of hidden and weight are part of every case
 
 Time is measured in one more process that runs every case in turn, round after round (the order rotates each
 round), so a loaded machine slows them alike: each case's median step time, and its median over the rounds of
-``time / the logits path's time in the same round``.
+``time / the logits path's time in the same round``; the same for the process's CPU time (all threads), which a
+shared machine's other jobs inflate far less than the wall time.
 
     python benchmarks/bench_fused_linear.py                  # N=8192, H=2048, V=151936, bf16
     python benchmarks/bench_fused_linear.py --small          # N=2048, H=512, V=32768: minutes on 2 cores
@@ -143,18 +144,23 @@ def run_timing(args: argparse.Namespace, cases: list[str]) -> dict:
     for case in cases:
         step(case)
     times: dict[str, list[float]] = {c: [] for c in cases}
+    cpu_times: dict[str, list[float]] = {c: [] for c in cases}
     for r in range(args.rounds):
         order = cases[r % len(cases):] + cases[: r % len(cases)]
         for case in order:
             gc.collect()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             step(case)
             times[case].append(time.perf_counter() - start)
+            cpu_times[case].append(time.process_time() - cpu_start)
     out = {}
     for case, values in times.items():
-        rec = {"median_s": statistics.median(values), "times_s": values}
+        cpu = cpu_times[case]
+        rec = {"median_s": statistics.median(values), "times_s": values, "median_cpu_s": statistics.median(cpu),
+               "cpu_times_s": cpu}
         if "logits" in times:
             rec["ratio_to_logits"] = statistics.median(t / b for t, b in zip(values, times["logits"]))
+            rec["cpu_ratio_to_logits"] = statistics.median(t / b for t, b in zip(cpu, cpu_times["logits"]))
         out[case] = rec
     return out
 
@@ -253,7 +259,8 @@ def main() -> None:
         for case, rec in _child(args, ["--timing", ",".join(cases)]).items():
             results[case].update(timing=rec)
     logits_peak = results.get("logits", {}).get("peak_bytes")
-    print(f"{'case':16s} {'peak GiB':>9s} {'x logits':>9s} {'median s':>9s} {'x logits (paired)':>18s}")
+    print(f"{'case':16s} {'peak GiB':>9s} {'x logits':>9s} {'median s':>9s} {'x logits (paired)':>18s} "
+          f"{'CPU s':>8s} {'CPU x logits':>13s}")
     for case, r in results.items():
         peak = r.get("peak_bytes")
         t = r.get("timing", {})
@@ -261,7 +268,8 @@ def main() -> None:
             r["peak_ratio_to_logits"] = peak / logits_peak
         print(f"{case:16s} {'-' if peak is None else f'{peak / GIB:9.3f}':>9s} "
               f"{r.get('peak_ratio_to_logits', float('nan')):9.3f} {t.get('median_s', float('nan')):9.3f} "
-              f"{t.get('ratio_to_logits', float('nan')):18.3f}")
+              f"{t.get('ratio_to_logits', float('nan')):18.3f} {t.get('median_cpu_s', float('nan')):8.3f} "
+              f"{t.get('cpu_ratio_to_logits', float('nan')):13.3f}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "device", "warmup", "repeats", "rounds",

@@ -38,14 +38,14 @@ __all__ = [
 MIN_VOCAB_BLOCK = 2048
 # Default memory budget for one logits buffer: max(this, the size of ``hidden``).
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
-# Default logits buffer of a training forward, which computes the LM head's gradients chunk by chunk
-# (plan_chunks(grads_in_forward=True)): its rows are revisited by two products right after the loss op, and they
-# hold the float32 (float64) grad_weight accumulator's inner size, so fewer rows cost product efficiency and more
-# cost memory without making the step faster (measured with benchmarks/bench_fused_linear.py --chunk-sizes,
-# docs/benchmarks.md).
+# Rows per chunk of a training forward, which computes the LM head's gradients chunk by chunk
+# (plan_chunks(grads_in_forward=True)): every chunk adds g^T @ h into the whole [V, H] grad_weight, so that read and
+# write (and the small inner size of the product) cost ~1/rows of the chunk's own products. Measured at N=2048,
+# H=512, V=32768, float32 (process CPU time against the logits path's, benchmarks/bench_fused_linear.py --small
+# --chunk-sizes 64,256): 64 rows 1.64x, 128 rows 1.18x, 256 rows 1.01x (docs/benchmarks.md).
+MIN_TRAINING_CHUNK_ROWS = 256
+# More rows when they fit in this many bytes of logits (a small vocabulary).
 TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
-# Fewest rows of a training chunk under the default budget (below this the products lose efficiency).
-MIN_TRAINING_CHUNK_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def plan_chunks(
 
     ``grads_in_forward``: the plan of a forward that computes the LM head's gradients chunk by chunk (no backward
     tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
-    ``memory_budget_bytes``, else in ``TRAINING_CHUNK_BYTES`` but at least ``MIN_TRAINING_CHUNK_ROWS``.
+    ``memory_budget_bytes``, else ``MIN_TRAINING_CHUNK_ROWS`` or as many as fit in ``TRAINING_CHUNK_BYTES``.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
