@@ -43,14 +43,14 @@ def test_speed_records_carry_gbps_and_copy_multiples(tmp_path):
     """Forward, backward and in-place get GB/s and a multiple of a copy pass timed in the same run; the Markdown
     has the table the results page is taken from, naming the host's SIMD level."""
     proc = _run(["benchmarks/bench_loss.py", "--quick", "--sections", "speed", "--modes", "binary_tv", "--dtypes",
-                 "float32", "--contenders", "fused,fused_inplace", "--repeats", "2", "--out-dir", str(tmp_path)])
+                 "float32", "--contenders", "fused,fused_inplace", "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "bench_loss.json").read_text())
     recs = {r["contender"]: r for r in results["records"] if r["section"] == "speed"}
     assert set(recs) == {"fused", "fused_inplace"}
     logits_bytes = recs["fused"]["N"] * recs["fused"]["V"] * 4
     for rec in recs.values():
-        assert len(rec["copy_reps_ms"]) == 2  # one copy pass before every timed step
+        assert len(rec["copy_reps_ms"]) == len(rec["total_reps_ms"]) >= 2  # one copy pass before every timed step
         for phase, passes in (("fwd", 1), ("bwd", 2), ("total", 3)):
             seconds = rec[f"{phase}_ms"] * 1e-3
             assert rec[f"{phase}_GBps"] == pytest.approx(passes * logits_bytes / seconds / 1e9)
