@@ -391,7 +391,9 @@ def fused_linear_dppo_loss(
     Same arguments, per-mode defaults and result as :func:`dppo_ext.dppo_loss` (``response_mask``,
     ``loss_agg_mode``, ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``, the same metrics dict), with ``logits``
     replaced by ``hidden`` and ``weight`` (+ ``bias``). There is no ``inplace_backward``: no logits buffer
-    outlives the call.
+    outlives the call. When grad is enabled and ``hidden``, ``weight`` or ``bias`` requires grad, the forward also
+    computes their gradients, chunk by chunk (three LM-head products per training step in all, as the logits path);
+    evaluate under ``torch.no_grad()`` to skip that work.
 
     Args:
         hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
@@ -403,7 +405,8 @@ def fused_linear_dppo_loss(
             as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
-            :func:`fused_linear_dppo_loss_per_row`.
+            :func:`fused_linear_dppo_loss_per_row` (with grad, ``chunk_size`` or ``memory_budget_bytes`` set the rows
+            per chunk of the forward; an explicit ``vocab_chunk_size`` selects the recompute-in-backward path).
         vocab_parallel_group, vocab_offsets: ``weight [V_local, H]`` (``bias [V_local]``) is this rank's slice of a
             vocabulary-sharded LM head (see :func:`fused_linear_dppo_loss_per_row`, docs/distributed.md).
 
