@@ -40,9 +40,11 @@ MIN_VOCAB_BLOCK = 2048
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 # Rows per chunk of a training forward, which computes the LM head's gradients chunk by chunk
 # (plan_chunks(grads_in_forward=True)): every chunk adds g^T @ h into the whole [V, H] grad_weight, so that read and
-# write (and the small inner size of the product) cost ~1/rows of the chunk's own products. Measured at N=2048,
-# H=512, V=32768, float32 (process CPU time against the logits path's, benchmarks/bench_fused_linear.py --small
-# --chunk-sizes 64,256): 64 rows 1.64x, 128 rows 1.18x, 256 rows 1.01x (docs/benchmarks.md).
+# write (and the small inner size of the product) cost ~1/rows of the chunk's own products; in 16-bit dtypes each
+# chunk's product also passes through a temporary on its way into the float32 accumulator, so they take twice the
+# rows. Measured at N=2048, H=512, V=32768 (process CPU time against the logits path's,
+# benchmarks/bench_fused_linear.py --small --chunk-sizes ...): float32 64 rows 1.64x, 128 1.18x, 256 1.01x;
+# bfloat16 256 rows 1.34x, 512 1.13x, 1024 1.12x (docs/benchmarks.md).
 MIN_TRAINING_CHUNK_ROWS = 256
 # More rows when they fit in this many bytes of logits (a small vocabulary).
 TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
@@ -99,7 +101,8 @@ def plan_chunks(
 
     ``grads_in_forward``: the plan of a forward that computes the LM head's gradients chunk by chunk (no backward
     tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
-    ``memory_budget_bytes``, else ``MIN_TRAINING_CHUNK_ROWS`` or as many as fit in ``TRAINING_CHUNK_BYTES``.
+    ``memory_budget_bytes``, else ``MIN_TRAINING_CHUNK_ROWS`` (twice that in 16-bit dtypes) or as many as fit in
+    ``TRAINING_CHUNK_BYTES``.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
@@ -108,7 +111,8 @@ def plan_chunks(
         if chunk_size is not None:
             chunk_rows = chunk_size
         elif memory_budget_bytes is None:
-            chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), MIN_TRAINING_CHUNK_ROWS)
+            min_rows = MIN_TRAINING_CHUNK_ROWS * (2 if element_size == 2 else 1)
+            chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), min_rows)
         else:
             chunk_rows = max(memory_budget_bytes // (vocab * element_size), 1)
         return FusedLinearPlan(min(chunk_rows, rows), 0, 0)

@@ -309,9 +309,10 @@ def test_plan_chunks_respects_budget_and_overrides():
     assert small.buffer_bytes(257, 4) <= 10 * 258 * 4 and small.tile_rows < 37
     huge_n = plan_chunks(1_000_000, 151936, 2048, torch.bfloat16)
     assert huge_n.buffer_bytes(151936, 2) <= 1_000_000 * 2048 * 2 and huge_n.tile_rows < 1_000_000
-    # the training forward (gradients in the forward): rows only, at least 256 or 16 MiB of logits
+    # the training forward (gradients in the forward): rows only, at least 256 (512 in 16 bits) or 16 MiB of logits
     assert plan_chunks(2048, 32768, 512, torch.float32, grads_in_forward=True) == FusedLinearPlan(256, 0, 0)
     assert plan_chunks(2048, 8192, 512, torch.float32, grads_in_forward=True).chunk_rows == 512
+    assert plan_chunks(2048, 32768, 512, torch.bfloat16, grads_in_forward=True).chunk_rows == 512
     assert plan_chunks(100, 32768, 512, torch.float32, grads_in_forward=True).chunk_rows == 100
     assert plan_chunks(2048, 32768, 512, torch.float32, chunk_size=8, grads_in_forward=True).chunk_rows == 8
     budget = plan_chunks(2048, 1000, 512, torch.float32, memory_budget_bytes=40_000, grads_in_forward=True)
