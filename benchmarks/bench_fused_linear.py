@@ -1,19 +1,31 @@
 """Fused-linear DPPO vs the logits path: measured peak memory beyond the inputs, and time, per loss step.
 
-One step = forward + backward of ``loss = sum(per-row DPPO loss) / N`` from ``hidden [N, H]`` and the LM-head
-``weight [V, H]`` (both require grad), the LM-head matmul included:
+One step = forward + backward of the token-mean loss from ``hidden [N, H]`` and the LM-head ``weight [V, H]`` (both
+require grad), the LM-head matmul included:
 
-  fused           dppo_ext.fused_linear_dppo_loss_per_row(hidden, weight, ...) (the core of fused_linear_dppo_loss)
-  logits          logits = hidden @ weight.T; dppo_ext.ops.dppo_loss_forward(logits, ...)
-  logits_inplace  the same with inplace_backward=True (the gradient is written into the logits buffer)
+  fused            dppo_ext.fused_linear_dppo_loss(hidden, weight, ...) as a trainer calls it: the hidden and
+                   weight gradients computed in the forward, chunk by chunk (three LM-head products)
+  fused_recompute  dppo_ext.fused_linear_dppo_loss_per_row(...).loss, summed / N by the caller: the per-row path,
+                   whose backward recomputes the logits tile by tile (four LM-head products)
+  logits           logits = hidden @ weight.T; dppo_ext.dppo_loss(logits, ...)
+  logits_inplace   the same with inplace_backward=True (the gradient is written into the logits buffer)
 
-Memory is measured, never estimated. On CPU every case runs in a fresh subprocess; the peak resident set is
-reset after the inputs exist (``/proc/self/clear_refs``) and the step's peak is ``VmHWM - VmRSS`` at that point.
-On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the allocated bytes before the step. The gradients of
-hidden and weight are part of every case's peak.
+``--chunk-sizes 64,256`` adds ``fused@64``, ``fused@256``: the fused path with that many rows per chunk (the sweep
+the automatic plan's chunk sizes were picked from).
 
-    python benchmarks/bench_fused_linear.py                  # issue target: N=8192, H=2048, V=151936, bf16
-    python benchmarks/bench_fused_linear.py --small          # N=2048, H=1024, V=32768: a minute on 2 cores
+Memory is measured, never estimated. On CPU every case runs in a fresh subprocess; the peak resident set is reset
+after the inputs exist (``/proc/self/clear_refs``) and the step's peak is ``VmHWM - VmRSS`` at that point, the
+largest over the warm-up and timed steps. On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the allocated
+bytes before the step. The gradients of hidden and weight are part of every case's peak.
+
+Time is measured in one more process that runs every case in turn, round after round (the order rotates each
+round), so a loaded machine slows them alike: each case's median step time, and its median over the rounds of
+``time / the logits path's time in the same round``; the same for the process's CPU time (all threads), which a
+shared machine's other jobs inflate far less than the wall time.
+
+    python benchmarks/bench_fused_linear.py                  # N=8192, H=2048, V=151936, bf16
+    python benchmarks/bench_fused_linear.py --small          # N=2048, H=512, V=32768: minutes on 2 cores
+    python benchmarks/bench_fused_linear.py --small --chunk-sizes 64,128,256,512 --cases fused logits
 
 Results: a table on stdout, ``<out-dir>/bench_fused_linear.json`` and ``.png`` (peak memory and time bars).
 """
@@ -30,11 +42,16 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("fused", "logits", "logits_inplace")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchlib.peak_memory import MALLOC_ENV  # noqa: E402  (benchmarks/ on the path first)
+
+CASES = ("fused", "fused_recompute", "logits", "logits_inplace")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TARGET = {"n": 8192, "hidden": 2048, "vocab": 151936}
-SMALL = {"n": 2048, "hidden": 1024, "vocab": 32768}
+SMALL = {"n": 2048, "hidden": 512, "vocab": 32768}
 GIB = 1024**3
+MODE = "binary_tv"
 
 
 def _proc_status_kib(field: str) -> int:
@@ -50,65 +67,115 @@ def _reset_peak_rss() -> None:
         f.write("5")  # resets VmHWM to the current VmRSS
 
 
-def run_case(args: argparse.Namespace) -> dict:
-    """Child process: build the inputs, run the step, return measured peak bytes and times."""
-    import torch
+def _split_case(case: str) -> tuple[str, int | None]:
+    """``fused@128`` -> ("fused", 128); other names -> (name, None)."""
+    name, _, chunk = case.partition("@")
+    return name, (int(chunk) if chunk else None)
 
-    import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo)
-    from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row, plan_chunks
-    from dppo_ext.ops import dppo_loss_forward
 
-    torch.manual_seed(0)
-    device, dtype = torch.device(args.device), getattr(torch, DTYPES[args.dtype])
-    n, h, v = args.n, args.hidden, args.vocab
-    hidden = torch.randn(n, h, device=device, dtype=dtype).requires_grad_(True)
-    weight = (torch.randn(v, h, device=device, dtype=dtype) * 0.02).requires_grad_(True)
-    tokens = torch.randint(0, v, (n,), device=device)
-    rollout = -torch.rand(n, device=device) * 3.0
-    advantages = torch.randn(n, device=device)
-    kwargs = dict(mode=args.mode, temperature=1.0, delta_low=0.15, delta_high=0.15)
+class Step:
+    """The inputs of one configuration and a loss step of any case on them."""
 
-    def step() -> None:
-        if args.case == "fused":
-            out = fused_linear_dppo_loss_per_row(hidden, weight, tokens, rollout, advantages,
-                                                 chunk_size=args.chunk_size, **kwargs)
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.torch = torch
+        self.device = torch.device(args.device)
+        dtype = getattr(torch, DTYPES[args.dtype])
+        n, h, v = args.n, args.hidden, args.vocab
+        self.n = n
+        self.hidden = torch.randn(n, h, device=self.device, dtype=dtype).requires_grad_(True)
+        self.weight = (torch.randn(v, h, device=self.device, dtype=dtype) * 0.02).requires_grad_(True)
+        self.tokens = torch.randint(0, v, (n,), device=self.device)
+        self.rollout = -torch.rand(n, device=self.device) * 3.0
+        self.advantages = torch.randn(n, device=self.device)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def __call__(self, case: str) -> None:
+        from dppo_ext import dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
+
+        name, chunk = _split_case(case)
+        self.hidden.grad = self.weight.grad = None
+        args = (self.tokens, self.rollout, self.advantages)
+        if name == "fused":
+            loss = fused_linear_dppo_loss(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)[0]
+        elif name == "fused_recompute":
+            out = fused_linear_dppo_loss_per_row(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)
+            loss = out.loss.sum() / self.n
         else:
-            logits = hidden @ weight.t()
-            out = dppo_loss_forward(logits, tokens, rollout, advantages,
-                                    inplace_backward=args.case == "logits_inplace", **kwargs)
-        (out.loss.sum() / n).backward()
+            logits = self.hidden @ self.weight.t()
+            loss = dppo_loss(logits, *args, mode=MODE, inplace_backward=name == "logits_inplace")[0]
+        loss.backward()
+        self.sync()
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
+def run_memory_case(args: argparse.Namespace) -> dict:
+    """Child process: one case, its step's peak beyond what was live before it, and its times."""
+    step = Step(args)
+    torch = step.torch
     peaks, times = [], []
     for i in range(args.warmup + args.repeats):
-        hidden.grad = weight.grad = None
+        step.hidden.grad = step.weight.grad = None
         gc.collect()
-        sync()
-        if device.type == "cuda":
+        step.sync()
+        if step.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         else:
             _reset_peak_rss()
             base = _proc_status_kib("VmRSS") * 1024
         start = time.perf_counter()
-        step()
-        sync()
+        step(args.case)
         elapsed = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _proc_status_kib("VmHWM") * 1024
+        peak = torch.cuda.max_memory_allocated() if step.device.type == "cuda" else _proc_status_kib("VmHWM") * 1024
         peaks.append(peak - base)
         if i >= args.warmup:
             times.append(elapsed)
-    plan = plan_chunks(n, v, h, dtype, chunk_size=args.chunk_size) if args.case == "fused" else None
-    return {
-        "case": args.case,
-        "peak_bytes": max(peaks),
-        "median_s": statistics.median(times),
-        "times_s": times,
-        "plan": None if plan is None else plan.__dict__,
-    }
+    return {"case": args.case, "peak_bytes": max(peaks), "peaks_bytes": peaks, "times_s": times}
+
+
+def run_timing(args: argparse.Namespace, cases: list[str]) -> dict:
+    """Child process: every case in turn, ``args.rounds`` rounds after one warm-up round, the order rotating."""
+    step = Step(args)
+    for case in cases:
+        step(case)
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    cpu_times: dict[str, list[float]] = {c: [] for c in cases}
+    for r in range(args.rounds):
+        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        for case in order:
+            gc.collect()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            step(case)
+            times[case].append(time.perf_counter() - start)
+            cpu_times[case].append(time.process_time() - cpu_start)
+    out = {}
+    for case, values in times.items():
+        cpu = cpu_times[case]
+        rec = {"median_s": statistics.median(values), "times_s": values, "median_cpu_s": statistics.median(cpu),
+               "cpu_times_s": cpu}
+        if "logits" in times:
+            rec["ratio_to_logits"] = statistics.median(t / b for t, b in zip(values, times["logits"]))
+            rec["cpu_ratio_to_logits"] = statistics.median(t / b for t, b in zip(cpu, cpu_times["logits"]))
+        out[case] = rec
+    return out
+
+
+def _plan(args: argparse.Namespace, case: str) -> dict | None:
+    import torch
+
+    from dppo_ext.fused_linear import plan_chunks
+
+    name, chunk = _split_case(case)
+    if not name.startswith("fused"):
+        return None
+    dtype = getattr(torch, DTYPES[args.dtype])
+    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=name == "fused")
+    return plan.__dict__
 
 
 def _mem_available_bytes() -> int:
@@ -119,6 +186,18 @@ def _mem_available_bytes() -> int:
     return 0
 
 
+def _child(args: argparse.Namespace, extra: list[str]) -> dict:
+    passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
+                   "--device", args.device, "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+                   "--rounds", str(args.rounds)]
+    # the memory children: every freed block of 64 KiB or more leaves the resident set (benchlib/peak_memory.py)
+    proc = subprocess.run([sys.executable, __file__, *passthrough, *extra], capture_output=True, text=True,
+                          env=dict(os.environ, **MALLOC_ENV))
+    if proc.returncode != 0:
+        sys.exit(f"child {extra} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help=f"smaller defaults {SMALL} (runs here in minutes)")
@@ -127,13 +206,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, help=f"vocabulary (default {TARGET['vocab']})")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--mode", default="binary_tv")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--chunk-size", type=int, default=None, help="fused rows per chunk (default: automatic)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed runs (default 1, 0 at the target size)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 3, 1 at the target size)")
+    parser.add_argument("--chunk-sizes", default="", help="comma list: add fused@<rows> cases with that chunk size")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
+    parser.add_argument("--no-timing", action="store_true", help="skip the alternating timing process")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per memory process (default 1, "
+                        "0 at the target size)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per memory process (default 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5, 2 at the target size)")
     parser.add_argument("--out-dir", default="artifacts/bench_fused_linear")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # child process: run this one case
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # child process: measure this case's memory
+    parser.add_argument("--timing", help=argparse.SUPPRESS)  # child process: time these cases (comma list)
     args = parser.parse_args()
     sizes = SMALL if args.small else TARGET
     for key in ("n", "hidden", "vocab"):
@@ -141,12 +224,17 @@ def main() -> None:
             setattr(args, key, sizes[key])
     big = args.n * args.vocab >= TARGET["n"] * TARGET["vocab"] // 4
     args.warmup = (0 if big else 1) if args.warmup is None else args.warmup
-    args.repeats = (1 if big else 3) if args.repeats is None else args.repeats
+    args.repeats = 1 if args.repeats is None else args.repeats
+    args.rounds = (2 if big else 5) if args.rounds is None else args.rounds
 
     if args.case is not None:
-        print(json.dumps(run_case(args)))
+        print(json.dumps(run_memory_case(args)))
+        return
+    if args.timing is not None:
+        print(json.dumps(run_timing(args, args.timing.split(","))))
         return
 
+    cases = list(args.cases) + [f"fused@{int(c)}" for c in args.chunk_sizes.split(",") if c]
     element = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     # Only a guard against swapping the machine: logits + their gradient + weight and its gradient.
     rough_need = (2 * args.n * args.vocab + 2 * args.vocab * args.hidden) * element
@@ -154,44 +242,43 @@ def main() -> None:
         sys.exit(f"the logits path needs about {rough_need / GIB:.1f} GiB but only "
                  f"{_mem_available_bytes() / GIB:.1f} GiB are available: use smaller --n/--vocab or --small")
 
-    from bench_common import machine_info  # imports torch: only the parent process needs it here
+    from benchlib.machine import machine_info  # imports torch: only the parent process needs it here
 
     machine = machine_info(args.device)
-    print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} {args.device} mode={args.mode} "
-          f"warmup={args.warmup} repeats={args.repeats}", flush=True)
-    print(f"host: {machine['cpu_model']}, {machine['cpu_count']} cores, widest SIMD {machine['cpu_simd']}, "
-          f"torch {machine['torch']}, load {machine['loadavg_start'][0]:.1f}", flush=True)
-    results = []
-    passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
-                   "--device", args.device, "--mode", args.mode, "--warmup", str(args.warmup),
-                   "--repeats", str(args.repeats)]
-    if args.chunk_size is not None:
-        passthrough += ["--chunk-size", str(args.chunk_size)]
-    for case in args.cases:
-        proc = subprocess.run([sys.executable, __file__, "--case", case, *passthrough], capture_output=True,
-                              text=True, env=dict(os.environ))
-        if proc.returncode != 0:
-            sys.exit(f"case {case} failed:\n{proc.stderr[-4000:]}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        r = results[-1]
-        print(f"  {case:15s} peak beyond inputs {r['peak_bytes'] / GIB:8.3f} GiB   median {r['median_s']:8.3f} s",
-              flush=True)
-
-    by_case = {r["case"]: r for r in results}
-    if "fused" in by_case:
-        for ref in ("logits", "logits_inplace"):
-            if ref in by_case:
-                ratio = by_case["fused"]["peak_bytes"] / by_case[ref]["peak_bytes"]
-                speed = by_case["fused"]["median_s"] / by_case[ref]["median_s"]
-                print(f"fused / {ref}: peak {ratio:.3f}x, time {speed:.2f}x")
+    print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} {args.device} mode={MODE} cases={cases} "
+          f"memory: warmup={args.warmup} repeats={args.repeats}; timing: {args.rounds} rounds", flush=True)
+    print(f"host: {machine['cpu_model']}, {machine['cpu_count']} cores, widest SIMD {machine['cpu_simd']} "
+          f"(dppo_ext CPU kernels: {machine.get('dppo_ext_cpu_capability')}), torch {machine['torch']}, "
+          f"load {machine['loadavg_start'][0]:.1f}", flush=True)
+    results = {case: {"case": case, "plan": _plan(args, case)} for case in cases}
+    if not args.no_memory:
+        for case in cases:
+            results[case].update(_child(args, ["--case", case]))
+            print(f"  memory {case:16s} peak beyond inputs {results[case]['peak_bytes'] / GIB:8.3f} GiB", flush=True)
+    if not args.no_timing:
+        for case, rec in _child(args, ["--timing", ",".join(cases)]).items():
+            results[case].update(timing=rec)
+    logits_peak = results.get("logits", {}).get("peak_bytes")
+    print(f"{'case':16s} {'peak GiB':>9s} {'x logits':>9s} {'median s':>9s} {'x logits (paired)':>18s} "
+          f"{'CPU s':>8s} {'CPU x logits':>13s}")
+    for case, r in results.items():
+        peak = r.get("peak_bytes")
+        t = r.get("timing", {})
+        if peak is not None and logits_peak:
+            r["peak_ratio_to_logits"] = peak / logits_peak
+        print(f"{case:16s} {'-' if peak is None else f'{peak / GIB:9.3f}':>9s} "
+              f"{r.get('peak_ratio_to_logits', float('nan')):9.3f} {t.get('median_s', float('nan')):9.3f} "
+              f"{t.get('ratio_to_logits', float('nan')):18.3f} {t.get('median_cpu_s', float('nan')):8.3f} "
+              f"{t.get('cpu_ratio_to_logits', float('nan')):13.3f}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "device", "mode", "warmup", "repeats",
-                                             "chunk_size")}
+    config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "device", "warmup", "repeats", "rounds",
+                                             "chunk_sizes")}
+    config["mode"] = MODE
     machine["loadavg_end"] = os.getloadavg()
     (out_dir / "bench_fused_linear.json").write_text(
-        json.dumps({"config": config, "machine": machine, "results": results}, indent=2))
-    _plot(results, config, out_dir / "bench_fused_linear.png")
+        json.dumps({"config": config, "machine": machine, "results": list(results.values())}, indent=2))
+    _plot(list(results.values()), config, out_dir / "bench_fused_linear.png")
     print(f"wrote {out_dir / 'bench_fused_linear.json'} and .png")
 
 
@@ -202,11 +289,13 @@ def _plot(results: list[dict], config: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["case"] for r in results]
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax_mem.bar(names, [r["peak_bytes"] / GIB for r in results], color="tab:blue")
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_mem.bar(names, [r.get("peak_bytes", 0) / GIB for r in results], color="tab:blue")
     ax_mem.set_ylabel("peak beyond inputs (GiB)")
-    ax_time.bar(names, [r["median_s"] for r in results], color="tab:orange")
+    ax_time.bar(names, [r.get("timing", {}).get("median_s", 0) for r in results], color="tab:orange")
     ax_time.set_ylabel("fwd+bwd step, median (s)")
+    for ax in (ax_mem, ax_time):
+        ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle(f"DPPO loss step, N={config['n']} H={config['hidden']} V={config['vocab']} {config['dtype']} "
                  f"{config['device']}")
     fig.tight_layout()

@@ -8,8 +8,9 @@ the eager full-vocabulary reference, ``torch.compile`` of that reference and, on
   64 blocks of 16 MiB) correctly.
 - ``speed``: every mode x dtype at one size (default N=2048, V=32768, K=20): forward, backward
   and forward+backward timed separately, warm-up then the median of ``--repeats`` steps (fused)
-  or ``--baseline-repeats`` steps (eager, compile, Liger).
-- ``memory``: the acceptance point (default N=4096, V=151936, bf16, topk_kl): each contender in
+  or ``--baseline-repeats`` steps (eager, compile, Liger); one copy pass over the same logits is
+  timed before every step, so each phase also reports its achieved GB/s and its multiple of a copy.
+- ``memory``: the stated memory point (default N=4096, V=151936, bf16, topk_kl): each contender in
   a fresh process, its step's measured peak beyond the inputs and the returned gradient, and time.
 - ``scaling``: extra memory and time as N grows (V fixed) and as V grows (N fixed), each point in
   a fresh process, for the fused op (plain and in-place) and the eager reference.
@@ -40,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_common as bc  # noqa: E402
 import report  # noqa: E402
+from benchlib import contenders, inputs, machine, peak_memory, timing  # noqa: E402
 
 log = logging.getLogger("bench_loss")
 
@@ -73,9 +74,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-entropy", dest="entropy", action="store_false",
                    help="compute_entropy=False for every contender (default: True, the API's default)")
     g = p.add_argument_group("speed section")
-    g.add_argument("--modes", type=_names, default=list(bc.MODES))
+    g.add_argument("--modes", type=_names, default=list(inputs.MODES))
     g.add_argument("--dtypes", type=_names, default=["float32", "bfloat16"])
-    g.add_argument("--contenders", type=_names, default=list(bc.ALL_CONTENDERS),
+    g.add_argument("--contenders", type=_names, default=list(contenders.ALL_CONTENDERS),
                    help="contenders to run (those that cannot run here are skipped with the reason)")
     g.add_argument("--speed-n", type=int, default=2048)
     g.add_argument("--speed-v", type=int, default=32768)
@@ -83,7 +84,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--repeats", type=int, default=5, help="timed steps of the fused contenders")
     g.add_argument("--baseline-repeats", type=int, default=3,
                    help="timed steps of the slow baselines (eager, compile, Liger)")
-    g = p.add_argument_group("memory section (the acceptance point)")
+    g = p.add_argument_group("memory section (the stated memory point)")
     g.add_argument("--memory-n", type=int, default=4096)
     g.add_argument("--memory-v", type=int, default=151936)
     g.add_argument("--memory-dtype", default="bfloat16")
@@ -109,14 +110,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--sections got {sorted(unknown)}; expected names from {SECTIONS}")
     for name in args.modes + args.memory_modes + [args.scaling_mode]:
-        if name not in bc.MODES:
-            p.error(f"mode {name!r} is not one of {bc.MODES}")
+        if name not in inputs.MODES:
+            p.error(f"mode {name!r} is not one of {inputs.MODES}")
     for name in args.dtypes + [args.memory_dtype, args.scaling_dtype]:
-        if name not in bc.DTYPES:
-            p.error(f"dtype {name!r} is not one of {tuple(bc.DTYPES)}")
+        if name not in inputs.DTYPES:
+            p.error(f"dtype {name!r} is not one of {tuple(inputs.DTYPES)}")
     for name in args.contenders + args.scaling_contenders:
-        if name not in bc.ALL_CONTENDERS:
-            p.error(f"contender {name!r} is not one of {bc.ALL_CONTENDERS}")
+        if name not in contenders.ALL_CONTENDERS:
+            p.error(f"contender {name!r} is not one of {contenders.ALL_CONTENDERS}")
     if args.out_dir is None:  # a harness smoke test never overwrites the committed results
         here = os.path.dirname(os.path.abspath(__file__))
         args.out_dir = (os.path.join(os.path.dirname(here), "artifacts", "bench_loss_quick") if args.quick
@@ -140,18 +141,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def _calibrate(pattern: str, device: str) -> dict:
     """Measure a known allocation pattern with the same meter the cases use (expected: 1 GiB)."""
-    with bc.PeakMeter(device) as meter:
+    with peak_memory.PeakMeter(device) as meter:
         if pattern == "one_1gib":
-            block = torch.ones(bc.GIB // 4, device=device)
+            block = torch.ones(peak_memory.GIB // 4, device=device)
             del block
         elif pattern == "64x16mib":
-            blocks = [torch.ones(16 * bc.MIB // 4, device=device) for _ in range(64)]
+            blocks = [torch.ones(16 * peak_memory.MIB // 4, device=device) for _ in range(64)]
             del blocks
-            half = torch.ones(bc.GIB // 8, device=device)  # freed memory must not hide a later peak
+            half = torch.ones(peak_memory.GIB // 8, device=device)  # freed memory must not hide a later peak
             del half
         else:
             raise ValueError(f"unknown calibration pattern {pattern!r}")
-    return {"expected_bytes": bc.GIB, "measured_bytes": meter.delta, "ratio": meter.delta / bc.GIB}
+    return {"expected_bytes": peak_memory.GIB, "measured_bytes": meter.delta, "ratio": meter.delta / peak_memory.GIB}
 
 
 def child_main(case: dict) -> dict:
@@ -159,35 +160,35 @@ def child_main(case: dict) -> dict:
     device = case["device"]
     if case["kind"] == "calibrate":
         return _calibrate(case["pattern"], device)
-    dtype = bc.DTYPES[case["dtype"]]
-    contender = bc.build_contender(case["contender"], case["mode"], device, case.get("compute_entropy", True))
+    dtype = inputs.DTYPES[case["dtype"]]
+    contender = contenders.build_contender(case["contender"], case["mode"], device, case.get("compute_entropy", True))
     if case["contender"] != "compile":
-        small = bc.make_inputs(min(case["n"], 64), case["v"], case["k"], case["mode"], dtype, device, case["seed"])
+        small = inputs.make_inputs(min(case["n"], 64), case["v"], case["k"], case["mode"], dtype, device, case["seed"])
         small_leaf = contender.make_leaf(small)
-        bc.step(contender, small, small_leaf, device)
+        timing.step(contender, small, small_leaf, device)
         del small, small_leaf
-    inp = bc.make_inputs(case["n"], case["v"], case["k"], case["mode"], dtype, device, case["seed"])
+    inp = inputs.make_inputs(case["n"], case["v"], case["k"], case["mode"], dtype, device, case["seed"])
     leaf = contender.make_leaf(inp)
     if case["contender"] == "compile":
-        bc.step(contender, inp, leaf, device)  # compiles for this exact shape
+        timing.step(contender, inp, leaf, device)  # compiles for this exact shape
     repeats = case["repeats"]
     pristine = inp.logits.detach().clone() if contender.consumes_logits and repeats else None
     inputs_bytes = inp.nbytes() + (leaf.numel() * leaf.element_size() if leaf is not inp.logits else 0)
-    with bc.PeakMeter(device) as meter:
-        res = bc.step(contender, inp, leaf, device)
+    with peak_memory.PeakMeter(device) as meter:
+        res = timing.step(contender, inp, leaf, device)
     grad_aliases_leaf = res.grad.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()
     grad_bytes = 0 if grad_aliases_leaf else res.grad.numel() * res.grad.element_size()
     # The measured step is this process's first at full size (cold: first-touch of pools and
     # thread start-up), so it is timed only when no warm step follows.
-    cold = bc.Timing([res.fwd_s], [res.bwd_s])
-    timing = bc.Timing([], [])
+    cold = timing.Timing([res.fwd_s], [res.bwd_s])
+    warm = timing.Timing([], [])
     del res
     for _ in range(repeats):
         if contender.consumes_logits:
-            bc.restore_logits(leaf, pristine)
-        extra = bc.step(contender, inp, leaf, device)
-        timing.fwd.append(extra.fwd_s)
-        timing.bwd.append(extra.bwd_s)
+            timing.restore_logits(leaf, pristine)
+        extra = timing.step(contender, inp, leaf, device)
+        warm.fwd.append(extra.fwd_s)
+        warm.bwd.append(extra.bwd_s)
         del extra
     out = {
         "inputs_bytes": inputs_bytes,
@@ -200,7 +201,7 @@ def child_main(case: dict) -> dict:
         "memory_method": "cuda max_memory_allocated" if device.startswith("cuda") else "VmHWM-VmRSS (clear_refs)",
         "contender_note": contender.note,
     }
-    out.update((timing if repeats else cold).summary())
+    out.update((warm if repeats else cold).summary())
     out["cold_total_ms"] = 1e3 * cold.total[0]
     return out
 
@@ -209,7 +210,7 @@ def run_case_in_child(case: dict, timeout: float) -> dict:
     """Run ``case`` in a fresh process; the child's result, or a record of why it failed."""
     script = os.path.abspath(__file__)
     try:
-        rc, stdout, stderr = bc.run_child([script, "--child", json.dumps(case)], timeout)
+        rc, stdout, stderr = peak_memory.run_child([script, "--child", json.dumps(case)], timeout)
     except subprocess.TimeoutExpired:
         return {"status": f"timeout after {timeout:.0f} s"}
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
@@ -226,7 +227,7 @@ def run_case_in_child(case: dict, timeout: float) -> dict:
 
 def _base_record(section: str, contender: str, mode: str, dtype: str, n: int, v: int, k: int) -> dict:
     return {"section": section, "contender": contender, "mode": mode, "dtype": dtype, "N": n, "V": v,
-            "K": k if mode in bc.TOPK_MODES else 0}
+            "K": k if mode in inputs.TOPK_MODES else 0}
 
 
 def run_validate(args: argparse.Namespace) -> list[dict]:
@@ -236,42 +237,48 @@ def run_validate(args: argparse.Namespace) -> list[dict]:
         res = run_case_in_child({"kind": "calibrate", "pattern": pattern, "device": args.device}, args.child_timeout)
         res.update(section="validate", pattern=pattern)
         log.info("memory meter on %s: expected %.3f GiB, measured %s", pattern, 1.0,
-                 f"{res['measured_bytes'] / bc.GIB:.3f} GiB" if "measured_bytes" in res else res.get("status"))
+                 f"{res['measured_bytes'] / peak_memory.GIB:.3f} GiB" if "measured_bytes" in res else res.get("status"))
         out.append(res)
     return out
 
 
-def _speed_order(contenders: list[str]) -> list[str]:
+def _speed_order(names: list[str]) -> list[str]:
     """Eager first: its gradient is the reference the others are checked against."""
-    return sorted(contenders, key=lambda c: (c != "eager", bc.ALL_CONTENDERS.index(c)))
+    return sorted(names, key=lambda c: (c != "eager", contenders.ALL_CONTENDERS.index(c)))
 
 
 def run_speed(args: argparse.Namespace, progress) -> list[dict]:
-    """Time every contender on every mode x dtype at the speed size, in this process."""
+    """Time every contender on every mode x dtype at the speed size, in this process.
+
+    Before every timed step a copy pass over the same logits is timed too (``timing.CopyPass``), so each record
+    carries its phases' GB/s and multiples of a copy pass measured beside them.
+    """
     out = []
     n, v, k = args.speed_n, args.speed_v, args.topk
     for mode in args.modes:
         for dtype_name in args.dtypes:
-            dtype = bc.DTYPES[dtype_name]
-            inp = bc.make_inputs(n, v, k, mode, dtype, args.device, args.seed)
+            dtype = inputs.DTYPES[dtype_name]
+            inp = inputs.make_inputs(n, v, k, mode, dtype, args.device, args.seed)
             pristine = inp.logits.detach().clone()
+            copy_pass = timing.CopyPass(inp.logits, args.device)
+            logits_bytes = inp.logits.numel() * inp.logits.element_size()
             ref_grad, ref_loss = None, None
             for name in _speed_order(args.contenders):
                 progress.set_postfix_str(f"speed {mode} {dtype_name} {name}")
                 rec = _base_record("speed", name, mode, dtype_name, n, v, k)
                 try:
-                    contender = bc.build_contender(name, mode, args.device, args.entropy)
+                    contender = contenders.build_contender(name, mode, args.device, args.entropy)
                     leaf = contender.make_leaf(inp)
                     repeats = args.repeats if name.startswith("fused") else args.baseline_repeats
-                    timing, first = bc.time_contender(contender, inp, leaf, args.device, args.warmup, repeats,
-                                                      pristine)
-                except bc.ContenderUnavailable as exc:
+                    times, first = timing.time_contender(contender, inp, leaf, args.device, args.warmup, repeats,
+                                                         pristine, copy_pass)
+                except contenders.ContenderUnavailable as exc:
                     rec["status"] = f"skipped: {exc}"
                     out.append(rec)
                     continue
                 finally:
-                    bc.restore_logits(inp.logits, pristine)
-                rec.update(status="ok", note=contender.note, **timing.summary())
+                    timing.restore_logits(inp.logits, pristine)
+                rec.update(status="ok", note=contender.note, **times.summary(logits_bytes))
                 rec["loss"] = float(first.loss)
                 if name == "eager":
                     ref_grad, ref_loss = first.grad, first.loss
@@ -279,10 +286,11 @@ def run_speed(args: argparse.Namespace, progress) -> list[dict]:
                     rec["check_loss_abs_diff_vs_eager"] = abs(float(first.loss) - float(ref_loss))
                     rec["check_grad_max_abs_diff_vs_eager"] = float((first.grad.float() - ref_grad.float()).abs().max())
                 out.append(rec)
-                log.info("%-9s %-8s %-14s fwd %8.2f ms  bwd %8.2f ms  fwd+bwd %8.2f ms", mode, dtype_name, name,
-                         rec["fwd_ms"], rec["bwd_ms"], rec["total_ms"])
+                log.info("%-9s %-8s %-14s fwd %8.2f ms (%4.2fx copy)  bwd %8.2f ms (%4.2fx)  fwd+bwd %8.2f ms (%4.2fx)"
+                         "  copy %7.2f ms", mode, dtype_name, name, rec["fwd_ms"], rec["fwd_x_copy"], rec["bwd_ms"],
+                         rec["bwd_x_copy"], rec["total_ms"], rec["total_x_copy"], rec["copy_ms"])
                 del first, leaf, contender
-            del inp, pristine, ref_grad
+            del inp, pristine, ref_grad, copy_pass
             progress.update(1)
     return out
 
@@ -303,17 +311,17 @@ def run_children(args: argparse.Namespace, cases: list[dict], progress) -> dict[
         if key in results:
             continue
         progress.set_postfix_str(f"{case['contender']} {case['mode']} {case['dtype']} N={case['n']} V={case['v']}")
-        need = _rough_need_bytes(case["contender"], case["n"], case["v"], bc.DTYPES[case["dtype"]])
-        available = bc.mem_available()
+        need = _rough_need_bytes(case["contender"], case["n"], case["v"], inputs.DTYPES[case["dtype"]])
+        available = peak_memory.mem_available()
         if args.device == "cpu" and available < args.mem_guard * need:
-            res = {"status": f"skipped: needs ~{need / bc.GIB:.1f} GiB, {available / bc.GIB:.1f} GiB available"}
+            res = {"status": f"skipped: needs ~{need / peak_memory.GIB:.1f} GiB, {available / peak_memory.GIB:.1f} GiB available"}
         else:
             res = run_case_in_child(case, args.child_timeout)
             res.setdefault("status", "ok")
         results[key] = res
         if res["status"] == "ok":
             log.info("%-14s %-8s %-8s N=%-6d V=%-6d extra %10.1f MiB  peak/inputs %.3f  fwd+bwd %9.1f ms",
-                     case["contender"], case["mode"], case["dtype"], case["n"], case["v"], res["extra_bytes"] / bc.MIB,
+                     case["contender"], case["mode"], case["dtype"], case["n"], case["v"], res["extra_bytes"] / peak_memory.MIB,
                      res["whole_peak_ratio"], res["total_ms"])
         else:
             log.warning("%s: %s", key, res["status"])
@@ -330,7 +338,7 @@ def _child_case(args: argparse.Namespace, contender: str, mode: str, dtype: str,
 def plan_children(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """The memory-section cases and the scaling-section cases (duplicates run once)."""
     memory, scaling = [], []
-    cpu_like = [c for c in args.contenders if args.device.startswith("cuda") or c in bc.CPU_CONTENDERS]
+    cpu_like = [c for c in args.contenders if args.device.startswith("cuda") or c in contenders.CPU_CONTENDERS]
     if "memory" in args.sections:
         for mode in args.memory_modes:
             for name in cpu_like:
@@ -368,37 +376,12 @@ def child_records(section: str, cases: list[dict], results: dict[tuple, dict], a
     return out
 
 
-def add_bandwidth(records: list[dict], device: str) -> Optional[float]:
-    """On CUDA: achieved GB/s of each timed step next to a measured device copy bandwidth."""
-    if not device.startswith("cuda"):
-        return None
-    src = torch.empty(bc.GIB // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    copy_gbps = 2 * src.numel() / sorted(times)[len(times) // 2] / 1e9
-    del src, dst
-    for rec in records:
-        if rec.get("status") == "ok" and "fwd_ms" in rec:
-            logits_bytes = rec["N"] * rec["V"] * torch.empty((), dtype=bc.DTYPES[rec["dtype"]]).element_size()
-            rec["fwd_GBps"] = logits_bytes / (rec["fwd_ms"] * 1e-3) / 1e9
-            rec["bwd_GBps"] = 2 * logits_bytes / (rec["bwd_ms"] * 1e-3) / 1e9
-            rec["fwd_frac_of_copy"] = rec["fwd_GBps"] / copy_gbps
-            rec["bwd_frac_of_copy"] = rec["bwd_GBps"] / copy_gbps
-    return copy_gbps
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.child:
         try:
             result = child_main(json.loads(args.child))
-        except bc.ContenderUnavailable as exc:
+        except contenders.ContenderUnavailable as exc:
             result = {"status": f"skipped: {exc}"}
         except Exception as exc:  # the parent records why the case failed instead of losing the run
             traceback.print_exc()
@@ -411,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     started = time.time()
     os.makedirs(args.out_dir, exist_ok=True)
-    results = {"machine": bc.machine_info(args.device), "config": {k: v for k, v in vars(args).items() if k != "child"},
+    results = {"machine": machine.machine_info(args.device), "config": {k: v for k, v in vars(args).items() if k != "child"},
                "records": []}
     log.info("machine: %s", results["machine"])
     memory_cases, scaling_cases = plan_children(args)
@@ -425,8 +408,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         child_results = run_children(args, memory_cases + scaling_cases, progress)
     results["records"] += child_records("memory", memory_cases, child_results, args)
     results["records"] += child_records("scaling", scaling_cases, child_results, args)
-    results["copy_GBps"] = add_bandwidth(results["records"], args.device)
-    results["acceptance"] = report.acceptance(results)
+    results["checks"] = report.checks(results)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["machine"]["wall_s"] = round(time.time() - started, 1)
     paths = report.write_all(results, args.out_dir)

@@ -20,7 +20,7 @@ With ``--fused-linear`` the contenders start from hidden states ``[N, H]`` (repl
 Measured, per rank: the peak resident memory of one (second, warm) forward+backward step beyond what was live
 before it
 (VmHWM reset through /proc/self/clear_refs, glibc returning every freed block >= 64 KiB; see
-benchmarks/bench_common.py), the median wall time of the warm steps (a step ends when the slowest rank
+benchmarks/benchlib/peak_memory.py), the median wall time of the warm steps (a step ends when the slowest rank
 ends: the maximum over ranks is reported), and every torch.distributed collective the step called, with the
 bytes it received. On a 2-core machine W = 4 oversubscribes the cores: the time column shows the scaling
 shape of the work per rank, not a speed-up.
@@ -47,7 +47,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_common import DTYPES, MALLOC_ENV, PeakMeter, deltas_for, machine_info, make_inputs  # noqa: E402
+from benchlib.inputs import DTYPES, deltas_for, make_inputs  # noqa: E402
+from benchlib.machine import machine_info  # noqa: E402
+from benchlib.peak_memory import MALLOC_ENV, PeakMeter  # noqa: E402
 
 CONTENDERS = ("vocab_parallel", "vocab_parallel_inplace", "gather_logits")
 FUSED_CONTENDERS = ("fused_linear_vocab_parallel", "fused_linear_gather_head")

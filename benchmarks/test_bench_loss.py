@@ -3,7 +3,7 @@
 Not part of the normal test run (pyproject's testpaths is python_tests). Run it with
 
     pytest benchmarks/ --benchmark-only                       # N=512, V=32768
-    DPPO_BENCH_N=2048 pytest benchmarks/ --benchmark-only     # the acceptance size
+    DPPO_BENCH_N=2048 pytest benchmarks/ --benchmark-only     # the size docs/results.md states
 
 Tests of one mode, dtype and phase share a ``benchmark.group``, so pytest-benchmark prints the
 contenders side by side. Memory is not measured here (bench_loss.py measures peaks in fresh
@@ -13,14 +13,10 @@ processes); this suite is for timing comparisons and pytest-benchmark's history 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_common as bc  # noqa: E402
+from benchlib import contenders, inputs, timing
 
 N = int(os.environ.get("DPPO_BENCH_N", "512"))
 V = int(os.environ.get("DPPO_BENCH_V", "32768"))
@@ -28,10 +24,10 @@ K = int(os.environ.get("DPPO_BENCH_K", "20"))
 DEVICE = os.environ.get("DPPO_BENCH_DEVICE", "cpu")
 ROUNDS = int(os.environ.get("DPPO_BENCH_ROUNDS", "5"))
 PHASES = ("forward", "backward", "fwd+bwd")
-CONTENDERS = bc.CPU_CONTENDERS + (bc.CUDA_ONLY_CONTENDERS if DEVICE.startswith("cuda") else ())
+CONTENDERS = contenders.CPU_CONTENDERS + (contenders.CUDA_ONLY_CONTENDERS if DEVICE.startswith("cuda") else ())
 
 # Ordered so each (mode, dtype, contender) runs its three phases back to back: one compile each.
-CASES = [(mode, dtype, name, phase) for mode in bc.MODES for dtype in ("float32", "bfloat16")
+CASES = [(mode, dtype, name, phase) for mode in inputs.MODES for dtype in ("float32", "bfloat16")
          for name in CONTENDERS for phase in PHASES]
 
 _cache: dict[tuple, tuple] = {}
@@ -43,10 +39,10 @@ def _setup(mode: str, dtype: str, name: str) -> tuple:
     if key not in _cache:
         _cache.clear()
         try:
-            contender = bc.build_contender(name, mode, DEVICE)
-        except bc.ContenderUnavailable as exc:
+            contender = contenders.build_contender(name, mode, DEVICE)
+        except contenders.ContenderUnavailable as exc:
             pytest.skip(str(exc))
-        inp = bc.make_inputs(N, V, K, mode, bc.DTYPES[dtype], DEVICE)
+        inp = inputs.make_inputs(N, V, K, mode, inputs.DTYPES[dtype], DEVICE)
         leaf = contender.make_leaf(inp)
         pristine = inp.logits.detach().clone() if contender.consumes_logits else None
         _cache[key] = (contender, inp, leaf, pristine)
@@ -61,16 +57,16 @@ def test_dppo_loss(benchmark, mode: str, dtype: str, name: str, phase: str) -> N
 
     def fresh() -> None:
         if pristine is not None:
-            bc.restore_logits(leaf, pristine)
+            timing.restore_logits(leaf, pristine)
 
     def forward() -> torch.Tensor:
         loss = contender.forward(inp)
-        bc.synchronize(DEVICE)
+        timing.synchronize(DEVICE)
         return loss
 
     def backward(loss: torch.Tensor) -> torch.Tensor:
         (grad,) = torch.autograd.grad(loss, [leaf])
-        bc.synchronize(DEVICE)
+        timing.synchronize(DEVICE)
         return grad
 
     def both() -> torch.Tensor:
@@ -89,3 +85,14 @@ def test_dppo_loss(benchmark, mode: str, dtype: str, name: str, phase: str) -> N
     else:
         grad = benchmark.pedantic(both, setup=fresh, rounds=ROUNDS, warmup_rounds=1)
     assert grad.shape == leaf.shape and bool(torch.isfinite(grad).all())
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_copy_pass(benchmark, dtype: str) -> None:
+    """The yardstick of the groups above: one read+write pass over logits of the same size and dtype."""
+    logits = torch.randn(N, V, device=DEVICE).to(inputs.DTYPES[dtype])
+    copy = timing.CopyPass(logits, DEVICE)
+    benchmark.group = f"copy pass {dtype} N={N} V={V}"
+    benchmark.extra_info.update(bytes_moved=copy.nbytes)
+    benchmark.pedantic(copy.run, rounds=ROUNDS, warmup_rounds=1)
+    assert torch.equal(copy.dst, logits)

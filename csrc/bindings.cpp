@@ -1,9 +1,11 @@
 // bindings.cpp -- the small pybind11 `_C` module: build information only. Importing it loads the
 // shared library, whose static initialisers register every op (ops.cpp, cpu/, cuda/) with the
 // dispatcher; the ops themselves are reached as torch.ops.dppo.*, never through pybind11.
-// It also reports the CPU instruction set the CPU ops run with (cpu/dispatch.h), chosen at import.
+// It also reports the CPU instruction set the CPU ops run with (cpu/dispatch.h), chosen at import,
+// and the bytes the CPU backward's buffer cache holds for reuse (cpu/buffer_cache.h).
 #include <torch/extension.h>
 
+#include "cpu/buffer_cache.h"
 #include "cpu/dispatch.h"
 
 #ifndef DPPO_VERSION
@@ -32,4 +34,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cpu_capability") = dppo::cpu_capability();  // throws (ImportError) on a bad DPPO_CPU_CAPABILITY
   m.attr("cpu_capabilities") = dppo::cpu_capabilities_compiled();
   m.attr("torch_version") = DPPO_TORCH_VERSION;
+  m.def("cpu_cached_bytes", &dppo::cached_free_bytes,
+        "Bytes of freed CPU gradient buffers the library keeps resident for reuse (cpu/buffer_cache.h)");
 }

@@ -38,6 +38,16 @@ __all__ = [
 MIN_VOCAB_BLOCK = 2048
 # Default memory budget for one logits buffer: max(this, the size of ``hidden``).
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
+# Rows per chunk of a training forward, which computes the LM head's gradients chunk by chunk
+# (plan_chunks(grads_in_forward=True)): every chunk adds g^T @ h into the whole [V, H] grad_weight, so that read and
+# write (and the small inner size of the product) cost ~1/rows of the chunk's own products; in 16-bit dtypes each
+# chunk's product also passes through a temporary on its way into the float32 accumulator, so they take twice the
+# rows. Measured at N=2048, H=512, V=32768 (process CPU time against the logits path's,
+# benchmarks/bench_fused_linear.py --small --chunk-sizes ...): float32 64 rows 1.64x, 128 1.18x, 256 1.01x;
+# bfloat16 256 rows 1.34x, 512 1.13x, 1024 1.12x (docs/benchmarks.md).
+MIN_TRAINING_CHUNK_ROWS = 256
+# More rows when they fit in this many bytes of logits (a small vocabulary).
+TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ def plan_chunks(
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
+    grads_in_forward: bool = False,
 ) -> FusedLinearPlan:
     """Choose chunk sizes for ``num_rows`` rows, a ``[vocab, hidden_size]`` weight and ``dtype``.
 
@@ -87,10 +98,24 @@ def plan_chunks(
     splits the vocabulary into blocks of at least 2048 columns; only when even that does not fit are rows split too.
     ``chunk_size`` (rows) overrides the forward chunk and the backward tile rows; ``vocab_chunk_size`` overrides the
     backward vocabulary block (default with ``chunk_size``: the whole vocabulary).
+
+    ``grads_in_forward``: the plan of a forward that computes the LM head's gradients chunk by chunk (no backward
+    tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
+    ``memory_budget_bytes``, else ``MIN_TRAINING_CHUNK_ROWS`` (twice that in 16-bit dtypes) or as many as fit in
+    ``TRAINING_CHUNK_BYTES``.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
     element_size = torch.empty((), dtype=dtype).element_size()
+    if grads_in_forward:  # forward chunks only: there is no backward tile
+        if chunk_size is not None:
+            chunk_rows = chunk_size
+        elif memory_budget_bytes is None:
+            min_rows = MIN_TRAINING_CHUNK_ROWS * (2 if element_size == 2 else 1)
+            chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), min_rows)
+        else:
+            chunk_rows = max(memory_budget_bytes // (vocab * element_size), 1)
+        return FusedLinearPlan(min(chunk_rows, rows), 0, 0)
     if memory_budget_bytes is None:
         memory_budget_bytes = max(DEFAULT_BUDGET_BYTES, rows * hidden_size * element_size)
     budget_elems = max(memory_budget_bytes // element_size, 1)

@@ -11,18 +11,26 @@ on those logits. Three entry points:
   ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` through ``loss``, ``logp`` and ``entropy``, for any upstream
   gradient (for callers that aggregate themselves or also train on ``logp``, e.g. a KL term).
 
-Design (why recompute rather than Liger-style gradients-in-forward):
-  Liger's fused linear cross-entropy computes the gradients during the forward, which needs the upstream gradient
-  of every row to be known then (it reduces the loss itself). Our contract returns per-row outputs whose upstream
-  gradients are arbitrary (the caller aggregates, may also use ``logp`` or ``entropy``), and
-  ``grad_weight = sum_i g_i^T h_i`` cannot be formed from per-row summaries without storing the [N, V] gradient.
-  So the forward only keeps the per-row ``lse`` and ``entropy`` ([N] each) and the backward recomputes the logits
-  tile by tile. Cost: one extra LM-head matmul (4 N*V*H multiply-adds per step instead of 3).
+Design: two paths, both three LM-head products per training step where they can be.
+  Gradients in the forward (``fused_linear_dppo_loss`` / ``FusedLinearDPPOLoss`` when autograd will differentiate
+  the loss, the training step): the aggregated loss is linear in the per-row losses, so each row's upstream gradient
+  is known in the forward up to the one scalar that reaches ``loss`` (``coef = d loss / d loss_rows``, from the
+  aggregation itself). Per row chunk of ``plan_chunks(grads_in_forward=True)``: the chunk's logits, the loss op on
+  them, ``torch.ops.dppo.dppo_loss_backward_`` overwriting them with ``d loss / d logits`` for ``coef``, then
+  ``grad_hidden[c] = g @ W`` and ``grad_weight += g^T @ h_c`` (float32, or float64, partial sums), ``grad_bias +=
+  g.sum(0)``: three products in all, as the logits path, and no logits kept. The backward scales the forward's
+  gradients by the upstream scalar in place and hands them to autograd (a second backward through the same graph
+  recomputes them). Only ``loss`` is differentiable there (the metrics are computed without grad).
+  Recompute (``fused_linear_dppo_loss_per_row``, the vocabulary-parallel form, an explicit ``vocab_chunk_size``, and
+  no gradient in the forward): the per-row outputs may get any upstream gradient (the caller aggregates, may also
+  use ``logp`` or ``entropy``), and ``grad_weight = sum_i g_i^T h_i`` cannot be formed from per-row summaries
+  without storing the [N, V] gradient. So the forward only keeps the per-row ``lse`` and ``entropy`` ([N] each) and
+  the backward recomputes the logits tile by tile: one extra LM-head product (4 N*V*H multiply-adds per step).
 
-  Both passes iterate ``dppo_ext._chunking.logits_tiles``, which computes each tile's logits into one reused buffer.
-  Forward: row chunks of ``chunk_rows`` rows: ``buf[:rows] = h_c @ W^T (+ b)`` into a ``[chunk_rows, V]``
+  Every pass iterates ``dppo_ext._chunking.logits_tiles``, which computes each tile's logits into one reused buffer.
+  Recompute forward: row chunks of ``chunk_rows`` rows: ``buf[:rows] = h_c @ W^T (+ b)`` into a ``[chunk_rows, V]``
   buffer, then the logits op on it (the op needs whole rows for the log-sum-exp and the top-K divergence).
-  Backward: tiles of ``tile_rows`` x ``vocab_block``, vocabulary blocks outermost. Per tile, the logits are
+  Recompute backward: tiles of ``tile_rows`` x ``vocab_block``, vocabulary blocks outermost. Per tile, the logits are
   recomputed and ``torch.ops.dppo.dppo_loss_backward_`` overwrites them in place with
   ``d loss / d logits`` (it takes the saved ``lse`` and ``entropy``: each gradient element depends only on its own
   logit, so a tile needs no other column). A row whose sampled token lies outside the tile's vocabulary block
@@ -36,7 +44,8 @@ Tied embeddings: ``weight`` may be the input embedding's parameter; autograd add
 to the embedding's own gradient.
 
 Sharded weights: the function needs the full ``weight`` (FSDP / ZeRO-3 must gather it, see docs/distributed.md);
-pass ``weight_context`` to re-enter such a gather in the backward.
+pass ``weight_context`` to re-enter such a gather in the backward (the gradients-in-forward path uses ``weight``
+in the forward only).
 """
 
 from __future__ import annotations
@@ -102,35 +111,128 @@ class _FusedLinearDPPO(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
         refuse_double_backward("fused_linear_dppo_loss")
-        hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = ctx.saved_tensors
-        settings, plan = ctx.settings, ctx.plan
+        return input_grads(ctx, *_recompute_backward(ctx, ctx.saved_tensors, ctx.plan, g_loss, g_logp, g_entropy))
+
+
+def _recompute_backward(ctx, saved, plan: FusedLinearPlan, g_loss, g_logp, g_entropy):
+    """``(grad_hidden, grad_weight, grad_bias)`` from the upstream gradients of the per-row ``loss``, ``logp`` and
+    ``entropy``, the logits recomputed in the tiles of ``plan``; ``saved``: ``(hidden, weight, bias, tokens,
+    advantages, row_weight, mask, entropy, lse)``; ``ctx`` carries ``settings`` and ``weight_context``."""
+    hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = saved
+    settings = ctx.settings
+    temperature = float(settings.temperature)
+    grad_target, grad_entropy, entropy_arg = grad_args(
+        settings.compute_entropy, advantages, mask, row_weight, g_loss, g_logp, g_entropy, entropy
+    )
+    valid = tokens != IGNORE_INDEX
+
+    def tile_grad(tile):
+        """d loss / d logits of one tile, written over its logits by the in-place backward op."""
+        r, tok = tile.rows, tokens[tile.rows]
+        if tile.has_spare_column:
+            # A row whose token lies outside this vocabulary block points at the spare column, which holds a
+            # finite logit far below the row's lse (probability 0); its gradient there is discarded.
+            v0, width = tile.cols.start, tile.logits.shape[1]
+            in_block = (tok >= v0) & (tok < tile.cols.stop)
+            tok = torch.where(in_block, tok - v0, torch.full_like(tok, width))
+            tok = torch.where(valid[r], tok, torch.full_like(tok, IGNORE_INDEX))
+            tile.padded[:, width] = (lse[r] - _OFF_BLOCK_GAP) * temperature
+        ge = None if grad_entropy is None else grad_entropy[r]
+        ent = None if entropy_arg is None else entropy_arg[r]
+        torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
+        return tile.logits
+
+    needs = ctx.needs_input_grad[:3]
+    return head_backward(hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context)
+
+
+class _FusedLinearDPPOGradsInForward(torch.autograd.Function):
+    """The aggregated loss, with the LM head's gradients computed in the forward (see the module docstring).
+
+    Returns ``(loss, *per-row outputs)``; only the scalar ``loss`` is differentiable. ``valid [*lead]`` is the
+    response mask the aggregation takes, ``coef [N]`` its ``d loss / d loss_rows``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context, valid, coef):
+        n = hidden.shape[0]
+        acc = accumulation_dtype(hidden.dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        outs = [torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(7)]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=hidden.device) if need_bias else None
+        weight_acc = None  # sum over chunks of g^T @ h in float32 (float64): in place when that is weight's dtype
         temperature = float(settings.temperature)
-        grad_target, grad_entropy, entropy_arg = grad_args(
-            settings.compute_entropy, advantages, mask, row_weight, g_loss, g_logp, g_entropy, entropy
-        )
-        valid = tokens != IGNORE_INDEX
+        with weight_context():
+            for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
+                r = tile.rows
+                chunk = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(r), *settings.op_args())
+                for out, chunk_out in zip(outs, chunk):
+                    out[r] = chunk_out
+                _loss, _logp, _div, mask, row_weight, entropy, lse = chunk
+                grad_target, _, _ = grad_args(
+                    settings.compute_entropy, rows.advantages[r], mask, row_weight, coef[r], 0.0, None, entropy
+                )
+                g = tile.logits  # overwritten with d loss / d logits
+                torch.ops.dppo.dppo_loss_backward_(grad_target, None, g, rows.tokens[r], lse, None, temperature)
+                if need_hidden:
+                    torch.mm(g, weight, out=grad_hidden[r])
+                if need_weight:
+                    if weight_acc is None:
+                        weight_acc = torch.mm(g.t(), tile.hidden).to(acc)
+                    elif weight_acc.dtype == g.dtype:
+                        weight_acc.addmm_(g.t(), tile.hidden)
+                    else:
+                        weight_acc += torch.mm(g.t(), tile.hidden)
+                if need_bias:
+                    grad_bias += g.sum(0, dtype=acc)
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros_like(weight) if weight_acc is None else weight_acc.to(weight.dtype)
+            del weight_acc
+        loss_rows, logp, divergence, mask, row_weight, entropy, lse = outs
+        loss = aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
+        # not saved tensors: the backward hands them to autograd, which then holds the only reference (no copy)
+        ctx.grads = [grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)]
+        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse, coef)
+        ctx.settings, ctx.weight_context = settings, weight_context
+        ctx.mark_non_differentiable(*outs)
+        return loss, *outs
 
-        def tile_grad(tile):
-            """d loss / d logits of one tile, written over its logits by the in-place backward op."""
-            r, tok = tile.rows, tokens[tile.rows]
-            if tile.has_spare_column:
-                # A row whose token lies outside this vocabulary block points at the spare column, which holds a
-                # finite logit far below the row's lse (probability 0); its gradient there is discarded.
-                v0, width = tile.cols.start, tile.logits.shape[1]
-                in_block = (tok >= v0) & (tok < tile.cols.stop)
-                tok = torch.where(in_block, tok - v0, torch.full_like(tok, width))
-                tok = torch.where(valid[r], tok, torch.full_like(tok, IGNORE_INDEX))
-                tile.padded[:, width] = (lse[r] - _OFF_BLOCK_GAP) * temperature
-            ge = None if grad_entropy is None else grad_entropy[r]
-            ent = None if entropy_arg is None else entropy_arg[r]
-            torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
-            return tile.logits
-
-        needs = ctx.needs_input_grad[:3]
-        grads = head_backward(
-            hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context
-        )
+    @staticmethod
+    def backward(ctx, g_loss, *_g_rows):
+        refuse_double_backward("fused_linear_dppo_loss")
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None:
+            return input_grads(ctx, *(None if t is None else t.mul_(g_loss) for t in grads))
+        # A second backward through the same graph (retain_graph=True): the first one took the forward's gradients.
+        *saved, coef = ctx.saved_tensors
+        hidden, weight = saved[:2]
+        plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype)
+        grads = _recompute_backward(ctx, saved, plan, g_loss * coef, torch.zeros_like(coef), None)
         return input_grads(ctx, *grads)
+
+
+def _grads_will_be_needed(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will differentiate the loss w.r.t. the LM head's inputs (the forward then computes the
+    gradients as it goes)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+
+
+def _aggregation_coefficients(valid: torch.Tensor, settings: LossSettings, dtype: torch.dtype) -> torch.Tensor:
+    """``d loss / d loss_rows [N]`` of the aggregation (linear in the per-row loss), by differentiating it."""
+
+    def aggregated(loss_rows: torch.Tensor) -> torch.Tensor:
+        return aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
+
+    probe = torch.zeros(valid.numel(), dtype=dtype, device=valid.device)
+    if torch.compiler.is_compiling():  # torch.compile traces torch.func.grad, not a tensor created with grad
+        return torch.func.grad(aggregated)(probe)
+    # eager: plain autograd (torch.func's first call imports torch._dynamo, ~140 MiB of resident memory)
+    with torch.enable_grad():
+        probe.requires_grad_(True)
+        (coef,) = torch.autograd.grad(aggregated(probe), probe)
+    return coef
 
 
 def _per_row(
@@ -289,7 +391,9 @@ def fused_linear_dppo_loss(
     Same arguments, per-mode defaults and result as :func:`dppo_ext.dppo_loss` (``response_mask``,
     ``loss_agg_mode``, ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``, the same metrics dict), with ``logits``
     replaced by ``hidden`` and ``weight`` (+ ``bias``). There is no ``inplace_backward``: no logits buffer
-    outlives the call.
+    outlives the call. When grad is enabled and ``hidden``, ``weight`` or ``bias`` requires grad, the forward also
+    computes their gradients, chunk by chunk (three LM-head products per training step in all, as the logits path);
+    evaluate under ``torch.no_grad()`` to skip that work.
 
     Args:
         hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
@@ -301,7 +405,8 @@ def fused_linear_dppo_loss(
             as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
-            :func:`fused_linear_dppo_loss_per_row`.
+            :func:`fused_linear_dppo_loss_per_row` (with grad, ``chunk_size`` or ``memory_budget_bytes`` set the rows
+            per chunk of the forward; an explicit ``vocab_chunk_size`` selects the recompute-in-backward path).
         vocab_parallel_group, vocab_offsets: ``weight [V_local, H]`` (``bias [V_local]``) is this rank's slice of a
             vocabulary-sharded LM head (see :func:`fused_linear_dppo_loss_per_row`, docs/distributed.md).
 
@@ -332,6 +437,23 @@ def fused_linear_dppo_loss(
         )
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
+        if rendezvous is None and vocab_chunk_size is None and _grads_will_be_needed(flat, weight, bias):
+            check_fused_inputs(flat, weight, bias, rows)
+            chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
+            plan = plan_chunks(flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, **chunking)
+            loss, *outs = _FusedLinearDPPOGradsInForward.apply(
+                flat,
+                weight,
+                bias,
+                rows,
+                settings,
+                plan,
+                weight_context or contextlib.nullcontext,
+                valid,
+                _aggregation_coefficients(valid, settings, rows.advantages.dtype),
+            )
+            out = DPPOOutputs(*outs)
+            return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
         out = _per_row(
             flat,
             weight,

@@ -17,15 +17,9 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#include <cstdlib>
-#include <string>
-
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
 #include "../dppo_math.h"
 #include "../op_inputs.h"
+#include "buffer_cache.h"
 #include "dispatch.h"
 #include "row_simd.h"
 
@@ -107,8 +101,8 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
     for (; j + kStep <= v; j += kStep) {
       FVec a, b;
       load2(z + j, a, b);
-      store2(g + j, grad_from_p_noent((a * vinv - vlse).exp_u20(), vgt, vneg),
-             grad_from_p_noent((b * vinv - vlse).exp_u20(), vgt, vneg));
+      store2(g + j, grad_from_p_noent(vexp(a * vinv - vlse), vgt, vneg),
+             grad_from_p_noent(vexp(b * vinv - vlse), vgt, vneg));
     }
     for (; j < v; ++j) {
       g[j] = static_cast<scalar_t>(grad_from_p_noent(std::exp(static_cast<float>(z[j]) * inv_t - lse), gt, -inv_t));
@@ -118,10 +112,9 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
     for (; j + kStep <= v; j += kStep) {
       FVec a, b;
       load2(z + j, a, b);
-      const FVec la = at::vec::maximum(a * vinv - vlse, vfloor);
-      const FVec lb = at::vec::maximum(b * vinv - vlse, vfloor);
-      store2(g + j, grad_from_p(la.exp_u20(), la, vgt, vgh, vent, vneg),
-             grad_from_p(lb.exp_u20(), lb, vgt, vgh, vent, vneg));
+      const FVec la = floor_at(a * vinv - vlse, vfloor);
+      const FVec lb = floor_at(b * vinv - vlse, vfloor);
+      store2(g + j, grad_from_p(vexp(la), la, vgt, vgh, vent, vneg), grad_from_p(vexp(lb), lb, vgt, vgh, vent, vneg));
     }
     for (; j < v; ++j) {
       const float l = std::max(static_cast<float>(z[j]) * inv_t - lse, shift_floor<float>());
@@ -169,30 +162,6 @@ void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stri
   });
 }
 
-// The gradient buffer is written exactly once, so its cost is dominated by first-touch page faults
-// (one per 4 KiB page: ~65k for a 2048 x 32768 fp32 grad, several times the SIMD work itself).
-// With DPPO_CPU_HUGEPAGES=1 the not-yet-touched buffer is advised to use transparent huge pages:
-// measured here, the fp32 2048 x 32768 backward then takes ~15 ms instead of ~70 ms, but whenever
-// the kernel has to compact memory to find 2 MiB pages (THP defrag "madvise", the usual default)
-// a call stalls for ~170-360 ms. Opt-in, since a predictable step beats a faster typical one.
-void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  static const bool enabled = [] {
-    const char* env = std::getenv("DPPO_CPU_HUGEPAGES");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  if (!enabled) return;
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t end = begin + t.nbytes();
-  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = end & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
-
 ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                      const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
                                      const c10::optional<at::Tensor>& topk_ids,
@@ -232,8 +201,8 @@ at::Tensor dppo_loss_backward_cpu(const at::Tensor& grad_target, const c10::opti
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
                                   const c10::optional<at::Tensor>& entropy, double temperature) {
   check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
-  at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  advise_huge_pages(grad);
+  // Resident blocks (cpu/buffer_cache.h): a fresh buffer's page faults cost several backward passes.
+  at::Tensor grad = empty_cached(logits.sizes(), logits.options());
   run_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature);
   return grad;
 }

@@ -5,7 +5,10 @@ gradient on loss, logp and entropy, for every mode, in float64, float32 and bflo
 rows unevenly (N = 37, chunk 8), split the vocabulary into uneven tiles, N = 1, N = 0 and the automatic plan;
 (3) in float64 also against the op-free dppo_ext.reference with autograd; (4) tied input/output embeddings;
 (5) no [N, V] tensor is ever created; (6) fused_linear_dppo_loss and FusedLinearDPPOLoss equal dppo_ext.dppo_loss
-and DPPOLoss (same argument names and defaults, every aggregation mode, [B, T, H] and [N, H]); (7) error messages.
+and DPPOLoss (same argument names and defaults, every aggregation mode, [B, T, H] and [N, H]); (7) error messages;
+(8) the training path that computes the gradients in the forward (fused_linear_dppo_loss with grad): against the
+logits path in every aggregation and dtype, frozen head or hidden, a second backward, torch.compile, the vocabulary-
+parallel form, and its three LM-head products per step (counted).
 Steps (1)-(5) drive the per-row core, fused_linear_dppo_loss_per_row.
 
 Tolerance rule (as test_dppo_op.py): the truth is the float64 logits path on the same rounded inputs; in float32
@@ -17,10 +20,12 @@ get no upstream gradient on the loss.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
-from dppo_testing import TOL, ambiguous_rows
+from dppo_testing import TOL, ambiguous_rows, child_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dppo_ext
@@ -304,6 +309,14 @@ def test_plan_chunks_respects_budget_and_overrides():
     assert small.buffer_bytes(257, 4) <= 10 * 258 * 4 and small.tile_rows < 37
     huge_n = plan_chunks(1_000_000, 151936, 2048, torch.bfloat16)
     assert huge_n.buffer_bytes(151936, 2) <= 1_000_000 * 2048 * 2 and huge_n.tile_rows < 1_000_000
+    # the training forward (gradients in the forward): rows only, at least 256 (512 in 16 bits) or 16 MiB of logits
+    assert plan_chunks(2048, 32768, 512, torch.float32, grads_in_forward=True) == FusedLinearPlan(256, 0, 0)
+    assert plan_chunks(2048, 8192, 512, torch.float32, grads_in_forward=True).chunk_rows == 512
+    assert plan_chunks(2048, 32768, 512, torch.bfloat16, grads_in_forward=True).chunk_rows == 512
+    assert plan_chunks(100, 32768, 512, torch.float32, grads_in_forward=True).chunk_rows == 100
+    assert plan_chunks(2048, 32768, 512, torch.float32, chunk_size=8, grads_in_forward=True).chunk_rows == 8
+    budget = plan_chunks(2048, 1000, 512, torch.float32, memory_budget_bytes=40_000, grads_in_forward=True)
+    assert budget.chunk_rows == 10 and budget.buffer_bytes(1000, 4) <= 40_000
 
 
 def _batch(b=3, t=7, h=16, v=61, seed=4, mode="binary_tv"):
@@ -467,3 +480,207 @@ def test_aggregated_error_messages():
         FusedLinearDPPOLoss(loss_agg_mode="mean")
     with pytest.raises(ValueError, match=r"loss_scale_factor is only used by"):
         fused_linear_dppo_loss(*args, loss_scale_factor=3.0)
+
+
+# gradients in the forward (the aggregated entry point when autograd will differentiate it) -----------------------
+
+
+def _train_step(d: dict, fused: bool, dtype: torch.dtype, *, needs=("hidden", "weight", "bias"), scale=1.7,
+                chunk_size=None, agg="token-mean", step=None):
+    """(loss, metrics, {name: grad}) of ``scale * loss`` through fused_linear_dppo_loss (the default plan unless
+    ``chunk_size``) or dppo_loss on ``hidden @ weight.T + bias``; ``needs``: the leaves that require grad."""
+    leaves = {k: d[k].detach().to(dtype).requires_grad_(k in needs) for k in ("hidden", "weight", "bias")}
+    args = (d["tokens"], d["rollout_logprobs"], d["advantages"])
+    kw = dict(response_mask=d["response_mask"], topk_ids=d["topk_ids"], topk_logprobs=d["topk_logprobs"],
+              loss_agg_mode=agg, temperature=0.9)
+
+    def run(hidden, weight, bias):
+        if fused:
+            return fused_linear_dppo_loss(hidden, weight, *args, bias=bias, chunk_size=chunk_size, **kw)
+        return dppo_loss(hidden @ weight.t() + bias, *args, **kw)
+
+    loss, metrics = (step or run)(leaves["hidden"], leaves["weight"], leaves["bias"])
+    (scale * loss).backward()
+    return loss.detach(), metrics, {k: t.grad for k, t in leaves.items() if k in needs}
+
+
+@pytest.mark.parametrize("chunk_size", (None, 1, 4, 20), ids=("auto", "c1", "c4", "c20"))
+@pytest.mark.parametrize("agg", dppo_ext.AGG_MODES)
+def test_grads_in_forward_match_logits_path_float64(agg, chunk_size):
+    """The gradients computed chunk by chunk in the forward equal the logits path's (every aggregation, chunks that
+    split the 21 rows unevenly, one chunk, a loss scaled by 1.7 before backward)."""
+    d = _batch(mode="topk_tv")
+    d["advantages"] = d["advantages"][:, None].expand(d["tokens"].shape)
+    loss_l, metrics_l, grads_l = _train_step(d, False, torch.float64, agg=agg)
+    loss_f, metrics_f, grads_f = _train_step(d, True, torch.float64, agg=agg, chunk_size=chunk_size)
+    torch.testing.assert_close(loss_f, loss_l, rtol=1e-12, atol=1e-14)
+    for key in metrics_l:
+        torch.testing.assert_close(metrics_f[key], metrics_l[key], rtol=1e-12, atol=1e-14, msg=key)
+    for key in grads_l:
+        torch.testing.assert_close(grads_f[key], grads_l[key], rtol=1e-10, atol=1e-13, msg=key)
+        assert grads_f[key].abs().max() > 0, key
+
+
+@pytest.mark.parametrize("needs", (("hidden",), ("weight",), ("weight", "bias")), ids="+".join)
+def test_grads_in_forward_only_what_is_needed(needs):
+    """A frozen LM head (only hidden requires grad) or frozen hidden states: the needed gradients match, the others
+    stay None."""
+    d = _batch(seed=6)
+    _, _, grads_l = _train_step(d, False, torch.float64, needs=needs)
+    _, _, grads_f = _train_step(d, True, torch.float64, needs=needs, chunk_size=5)
+    assert grads_f.keys() == set(needs)
+    for key in needs:
+        torch.testing.assert_close(grads_f[key], grads_l[key], rtol=1e-10, atol=1e-13, msg=key)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=_id)
+def test_grads_in_forward_low_precision(dtype):
+    """float32 and bfloat16 (weight gradient accumulated in float32 across 6 chunks): the error against the float64
+    logits path on the same rounded inputs is at most twice the same-precision logits path's plus the tolerance."""
+    d = _batch(b=4, t=30, h=32, v=200, seed=3)
+    rounded = {k: (v.to(dtype).double() if k in ("hidden", "weight", "bias") else v) for k, v in d.items()}
+    loss_t, _, grads_t = _train_step(rounded, False, torch.float64)
+    loss_b, _, grads_b = _train_step(d, False, dtype)
+    loss_f, _, grads_f = _train_step(d, True, dtype, chunk_size=20)
+    _close_enough("loss", loss_f, loss_t, loss_b, TOL[dtype]["fwd_rtol"])
+    for key in grads_t:
+        assert grads_f[key].dtype == dtype
+        _close_enough(f"grad_{key}", grads_f[key], grads_t[key], grads_b[key], GRAD_TOL[dtype])
+
+
+class _Products(TorchDispatchMode):
+    """Counts the multiply-adds of every matrix product (a loss step has no product but the LM head's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.madds = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:] if func._overloadpacket is torch.ops.aten.mm else args[1:3]
+            self.madds += a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk_size", (None, 4), ids=("auto", "c4"))
+def test_training_step_computes_three_lm_head_products(chunk_size):
+    """A training step (forward + backward) spends 3 N*V*H multiply-adds on the LM head, as the logits path does
+    (logits, grad_hidden, grad_weight), not 4 (a backward that recomputes the logits); a no-grad forward spends 1."""
+    d = _batch()
+    n, h, v = d["tokens"].numel(), d["hidden"].shape[-1], d["weight"].shape[0]
+    with _Products() as logits_count:
+        _train_step(d, False, torch.float64)
+    with _Products() as fused_count:
+        _train_step(d, True, torch.float64, chunk_size=chunk_size)
+    assert logits_count.madds == 3 * n * v * h, "the counter must see the logits path's three products"
+    assert fused_count.madds == 3 * n * v * h
+    with torch.no_grad(), _Products() as no_grad_count:
+        fused_linear_dppo_loss(d["hidden"], d["weight"], d["tokens"], d["rollout_logprobs"], d["advantages"])
+    assert no_grad_count.madds == n * v * h
+
+
+def test_grads_in_forward_second_backward():
+    """backward(retain_graph=True) twice: the second backward (the forward's gradients were handed over to the
+    first) recomputes them, with the second upstream gradient."""
+    d = _batch(seed=5)
+    leaves = [d[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    loss, _ = fused_linear_dppo_loss(leaves[0], leaves[1], d["tokens"], d["rollout_logprobs"], d["advantages"],
+                                     bias=leaves[2], chunk_size=4)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(3.0 * loss, leaves)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(b, 3.0 * a, rtol=1e-10, atol=1e-13)
+
+
+def test_no_grad_forward_and_per_row_api_keep_the_recompute_path():
+    """Without grad the fused loss is the same value; the per-row API (arbitrary upstream gradients) and an
+    explicit vocab_chunk_size keep recomputing the logits in the backward (4 products)."""
+    d = _batch(seed=7)
+    n, h, v = d["tokens"].numel(), d["hidden"].shape[-1], d["weight"].shape[0]
+    loss_grad, _, _ = _train_step(d, True, torch.float64)
+    with torch.no_grad():
+        loss_nograd, _ = fused_linear_dppo_loss(d["hidden"], d["weight"], d["tokens"], d["rollout_logprobs"],
+                                                d["advantages"], bias=d["bias"], response_mask=d["response_mask"],
+                                                temperature=0.9)
+    torch.testing.assert_close(loss_nograd, loss_grad, rtol=0, atol=0)
+
+    def blocked(hidden, weight, bias):
+        return fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"],
+                                      bias=bias, response_mask=d["response_mask"], temperature=0.9,
+                                      vocab_chunk_size=9)
+
+    with _Products() as count:
+        _, _, grads_b = _train_step(d, True, torch.float64, step=blocked)
+    assert count.madds == 4 * n * v * h
+    _, _, grads_l = _train_step(d, False, torch.float64)
+    for key in grads_l:
+        torch.testing.assert_close(grads_b[key], grads_l[key], rtol=1e-10, atol=1e-13, msg=key)
+
+
+def test_torch_compile_fullgraph_training_step():
+    """torch.compile(fullgraph=True) of a training step through fused_linear_dppo_loss: the same loss, metrics and
+    gradients as eager."""
+    d = _batch(seed=9)
+
+    def step(hidden, weight, bias):
+        return fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"], bias=bias,
+                                      response_mask=d["response_mask"], temperature=0.9, chunk_size=4)
+
+    torch._dynamo.reset()
+    loss_c, metrics_c, grads_c = _train_step(d, True, torch.float64, step=torch.compile(step, fullgraph=True))
+    loss_e, metrics_e, grads_e = _train_step(d, True, torch.float64, step=step)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-14)
+    for key in metrics_e:
+        torch.testing.assert_close(metrics_c[key], metrics_e[key], rtol=1e-12, atol=1e-14, msg=key)
+    for key in grads_e:
+        torch.testing.assert_close(grads_c[key], grads_e[key], rtol=1e-10, atol=1e-13, msg=key)
+
+
+_VOCAB_PARALLEL_RANK = """
+import os, sys
+import torch
+import torch.distributed as dist
+from dppo_ext import fused_linear_dppo_loss
+
+store, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+d = torch.load(sys.argv[4])
+bounds = (0, 23, 61)  # uneven slices of the LM head's rows
+lo, hi = bounds[rank], bounds[rank + 1]
+hidden = d["hidden"].clone().requires_grad_(True)
+weight = d["weight"][lo:hi].clone().requires_grad_(True)
+bias = d["bias"][lo:hi].clone().requires_grad_(True)
+loss, metrics = fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"], bias=bias,
+                                       response_mask=d["response_mask"], temperature=0.9,
+                                       vocab_parallel_group=dist.group.WORLD, vocab_offsets=list(bounds))
+(1.7 * loss).backward()
+torch.save({"loss": loss.detach(), "metrics": metrics, "hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad},
+           out)
+sys.stdout.flush()
+os._exit(0)  # no gloo teardown (docs/distributed.md)
+"""
+
+
+def test_vocab_parallel_fused_matches_single_device(tmp_path):
+    """The vocabulary-parallel fused path (two gloo ranks, uneven slices of the LM head) gives the loss, the metrics
+    and the gradients of the single-device path that computes them in the forward."""
+    d = _batch(seed=11)
+    torch.save(d, tmp_path / "inputs.pt")
+    loss_s, metrics_s, grads_s = _train_step(d, True, torch.float64)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _VOCAB_PARALLEL_RANK, str(tmp_path / "store"), str(rank),
+                          str(tmp_path / f"rank{rank}.pt"), str(tmp_path / "inputs.pt")],
+                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], loss_s, rtol=1e-12, atol=1e-14)
+        for key in metrics_s:
+            torch.testing.assert_close(r["metrics"][key], metrics_s[key], rtol=1e-12, atol=1e-14, msg=key)
+        torch.testing.assert_close(r["hidden"], grads_s["hidden"], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(torch.cat([r["weight"] for r in ranks]), grads_s["weight"], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(torch.cat([r["bias"] for r in ranks]), grads_s["bias"], rtol=1e-10, atol=1e-13)

@@ -101,7 +101,7 @@ def test_build_info_reports_levels():
 @pytest.mark.skipif(not X86, reason="per-ISA builds exist on x86-64 only")
 def test_each_level_runs_its_own_code():
     """Each forced level is the one that runs: default and AVX2 use different exp() code
-    (libm vs at::vec's polynomial), so their float32 outputs differ in the last bits, while both
+    (at::vec's scalar fallback vs cpu/row_simd.h's vexp), so their float32 outputs differ in the last bits, while both
     stay within the op's tolerance of the float64 reference (checked by the oracle test below)."""
     results = {level: _probe(level) for level in RUNNABLE}
     for level, res in results.items():
@@ -132,6 +132,42 @@ def test_forced_level_matches_reference(level):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"\b(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 150, proc.stdout[-2000:]  # 4 cases x 4 dtypes x 6 modes x 2
+
+
+# Runs in a child: the backward op with grad_target = -1, lse = 0 and T = 1 writes exp(z_j) into every column
+# but the target's, so it shows the kernels' vector exp (cpu/row_simd.h vexp) element by element.
+_EXP_PROBE = r"""
+import json, torch
+from dppo_ext import _native
+special = torch.tensor([0.0, -1e-7, -0.3466, 0.3466 - 0.6932, -86.0, -87.0, -100.0, -1e30, -float("inf"), float("nan")])
+z = torch.cat([special, torch.linspace(-86.0, 0.0, 400_000), -torch.rand(100_000) * 4]).float()
+z = torch.cat([torch.tensor([0.0]), z, torch.zeros(31)])  # column 0 is the target; whole SIMD steps after it
+g = torch.ops.dppo.dppo_loss_backward(-torch.ones(1), None, z[None], torch.zeros(1, dtype=torch.long),
+                                      torch.zeros(1), None, 1.0)[0]
+print(json.dumps({"level": _native.library.cpu_capability, "z": z[1:].tolist(), "exp": g[1:].tolist()}))
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_vector_exp_within_3_ulp(level):
+    """The exp of the forward's sums and the backward (cpu/row_simd.h vexp) is within 3 ulp of exp in float64
+    over [-86, 0], exp(0) is exactly 1, -inf and anything below ~-86.6 give 0 (the flush), NaN stays NaN."""
+    if level not in RUNNABLE:
+        pytest.skip(f"this CPU does not support {level} (best: {HOST})")
+    proc = _run_child(_EXP_PROBE, DPPO_CPU_CAPABILITY=level)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    assert res["level"] == level
+    z = torch.tensor(res["z"], dtype=torch.float32)
+    got = torch.tensor(res["exp"], dtype=torch.float32)
+    ref = torch.exp(z.double())
+    assert got[0] == 1.0
+    assert got[7] == 0.0 and got[8] == 0.0 and torch.isnan(got[9])  # -1e30, -inf, NaN
+    assert 0.0 <= got[6] < 1e-37  # -100: flushed (or a denormal at the default level's libm exp)
+    inside = (z >= -86.0) & (z <= 0.0)
+    ulp = (torch.nextafter(ref.float(), torch.tensor(float("inf"))).double() - ref.float().double())
+    err = ((got.double() - ref).abs() / ulp)[inside]
+    assert float(err.max()) <= 3.0, f"max {float(err.max()):.1f} ulp at z = {float(z[inside][err.argmax()])}"
 
 
 @pytest.mark.parametrize(

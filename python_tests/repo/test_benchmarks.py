@@ -1,10 +1,17 @@
-"""The benchmark harness's own behaviour (not its figures): where results go."""
+"""The benchmark harness's own behaviour (not its figures): where results go, what the speed records carry,
+and the pytest-benchmark suite's reach."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import tomllib
+from dppo_testing import child_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -25,3 +32,55 @@ def test_quick_run_never_writes_into_the_committed_results(bench_loss):
     assert committed not in quick.parents and quick != committed
     assert bench_loss.parse_args(["--quick", "--out-dir", "elsewhere"]).out_dir == "elsewhere"
 
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=child_env(**env), capture_output=True, text=True,
+                          timeout=600, cwd=BENCH.parent)
+
+
+def test_speed_records_carry_gbps_and_copy_multiples(tmp_path):
+    """Forward, backward and in-place get GB/s and a multiple of a copy pass timed in the same run; the Markdown
+    has the table the results page is taken from, naming the host's SIMD level."""
+    proc = _run(["benchmarks/bench_loss.py", "--quick", "--sections", "speed", "--modes", "binary_tv", "--dtypes",
+                 "float32", "--contenders", "fused,fused_inplace", "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "bench_loss.json").read_text())
+    recs = {r["contender"]: r for r in results["records"] if r["section"] == "speed"}
+    assert set(recs) == {"fused", "fused_inplace"}
+    logits_bytes = recs["fused"]["N"] * recs["fused"]["V"] * 4
+    for rec in recs.values():
+        assert len(rec["copy_reps_ms"]) == len(rec["total_reps_ms"]) >= 2  # one copy pass before every timed step
+        for phase, passes in (("fwd", 1), ("bwd", 2), ("total", 3)):
+            seconds = rec[f"{phase}_ms"] * 1e-3
+            assert rec[f"{phase}_GBps"] == pytest.approx(passes * logits_bytes / seconds / 1e9)
+            assert rec[f"{phase}_x_copy"] == pytest.approx(rec[f"{phase}_ms"] / rec["copy_ms"])
+    table = (tmp_path / "README_table.md").read_text()
+    assert "### Against a copy pass" in table
+    assert f"widest SIMD {results['machine']['cpu_simd']}" in table
+    assert "| binary_tv | float32 |" in table.split("### Against a copy pass")[1]
+
+
+def test_pytest_benchmark_suite_collects_outside_the_test_suite():
+    """The pytest-benchmark suite covers every op contender x mode x dtype x phase, the copy pass and the
+    fused-linear paths; the default test run (testpaths) never collects it."""
+    proc = _run(["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "benchmarks/"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert sum("test_bench_loss.py::test_dppo_loss[" in i for i in ids) == 4 * 2 * 4 * 3
+    assert sum("test_bench_loss.py::test_copy_pass[" in i for i in ids) == 2
+    assert sum("test_bench_fused_linear.py::test_fused_linear[" in i for i in ids) == 2 * 4 * 2
+    config = tomllib.loads((BENCH.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert config["testpaths"] == ["python_tests"]
+    assert not list((BENCH.parent / "python_tests").rglob("test_bench_*.py"))
+
+
+def test_pytest_benchmark_suite_runs(tmp_path):
+    """A tiny run of both pytest-benchmark files (timing disabled): every selected case passes its checks."""
+    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "benchmarks/",
+                 "-k", "(binary_tv and float32 and fused) or copy_pass or (float32 and fused_linear)"],
+                DPPO_BENCH_N="16", DPPO_BENCH_V="512", DPPO_BENCH_FL_N="16", DPPO_BENCH_FL_H="8",
+                DPPO_BENCH_FL_V="256", DPPO_BENCH_ROUNDS="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2, proc.stdout[-2000:]
