@@ -45,7 +45,7 @@ ARCH_LIMITS = {
 
 @dataclass
 class Kernel:
-    name: str       # demangled, without namespaces and parameters
+    name: str  # demangled, without namespaces and parameters
     mangled: str
     arch: str
     registers: int = 0
@@ -72,7 +72,7 @@ def demangle(names: list[str]) -> dict[str, str]:
         short = re.sub(r"\(anonymous namespace\)::|dppo::|c10::", "", full)
         short = re.sub(r"^void ", "", short)
         if ">(" in short:
-            short = short[:short.index(">(") + 1]
+            short = short[: short.index(">(") + 1]
         out[mangled] = short
     return out
 
@@ -132,13 +132,17 @@ def occupancy(k: Kernel) -> None:
 
 
 def table(kernels: list[Kernel]) -> str:
-    head = (f"{'kernel':58s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} {'smem':>5s} "
-            f"{'block':>5s} {'blocks/SM':>9s} {'occupancy':>9s}  limited by")
+    head = (
+        f"{'kernel':58s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} {'smem':>5s} "
+        f"{'block':>5s} {'blocks/SM':>9s} {'occupancy':>9s}  limited by"
+    )
     rows = [head, "-" * len(head)]
     for k in kernels:
         occ = f"{100 * k.occupancy:8.1f}%" if k.occupancy is not None else f"{'?':>9s}"
-        rows.append(f"{k.name:58s} {k.arch:6s} {k.registers:4d} {f'{k.spill_stores}/{k.spill_loads}':>11s} "
-                    f"{k.stack:5d} {k.smem:5d} {k.threads or 0:5d} {k.blocks_per_sm or 0:9d} {occ}  {k.limited_by}")
+        rows.append(
+            f"{k.name:58s} {k.arch:6s} {k.registers:4d} {f'{k.spill_stores}/{k.spill_loads}':>11s} "
+            f"{k.stack:5d} {k.smem:5d} {k.threads or 0:5d} {k.blocks_per_sm or 0:9d} {occ}  {k.limited_by}"
+        )
     return "\n".join(rows)
 
 
@@ -155,16 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     archs = sorted({k.arch for k in kernels})
     spills = [k for k in kernels if k.spill_stores or k.spill_loads]
     unknown = sorted({k.name for k in kernels if k.threads is None})
-    print(f"\n{len({k.name for k in kernels})} kernel instantiations x {len(archs)} archs ({', '.join(archs)}): "
-          f"{len(spills)} of {len(kernels)} spill")
+    print(
+        f"\n{len({k.name for k in kernels})} kernel instantiations x {len(archs)} archs ({', '.join(archs)}): "
+        f"{len(spills)} of {len(kernels)} spill"
+    )
     if unknown:
         print(f"no launch configuration known for: {', '.join(unknown)} (add them to BLOCK_THREADS)")
     if args.json:
         args.json.write_text(json.dumps([asdict(k) for k in kernels], indent=1) + "\n")
     if args.fail_on_spill and (spills or not kernels or unknown):
         for k in spills:
-            print(f"SPILL: {k.name} on {k.arch}: {k.spill_stores} bytes stored, {k.spill_loads} bytes loaded "
-                  f"at {k.registers} registers", file=sys.stderr)
+            print(
+                f"SPILL: {k.name} on {k.arch}: {k.spill_stores} bytes stored, {k.spill_loads} bytes loaded "
+                f"at {k.registers} registers",
+                file=sys.stderr,
+            )
         if not kernels:
             print(f"no ptxas report in {args.log} (was the build made with -Xptxas -v?)", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ fp32/bf16 cases (for compute-sanitizer memcheck); --tiny: two bf16 cases (racech
 one N * V > 2^31 case (int64 offsets), compared with the CPU kernel on its last rows. --dry-run: on any
 machine, everything up to the first GPU call (the first case's inputs and float64 reference), then stop.
 """
+
 import argparse
 import json
 import math
@@ -43,22 +44,27 @@ def make_case(n, v, dtype, k, col_off, row_pad, seed, extreme):
         full[3, col_off + int(tokens[3])] -= 40.0  # pi -> 0
     if extreme and n >= 6:
         full[4, col_off + int(tokens[4])] = 1e4 if dtype == torch.float16 else 1e30  # huge logit
-        full[5, col_off:col_off + v // 2] = -math.inf  # -inf logits (entropy and its gradient)
+        full[5, col_off : col_off + v // 2] = -math.inf  # -inf logits (entropy and its gradient)
         tokens[5] = v - 1
     rollout = (-torch.rand(n, generator=g, dtype=torch.float64) * 4.0).to(acc)
     if n >= 2:
         rollout[0] = -math.inf  # mu = 0
     return dict(
-        buf=full.to(dtype), col_off=col_off, v=v, tokens=tokens, rollout=rollout,
+        buf=full.to(dtype),
+        col_off=col_off,
+        v=v,
+        tokens=tokens,
+        rollout=rollout,
         adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc),
         topk_ids=torch.randint(0, v, (n, k), generator=g),
         topk_lp=(torch.log_softmax(torch.randn(n, k, generator=g, dtype=torch.float64), -1) - 0.1).to(acc),
-        anchor=(-torch.rand(n, generator=g, dtype=torch.float64) * 4.0).to(acc))
+        anchor=(-torch.rand(n, generator=g, dtype=torch.float64) * 4.0).to(acc),
+    )
 
 
 def logits_of(c, buf=None):
     buf = c["buf"] if buf is None else buf
-    return buf[:, c["col_off"]:c["col_off"] + c["v"]]
+    return buf[:, c["col_off"] : c["col_off"] + c["v"]]
 
 
 def on(c, dev):
@@ -68,19 +74,40 @@ def on(c, dev):
 def forward(c, mode, entropy, anchor, temperature):
     topk = mode.startswith("topk")
     return torch.ops.dppo.dppo_loss_forward(
-        logits_of(c), c["tokens"], c["rollout"], c["adv"], c["topk_ids"] if topk else None,
-        c["topk_lp"] if topk else None, c["anchor"] if anchor else None, mode, temperature, DELTA_LOW,
-        DELTA_HIGH, 10.0, entropy)
+        logits_of(c),
+        c["tokens"],
+        c["rollout"],
+        c["adv"],
+        c["topk_ids"] if topk else None,
+        c["topk_lp"] if topk else None,
+        c["anchor"] if anchor else None,
+        mode,
+        temperature,
+        DELTA_LOW,
+        DELTA_HIGH,
+        10.0,
+        entropy,
+    )
 
 
 def reference(c, mode, entropy, anchor, temperature):
     """The forward outputs in float64 (tuple in the op's order), from the readable reference."""
     topk = mode.startswith("topk")
     out = dppo_loss_reference(
-        logits_of(c).double().cpu(), c["tokens"].cpu(), c["rollout"].double().cpu(), c["adv"].double().cpu(),
-        topk_ids=c["topk_ids"].cpu() if topk else None, topk_logprobs=c["topk_lp"].double().cpu() if topk else None,
-        anchor_logprobs=c["anchor"].double().cpu() if anchor else None, mode=mode, temperature=temperature,
-        delta_low=DELTA_LOW, delta_high=DELTA_HIGH, ratio_cap=10.0, compute_entropy=entropy)
+        logits_of(c).double().cpu(),
+        c["tokens"].cpu(),
+        c["rollout"].double().cpu(),
+        c["adv"].double().cpu(),
+        topk_ids=c["topk_ids"].cpu() if topk else None,
+        topk_logprobs=c["topk_lp"].double().cpu() if topk else None,
+        anchor_logprobs=c["anchor"].double().cpu() if anchor else None,
+        mode=mode,
+        temperature=temperature,
+        delta_low=DELTA_LOW,
+        delta_high=DELTA_HIGH,
+        ratio_cap=10.0,
+        compute_entropy=entropy,
+    )
     return tuple(out[name].detach() for name in NAMES)
 
 
@@ -112,8 +139,10 @@ def close(tag, got, want, tol, skip=None):
         bad &= ~skip
     if bad.any():
         i = int(bad.flatten().nonzero()[0])
-        failures.append(f"{tag}: {int(bad.sum())}/{bad.numel()} off, first at {i}: kernel={got.flatten()[i].item()!r} "
-                        f"exact={want.flatten()[i].item()!r}")
+        failures.append(
+            f"{tag}: {int(bad.sum())}/{bad.numel()} off, first at {i}: kernel={got.flatten()[i].item()!r} "
+            f"exact={want.flatten()[i].item()!r}"
+        )
 
 
 def close_grad(tag, got, want, tol, atol):
@@ -125,8 +154,9 @@ def close_grad(tag, got, want, tol, atol):
     bad &= ~(got.isinf() & want.isinf() & (got.sign() == want.sign()))
     if bad.any():
         i, j = bad.nonzero()[0].tolist()
-        failures.append(f"{tag}: {int(bad.sum())} off, first at [{i}, {j}]: kernel={got[i, j].item()!r} "
-                        f"exact={want[i, j].item()!r}")
+        failures.append(
+            f"{tag}: {int(bad.sum())} off, first at [{i}, {j}]: kernel={got[i, j].item()!r} exact={want[i, j].item()!r}"
+        )
 
 
 def grad_atol(acc, gt, gh, lse, ent, temperature):
@@ -169,7 +199,7 @@ def check(c, mode, entropy, dev, label, anchor, temperature=0.7):
     acc = out_g[0].dtype
     gt = torch.randn(n, generator=gen, dtype=torch.float64).to(acc).to(dev)
     gh = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.3).to(acc).to(dev)
-    for with_ent in ((False, True) if entropy else (False,)):
+    for with_ent in (False, True) if entropy else (False,):
         ghg, eg = (gh, out_g[5]) if with_ent else (None, None)
         want = reference_grad(logits_of(c), c["tokens"], gt, ghg, out_g[6], eg, temperature)
         grad_g = torch.ops.dppo.dppo_loss_backward(gt, ghg, logits_of(g), g["tokens"], out_g[6], eg, temperature)
@@ -179,7 +209,7 @@ def check(c, mode, entropy, dev, label, anchor, temperature=0.7):
         torch.ops.dppo.dppo_loss_backward_(gt, ghg, logits_of(g, buf2), g["tokens"], out_g[6], eg, temperature)
         close_grad(f"{tag} in-place grad entropy_grad={with_ent}", logits_of(g, buf2), want, GRAD_TOL[dtype], atol)
         outside = torch.ones(buf2.shape, dtype=torch.bool, device=dev)
-        outside[:, c["col_off"]:c["col_off"] + c["v"]] = False
+        outside[:, c["col_off"] : c["col_off"] + c["v"]] = False
         if not torch.equal(buf2[outside], g["buf"][outside]):
             failures.append(f"{tag} in-place backward wrote outside the logits view")
 
@@ -191,12 +221,18 @@ def check_large(dev):
     gen = torch.Generator().manual_seed(5)
     buf = torch.empty(n, v, dtype=torch.bfloat16, device=dev)
     for i in range(0, n, 2048):
-        buf[i:i + 2048].normal_(0.0, 3.0)
-    c = dict(buf=buf, col_off=0, v=v, tokens=torch.randint(0, v, (n,), generator=gen),
-             rollout=-torch.rand(n, generator=gen) * 4.0, adv=torch.randn(n, generator=gen),
-             topk_ids=torch.randint(0, v, (n, 20), generator=gen),
-             topk_lp=torch.log_softmax(torch.randn(n, 20, generator=gen), -1) - 0.1,
-             anchor=-torch.rand(n, generator=gen) * 4.0)
+        buf[i : i + 2048].normal_(0.0, 3.0)
+    c = dict(
+        buf=buf,
+        col_off=0,
+        v=v,
+        tokens=torch.randint(0, v, (n,), generator=gen),
+        rollout=-torch.rand(n, generator=gen) * 4.0,
+        adv=torch.randn(n, generator=gen),
+        topk_ids=torch.randint(0, v, (n, 20), generator=gen),
+        topk_lp=torch.log_softmax(torch.randn(n, 20, generator=gen), -1) - 0.1,
+        anchor=-torch.rand(n, generator=gen) * 4.0,
+    )
     c["tokens"][-1] = v - 1
     rows = slice(n - 3, n)
     last = {key: (val[rows] if torch.is_tensor(val) else val) for key, val in c.items()}

@@ -28,15 +28,34 @@ def trainer_argv(out: Path, steps: int) -> list[str]:
     """The run: the embedded default's settings, except the engine, the device and a short schedule. An
     existing --out (an earlier attempt) is handed to the trainer's own --overwrite, which removes only what a
     run of the trainer wrote there."""
-    argv = ["--engine", "hf", "--device", "cuda", "--steps", str(steps), "--eval-every", str(max(1, steps // 2)),
-            "--num-eval", "200", "--eval-samples", "1", "--save-every", "0", "--out", str(out)]
+    argv = [
+        "--engine",
+        "hf",
+        "--device",
+        "cuda",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(max(1, steps // 2)),
+        "--num-eval",
+        "200",
+        "--eval-samples",
+        "1",
+        "--save-every",
+        "0",
+        "--out",
+        str(out),
+    ]
     return argv + (["--overwrite"] if out.exists() and any(out.iterdir()) else [])
 
 
 def per_step_seconds(metrics: Path) -> list[float]:
     """Wall seconds of each RL step, from the cumulative elapsed_s of consecutive records."""
-    elapsed = [r["elapsed_s"] for r in map(json.loads, metrics.read_text().splitlines())
-               if r.get("step", 0) > 0 and "elapsed_s" in r]
+    elapsed = [
+        r["elapsed_s"]
+        for r in map(json.loads, metrics.read_text().splitlines())
+        if r.get("step", 0) > 0 and "elapsed_s" in r
+    ]
     return [b - a for a, b in zip(elapsed, elapsed[1:])]
 
 
@@ -50,8 +69,10 @@ def main() -> int:
     argv = trainer_argv(args.out, args.steps)
     config = parse_config(argv)  # the trainer's own validation of every flag
     print(f"trainer: python -m dppo_ext.train {' '.join(argv)}")
-    print(f"  loss {config.loss}, engine {config.engine}, device {config.device}, steps {config.steps}, "
-          f"{config.prompts_per_step} prompts x {config.group_size} samples per step")
+    print(
+        f"  loss {config.loss}, engine {config.engine}, device {config.device}, steps {config.steps}, "
+        f"{config.prompts_per_step} prompts x {config.group_size} samples per step"
+    )
     if args.dry_run:
         print("dry run: stopped before the first GPU call (the trainer run)")
         return 0
@@ -64,9 +85,14 @@ def main() -> int:
     summary = json.loads((args.out / "summary.json").read_text())
     steps = per_step_seconds(args.out / "metrics.jsonl")
     result = {
-        "device": "cuda", "engine": summary["engine"], "steps": summary["steps"], "wall_s": wall,
-        "train_s": summary["train_s"], "seconds_per_step_median": statistics.median(steps) if steps else None,
-        "held_out_accuracy_before": summary["start_acc"], "held_out_accuracy_after": summary["end_acc"],
+        "device": "cuda",
+        "engine": summary["engine"],
+        "steps": summary["steps"],
+        "wall_s": wall,
+        "train_s": summary["train_s"],
+        "seconds_per_step_median": statistics.median(steps) if steps else None,
+        "held_out_accuracy_before": summary["start_acc"],
+        "held_out_accuracy_after": summary["end_acc"],
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -17,10 +17,13 @@ spec.loader.exec_module(cuda_resources)
 
 # ptxas -v as nvcc 13.0 prints it (two kernels of cuda/dppo_loss.cu for sm_90, one for sm_80, and a
 # non-inlined device function whose stack line must not be taken for a kernel's).
-FWD = ("_ZN4dppo40_GLOBAL__N__2b65d104_8_kinst_cu_09f8ff8024dppo_loss_forward_kernelIffLb1EEEvNS0_13"
-       "ForwardParamsIT_T0_EE")
-FIN = ("_ZN4dppo40_GLOBAL__N__2b65d104_8_kinst_cu_09f8ff8031dppo_loss_forward_finish_kernelIddLb0EEEvNS0_13"
-       "ForwardParamsIT_T0_EEPKS4_l")
+FWD = (
+    "_ZN4dppo40_GLOBAL__N__2b65d104_8_kinst_cu_09f8ff8024dppo_loss_forward_kernelIffLb1EEEvNS0_13ForwardParamsIT_T0_EE"
+)
+FIN = (
+    "_ZN4dppo40_GLOBAL__N__2b65d104_8_kinst_cu_09f8ff8031dppo_loss_forward_finish_kernelIddLb0EEEvNS0_13"
+    "ForwardParamsIT_T0_EEPKS4_l"
+)
 LOG = f"""\
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '{FWD}' for 'sm_90'
@@ -43,9 +46,11 @@ ptxas info    : Used 77 registers, used 1 barriers, 352 bytes smem
 
 def test_parse_ptxas_reads_every_kernel_and_arch():
     kernels = {(k.name, k.arch): k for k in cuda_resources.parse_ptxas(LOG)}
-    assert set(kernels) == {("dppo_loss_forward_kernel<float, float, true>", "sm_90"),
-                            ("dppo_loss_forward_kernel<float, float, true>", "sm_80"),
-                            ("dppo_loss_forward_finish_kernel<double, double, false>", "sm_90")}
+    assert set(kernels) == {
+        ("dppo_loss_forward_kernel<float, float, true>", "sm_90"),
+        ("dppo_loss_forward_kernel<float, float, true>", "sm_80"),
+        ("dppo_loss_forward_finish_kernel<double, double, false>", "sm_90"),
+    }
     fwd = kernels[("dppo_loss_forward_kernel<float, float, true>", "sm_90")]
     assert (fwd.registers, fwd.spill_stores, fwd.spill_loads, fwd.stack, fwd.smem) == (64, 16, 16, 16, 352)
     fin = kernels[("dppo_loss_forward_finish_kernel<double, double, false>", "sm_90")]
@@ -74,8 +79,9 @@ def test_fail_on_spill(tmp_path):
     assert proc.returncode == 1
     assert "SPILL: dppo_loss_forward_kernel<float, float, true> on sm_90: 16 bytes" in proc.stderr
     assert "1 of 3 spill" in proc.stdout
-    log.write_text(LOG.replace("16 bytes spill stores, 16 bytes spill loads",
-                               "0 bytes spill stores, 0 bytes spill loads"))
+    log.write_text(
+        LOG.replace("16 bytes spill stores, 16 bytes spill loads", "0 bytes spill stores, 0 bytes spill loads")
+    )
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     log.write_text("ninja: no work to do\n")  # a build without -Xptxas -v must not pass as "no spills"
     assert subprocess.run(cmd, capture_output=True).returncode == 1

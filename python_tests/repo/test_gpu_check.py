@@ -19,10 +19,16 @@ STEPS = ["build", "import", "selfcheck", "pytest", "memcheck", "bandwidth", "tra
 @pytest.mark.skipif(not list((REPO / "dppo_ext").glob("_C*.so")), reason="needs the built dppo_ext._C")
 def test_gpu_check_dry_run_reaches_every_step(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DPPO_CUDA_SPLIT",)}
-    env.update(GPU_CHECK_DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable, TORCH_CUDA_ARCH_LIST="9.0",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    env.update(
+        GPU_CHECK_DRY_RUN="1",
+        OUT=str(tmp_path),
+        PYTHON=sys.executable,
+        TORCH_CUDA_ARCH_LIST="9.0",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh")], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary) == STEPS, summary
