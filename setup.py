@@ -20,7 +20,6 @@ Environment overrides:
 At run time, DPPO_CPU_CAPABILITY=default|avx2|avx512 overrides the CPU kernels' instruction set.
 """
 
-import concurrent.futures
 import os
 import platform
 import re
@@ -184,23 +183,14 @@ def build_extensions():
         def build_extension(self, extension):
             base = extension.extra_compile_args
             base_cxx = list(base["cxx"] if isinstance(base, dict) else base)
-            self.compiler.include_dirs[:] = [os.path.abspath(d) for d in self.compiler.include_dirs]
-
-            def compile_isa(name, flags):
-                return self.compiler.compile(
+            objects = []
+            for name, flags in isa_builds:
+                objects += self.compiler.compile(
                     CPU_ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_{name.lower()}"),
                     macros=list(extension.define_macros) + [("CPU_CAPABILITY", name), (f"CPU_CAPABILITY_{name}", None)],
                     include_dirs=extension.include_dirs, debug=self.debug,
                     extra_postargs={"cxx": base_cxx + flags, "nvcc": []}, depends=extension.depends)
-
-            # One ninja run per instruction set (each its own folder and flags), each starting MAX_JOBS compiles;
-            # up to MAX_JOBS / 4 runs at once (16 cores: all three, which then take as long as one; MAX_JOBS=2:
-            # one after the other, so a small machine never runs more than MAX_JOBS compiles).
-            jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
-            workers = max(1, min(len(isa_builds), jobs // 4))
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                builds = [pool.submit(compile_isa, name, flags) for name, flags in isa_builds]
-                extension.extra_objects = [obj for b in builds for obj in b.result()]
+            extension.extra_objects = objects
             super().build_extension(extension)
 
     print("=" * 72)
