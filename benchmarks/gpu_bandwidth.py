@@ -15,8 +15,15 @@ input validation of checks.h, a few small reductions and host syncs); ``kernel``
 of the dppo kernels alone, from torch.profiler. The bandwidth targets (forward >= 75 %, backward
 >= 80 % of copy bandwidth) are judged on ``kernel``. Medians over --iters runs after --warmup.
 
+Each kernel row also carries a prediction: the bytes the kernel moves at these sizes (the CPU emulator's
+count of its global-memory traffic, benchmarks/results/cuda_traffic.json: bytes per logit, per row and per
+top-K id) over the copy bandwidth (bytes read + written). ``--predict`` prints only that, without a GPU,
+at the H200's ~4.3 TB/s (``--copy-gbps``), in the columns the measured figures go in, labelled as such.
+
 Usage (a GPU machine; scripts/gpu_check.sh runs it):
     python benchmarks/gpu_bandwidth.py [--n 16384] [--v 151936] [--dtype bf16] [--out results.json]
+Predicted kernel times, no GPU needed:
+    python benchmarks/gpu_bandwidth.py --predict [--copy-gbps 4300]
 Smoke test without a GPU (tiny sizes, CPU kernels, no targets):
     python benchmarks/gpu_bandwidth.py --device cpu --n 64 --v 4096 --ref-n 32 --iters 2
 Results are printed as a table and written as JSON to --out (default $OUT/gpu_bandwidth.json when
@@ -41,6 +48,19 @@ import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.op
 log = logging.getLogger("gpu_bandwidth")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGETS = {"forward": 0.75, "backward": 0.80}
+TRAFFIC_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_traffic.json")
+# An H200's device-to-device copy bandwidth, bytes read + written, as the prediction's default (the measured
+# copy_ bandwidth replaces it on a GPU).
+H200_COPY_GBPS = 4300.0
+# Benchmark case -> the row of cuda_traffic.json whose traffic it has (the entropy changes no byte moved).
+TRAFFIC_OF = {
+    "forward binary_tv entropy=True": ("forward", "binary_tv"),
+    "forward binary_tv entropy=False": ("forward", "binary_tv"),
+    "forward topk_kl entropy=True": ("forward", "topk_kl"),
+    "backward (no entropy grad)": ("backward", "any"),
+    "backward (with entropy grad)": ("backward + entropy grad", "any"),
+    "backward_ in-place": ("backward in-place", "any"),
+}
 
 
 @dataclass
@@ -59,6 +79,56 @@ class Row:
     pct_of_copy: Optional[float]  # kernel GB/s (op GB/s when no kernel time) / copy GB/s
     target: Optional[float]
     meets_target: Optional[bool]
+    predicted_ms: Optional[float] = None  # emulator-counted bytes / copy bandwidth (not measured)
+    predicted_bytes: Optional[int] = None
+
+
+def load_traffic(path: str = TRAFFIC_JSON) -> dict:
+    """(kernel, mode, dtype) -> its bytes per logit, per row and per top-K id (cuda_traffic.json)."""
+    with open(path) as f:
+        doc = json.load(f)
+    return {(r["kernel"], r["mode"], r["dtype"]): r for r in doc["rows"]}
+
+
+def predicted_bytes(traffic: dict, case: str, n: int, v: int, k: int, dtype: str) -> Optional[int]:
+    """Bytes the kernels of a benchmark case move at N x V (K top-K ids), from the emulator's counts."""
+    kernel, mode = TRAFFIC_OF.get(case, (None, None))
+    row = traffic.get((kernel, mode, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]))
+    if row is None:
+        return None
+    topk = row["topk_bytes"] * n * k if "topk" in mode else 0
+    return round(row["logit_bytes"] * n * v + row["row_bytes"] * n + topk)
+
+
+def print_prediction(args) -> None:
+    """The prediction alone (no GPU): each kernel case's bytes over the copy bandwidth (a memory-bound kernel's
+    floor), and over the fraction of it the targets ask for."""
+    traffic = load_traffic()
+    gbps = args.copy_gbps or H200_COPY_GBPS
+    print(f"\nDPPO loss kernels, PREDICTED (not measured): bytes the CPU emulator counts ({TRAFFIC_JSON}) over a "
+          f"copy bandwidth of {gbps:,.0f} GB/s (read + write), dtype {args.dtype}, N={args.n}, V={args.v}, "
+          f"K={args.k}\n")
+    hdr = f"{'case':44s} {'bytes':>9s} {'B/logit':>8s} {'kern ms':>8s} {'at target':>16s}"
+    print(hdr + "   <- predicted, where a GPU run prints its measurement")
+    print("-" * len(hdr))
+    rows = []
+    for case in TRAFFIC_OF:
+        nbytes = predicted_bytes(traffic, case, args.n, args.v, args.k, args.dtype)
+        ms = nbytes / gbps / 1e6
+        kind = case.split()[0].rstrip("_")
+        target = TARGETS[kind]
+        rows.append({"name": case, "predicted_bytes": nbytes, "predicted_ms": ms, "target": target,
+                     "predicted_ms_at_target": ms / target, "copy_gbps": gbps})
+        print(f"{case:44s} {nbytes / 1e9:8.2f}G {nbytes / (args.n * args.v):8.3f} {ms:8.3f} "
+              f"{ms / target:8.3f} ({100 * target:.0f}%)  (predicted)")
+    print("\nkern ms: the bytes at the full copy bandwidth (the floor of a memory-bound kernel); at target: at the "
+          "fraction of it the benchmark's targets ask for.")
+    out_path = args.out or os.path.join(os.environ.get("OUT", "."), "gpu_bandwidth_predicted.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump({"predicted": True, "dtype": args.dtype, "n": args.n, "v": args.v, "k": args.k, "rows": rows}, f,
+                  indent=2)
+    print(f"wrote {out_path}")
 
 
 def sync(device: torch.device) -> None:
@@ -149,8 +219,15 @@ def main() -> None:
     ap.add_argument("--ref-n", type=int, default=1024, help="rows for the eager-reference contrast (0: skip)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--predict", action="store_true",
+                    help="print the predicted kernel times only (no GPU, no kernel runs)")
+    ap.add_argument("--copy-gbps", type=float, default=None,
+                    help=f"copy bandwidth (GB/s, read + write) for the prediction (default: the measured one on a "
+                         f"GPU, {H200_COPY_GBPS:g} with --predict)")
     args = ap.parse_args()
-
+    if args.predict:
+        print_prediction(args)
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device visible to torch; use --device cpu for a smoke test")
@@ -158,6 +235,7 @@ def main() -> None:
     out_path = args.out or os.path.join(os.environ.get("OUT", "."), "gpu_bandwidth.json")
     esize = torch.empty((), dtype=dtype).element_size()
     rows: list[Row] = []
+    traffic = load_traffic()
 
     def add(name, kind, n, v, nbytes, op_ms, kernel_ms, copy_gbps):
         op_gbps = nbytes / op_ms / 1e6
@@ -166,7 +244,10 @@ def main() -> None:
         pct = best / copy_gbps if copy_gbps else None
         target = TARGETS.get(kind) if device.type == "cuda" else None
         meets = (pct >= target) if (target is not None and pct is not None and kernel_gbps is not None) else None
-        rows.append(Row(name, kind, n, v, nbytes, op_ms, kernel_ms, op_gbps, kernel_gbps, pct, target, meets))
+        pbytes = predicted_bytes(traffic, name, n, v, args.k, args.dtype) if kind != "copy" else None
+        pms = pbytes / (args.copy_gbps or copy_gbps) / 1e6 if pbytes is not None and copy_gbps else None
+        rows.append(Row(name, kind, n, v, nbytes, op_ms, kernel_ms, op_gbps, kernel_gbps, pct, target, meets, pms,
+                        pbytes))
 
     # Copy bandwidth: bytes = read + write.
     numel = int(args.copy_gib * 2**30) // 4
@@ -243,7 +324,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\nDPPO loss bandwidth on {name}, torch {torch.__version__}, dtype {args.dtype}, N={n}, V={v}")
     print(f"copy bandwidth (copy_ of {args.copy_gib:g} GiB fp32, read + write): {copy_gbps:,.0f} GB/s\n")
-    hdr = f"{'case':44s} {'bytes':>9s} {'op ms':>8s} {'op GB/s':>9s} {'kern ms':>8s} {'kern GB/s':>9s} {'% copy':>7s} {'target':>7s}"
+    hdr = (f"{'case':44s} {'bytes':>9s} {'op ms':>8s} {'op GB/s':>9s} {'kern ms':>8s} {'kern GB/s':>9s} {'% copy':>7s} "
+           f"{'target':>7s} {'pred ms':>8s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows[1:]:
@@ -251,7 +333,10 @@ def main() -> None:
         kgb = f"{r.kernel_gbps:9,.0f}" if r.kernel_gbps is not None else f"{'-':>9s}"
         pct = f"{100 * r.pct_of_copy:6.1f}%" if r.pct_of_copy is not None else f"{'-':>7s}"
         tgt = "" if r.target is None else (f">={100 * r.target:.0f}% " + ("ok" if r.meets_target else "MISS"))
-        print(f"{r.name:44s} {r.bytes / 1e9:8.2f}G {r.op_ms:8.3f} {r.op_gbps:9,.0f} {kms} {kgb} {pct} {tgt:>7s}")
+        pms = f"{r.predicted_ms:8.3f}" if r.predicted_ms is not None else f"{'-':>8s}"
+        print(f"{r.name:44s} {r.bytes / 1e9:8.2f}G {r.op_ms:8.3f} {r.op_gbps:9,.0f} {kms} {kgb} {pct} {tgt:>7s} {pms}")
+    print("(pred ms: predicted from the emulator-counted bytes (benchmarks/results/cuda_traffic.json) and the copy "
+          "bandwidth above; not measured)")
     result = {
         "device": name, "torch": torch.__version__, "dtype": args.dtype, "n": n, "v": v,
         "copy_gbps": copy_gbps, "targets": TARGETS, "rows": [asdict(r) for r in rows],

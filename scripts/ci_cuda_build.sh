@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ci_cuda_build.sh -- prove the CUDA kernels compile and link (sm_80, sm_90 + PTX) on a machine with
-# no GPU, then run the CPU test suite against that CUDA build.
+# no GPU, report every kernel's resource usage (failing on any spill), then run the CPU test suite
+# against that CUDA build.
 #
 # Usage: scripts/ci_cuda_build.sh [VENV]      (VENV: a venv whose torch is a CUDA build;
 #                                              default <repo>/.venv-cuda)
@@ -10,8 +11,10 @@
 # Steps: copy the working tree (tracked + untracked-not-ignored files) into a temp folder, so the
 # repository's own build outputs are never touched; there `pip install --no-build-isolation
 # --no-deps -e .` with DPPO_FORCE_CUDA=1; check dppo_ext._C.cuda_compiled is True and that
-# cuobjdump lists sm_80 and sm_90 cubins plus PTX; run the op's CPU tests in the copy (the .so must
-# load and run its CPU kernels without a GPU). The editable install
+# cuobjdump lists sm_80 and sm_90 cubins plus PTX; print ptxas' resource usage of every kernel and arch
+# (registers, spills, shared memory, occupancy at the launch policy's block size: scripts/cuda_resources.py,
+# which fails the build on any spill); run the op's CPU tests in the copy (the .so must load and run its
+# CPU kernels without a GPU). The editable install
 # is removed from VENV at the end. Exit status: 0 when every step passed.
 set -euo pipefail
 
@@ -23,6 +26,8 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda-13.0}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}"
 export MAX_JOBS="${MAX_JOBS:-2}"
 export DPPO_FORCE_CUDA=1
+# ptxas' per-kernel report (registers, spills, stack, shared memory) in the build log.
+export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-Xptxas=-v"
 
 log() { printf '[ci_cuda_build] %s\n' "$*"; }
 die() { printf '[ci_cuda_build] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -90,6 +95,11 @@ grep -q "sm_80" <<<"$elfs" || die "cuobjdump lists no sm_80 cubin in $so"
 grep -q "sm_90" <<<"$elfs" || die "cuobjdump lists no sm_90 cubin in $so"
 grep -q "sm_90" <<<"$ptxs" || die "cuobjdump lists no compute_90 PTX in $so"
 log "cuobjdump: sm_80 + sm_90 cubins and sm_90 PTX present"
+
+log "resource usage per kernel and arch (ptxas -v; occupancy at the launch policy's threads per block)"
+"$PY" "$REPO/scripts/cuda_resources.py" "$WORK/build.log" --json "$WORK/cuda_resources.json" --fail-on-spill ||
+  die "a CUDA kernel spills registers or has no launch configuration (see the table above)"
+mkdir -p "$REPO/build" && cp "$WORK/cuda_resources.json" "$REPO/build/cuda_resources.json"
 
 # The op's own tests (the trainer/TRL/vLLM tests need packages this venv does not carry).
 OP_TESTS=(python_tests/ops/test_dppo_op.py python_tests/api/test_api.py python_tests/ops/test_parity_stable_rl.py

@@ -1,6 +1,6 @@
 // cuda_emu.h -- a small CUDA emulation layer that runs the project's kernels
-// (csrc/cuda/dppo_loss_kernels.cuh and csrc/cuda/vocab_parallel_kernels.cuh, unchanged) on the CPU,
-// for the test suite only.
+// (csrc/cuda/*.cuh, unchanged, from the op bodies of entry_points.cuh down) on the CPU, for the test
+// suite only.
 //
 // What it provides: the CUDA keywords, threadIdx / blockIdx / blockDim / gridDim, dim3 / uint3 /
 // uint4 (16-byte aligned), __syncthreads, __shfl_xor_sync, __ldg / __ldcs / __stcs, __fmul_rn /
@@ -119,8 +119,9 @@ ThreadCtx* current();
 
 [[noreturn]] void fail(const std::string& msg);
 
-// Runs body() once per CUDA thread of the grid; throws Error on the first detected misuse.
-void run_grid(dim3 grid, dim3 block, void (*body)(void*), void* arg);
+// Runs body() once per CUDA thread of the grid; throws Error on the first detected misuse. kernel: the
+// kernel's address, for the traffic build's per-launch records (its name).
+void run_grid(const void* kernel, dim3 grid, dim3 block, void (*body)(void*), void* arg);
 
 template <typename... P>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t /*stream*/, P... args) {
@@ -128,7 +129,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t /*stream*/
     void (*kernel)(P...);
     std::tuple<P...> args;
   } call{kernel, std::tuple<P...>(args...)};
-  run_grid(grid, block, [](void* c) {
+  run_grid(reinterpret_cast<const void*>(kernel), grid, block, [](void* c) {
     auto* call = static_cast<Call*>(c);
     std::apply(call->kernel, call->args);  // each CUDA thread gets its own copy of the arguments
   }, &call);

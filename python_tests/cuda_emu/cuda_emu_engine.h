@@ -1,8 +1,9 @@
 // cuda_emu_engine.h -- the definitions behind cuda_emu.h: grid scheduling, the fiber and thread
 // execution modes, barriers, shuffles and shared-memory poisoning. Included by exactly one
-// translation unit (dppo_loss_emu.cpp).
+// translation unit (emu_ops.cpp).
 #pragma once
 
+#include <cxxabi.h>
 #include <dlfcn.h>
 #include <elf.h>
 #include <link.h>
@@ -16,6 +17,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <csetjmp>
+#include <cstdlib>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -24,8 +26,11 @@
 #include <vector>
 
 #include "cuda_emu.h"
+#ifdef CUDA_EMU_TRAFFIC
+#include "cuda_emu_traffic.h"
+#endif
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) && !defined(CUDA_EMU_TRAFFIC)  // (the traffic build's kernel-address sets it too)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define CUDA_EMU_ASAN 1
@@ -79,34 +84,78 @@ struct SharedVar {
   size_t size;
 };
 
-std::vector<SharedVar> find_shared_vars() {
-  Dl_info info;
-  link_map* lm = nullptr;
-  if (dladdr1(reinterpret_cast<void*>(&find_shared_vars), &info, reinterpret_cast<void**>(&lm), RTLD_DL_LINKMAP) ==
-          0 ||
-      lm == nullptr) {
-    fail("cannot locate the emulator library (dladdr1)");
-  }
-  std::ifstream f(info.dli_fname, std::ios::binary);
-  std::vector<char> img((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (img.size() < sizeof(Elf64_Ehdr)) fail(std::string("cannot read ") + info.dli_fname);
-  const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(img.data());
-  const auto* sh = reinterpret_cast<const Elf64_Shdr*>(img.data() + eh->e_shoff);
-  static const char kPrefix[] = "_ZZN4dppo12_GLOBAL__N_1";
-  std::vector<SharedVar> out;
-  for (int i = 0; i < eh->e_shnum; ++i) {
-    if (sh[i].sh_type != SHT_SYMTAB) continue;
-    const char* strtab = img.data() + sh[sh[i].sh_link].sh_offset;
-    const auto* sym = reinterpret_cast<const Elf64_Sym*>(img.data() + sh[i].sh_offset);
-    const size_t nsym = sh[i].sh_size / sizeof(Elf64_Sym);
-    for (size_t k = 0; k < nsym; ++k) {
-      if (ELF64_ST_TYPE(sym[k].st_info) != STT_OBJECT || sym[k].st_size == 0) continue;
-      if (sym[k].st_shndx == SHN_UNDEF || sym[k].st_shndx >= eh->e_shnum) continue;
-      if ((sh[sym[k].st_shndx].sh_flags & (SHF_WRITE | SHF_ALLOC)) != (SHF_WRITE | SHF_ALLOC)) continue;
-      if (std::strncmp(strtab + sym[k].st_name, kPrefix, sizeof kPrefix - 1) != 0) continue;
-      out.push_back({reinterpret_cast<unsigned char*>(lm->l_addr + sym[k].st_value), sym[k].st_size});
+// This library's own ELF image (its symbol table: the kernels' __shared__ variables and names), read once.
+struct SelfImage {
+  std::vector<char> img;
+  uintptr_t load_base = 0;  // the address the library's addresses are relative to
+
+  template <typename F>  // f(const Elf64_Sym&, const char* name, const Elf64_Shdr& section of the symbol)
+  void for_each_symbol(F&& f) const {
+    const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(img.data());
+    const auto* sh = reinterpret_cast<const Elf64_Shdr*>(img.data() + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; ++i) {
+      if (sh[i].sh_type != SHT_SYMTAB) continue;
+      const char* strtab = img.data() + sh[sh[i].sh_link].sh_offset;
+      const auto* sym = reinterpret_cast<const Elf64_Sym*>(img.data() + sh[i].sh_offset);
+      const size_t nsym = sh[i].sh_size / sizeof(Elf64_Sym);
+      for (size_t k = 0; k < nsym; ++k) {
+        if (sym[k].st_shndx == SHN_UNDEF || sym[k].st_shndx >= eh->e_shnum) continue;
+        f(sym[k], strtab + sym[k].st_name, sh[sym[k].st_shndx]);
+      }
     }
   }
+};
+
+const SelfImage& self_image() {
+  static const SelfImage image = [] {
+    Dl_info info;
+    link_map* lm = nullptr;
+    if (dladdr1(reinterpret_cast<void*>(&self_image), &info, reinterpret_cast<void**>(&lm), RTLD_DL_LINKMAP) == 0 ||
+        lm == nullptr) {
+      fail("cannot locate the emulator library (dladdr1)");
+    }
+    std::ifstream f(info.dli_fname, std::ios::binary);
+    SelfImage im{std::vector<char>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>()),
+                 static_cast<uintptr_t>(lm->l_addr)};
+    if (im.img.size() < sizeof(Elf64_Ehdr)) fail(std::string("cannot read ") + info.dli_fname);
+    return im;
+  }();
+  return image;
+}
+
+std::vector<SharedVar> find_shared_vars() {
+  static const char kPrefix[] = "_ZZN4dppo12_GLOBAL__N_1";
+  std::vector<SharedVar> out;
+  const SelfImage& im = self_image();
+  im.for_each_symbol([&](const Elf64_Sym& sym, const char* name, const Elf64_Shdr& section) {
+    if (ELF64_ST_TYPE(sym.st_info) != STT_OBJECT || sym.st_size == 0) return;
+    if ((section.sh_flags & (SHF_WRITE | SHF_ALLOC)) != (SHF_WRITE | SHF_ALLOC)) return;
+    if (std::strncmp(name, kPrefix, sizeof kPrefix - 1) != 0) return;
+    out.push_back({reinterpret_cast<unsigned char*>(im.load_base + sym.st_value), sym.st_size});
+  });
+  return out;
+}
+
+// The kernel at `fn`, demangled without its namespaces, return type and parameters:
+// "dppo_loss_forward_kernel<float, float, true>" ("?" when the symbol table does not name it).
+std::string kernel_name(const void* fn) {
+  std::string mangled;
+  const SelfImage& im = self_image();
+  const auto addr = reinterpret_cast<uintptr_t>(fn);
+  im.for_each_symbol([&](const Elf64_Sym& sym, const char* name, const Elf64_Shdr&) {
+    if (ELF64_ST_TYPE(sym.st_info) == STT_FUNC && im.load_base + sym.st_value == addr) mangled = name;
+  });
+  if (mangled.empty()) return "?";
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled.c_str(), nullptr, nullptr, &status);
+  std::string out = status == 0 && d != nullptr ? d : mangled;
+  std::free(d);
+  for (const char* ns : {"dppo::(anonymous namespace)::", "dppo::", "c10::"}) {
+    for (size_t at = out.find(ns); at != std::string::npos; at = out.find(ns)) out.erase(at, std::strlen(ns));
+  }
+  if (out.rfind("void ", 0) == 0) out.erase(0, 5);
+  const size_t args = out.find(">(");
+  if (args != std::string::npos) out.erase(args + 1);
   return out;
 }
 
@@ -574,8 +623,17 @@ ThreadCtx* current() {
 
 void fail(const std::string& msg) { throw Error(msg); }
 
-void run_grid(dim3 grid, dim3 block, void (*body)(void*), void* arg) {
+void run_grid(const void* kernel, dim3 grid, dim3 block, void (*body)(void*), void* arg) {
   std::lock_guard<std::mutex> launch_lock(g_launch_mutex);
+#ifdef CUDA_EMU_TRAFFIC
+  if (config().mode != Mode::kFiber) fail("the traffic build counts accesses in fiber mode only");
+  traffic::begin(kernel_name(kernel), grid, block);
+  struct EndLaunch {
+    ~EndLaunch() { traffic::end(); }
+  } end_launch;
+#else
+  (void)kernel;
+#endif
   if (block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024) {
     fail("launch: only 1-D blocks of 1..1024 threads are emulated, got (" + std::to_string(block.x) + ", " +
          std::to_string(block.y) + ", " + std::to_string(block.z) + ")");

@@ -1,13 +1,14 @@
 """Build and load the CPU emulation of the CUDA kernels (torch.ops.dppo_cuda_emu.*).
 
-Two translation units compile the kernels headers nvcc compiles, unchanged, with the host compiler
-against the emulation layer cuda_emu.h and the CPU torch's headers: dppo_loss_emu.cpp
-(csrc/cuda/dppo_loss_kernels.cuh, plus the emulator's engine and controls) and vocab_parallel_emu.cpp
-(csrc/cuda/vocab_parallel_kernels.cuh), linked into one shared library with an op namespace of its own. A test tool: it is built
-into build/cuda_emu/ (or a folder given), never into the wheel.
+One translation unit, emu_ops.cpp, compiles the op bodies and kernels headers nvcc compiles
+(csrc/cuda/entry_points.cuh and every header it includes), unchanged, with the host compiler against
+the emulation layer cuda_emu.h and the CPU torch's headers, plus the emulator's engine and controls,
+into one shared library with an op namespace of its own. A test tool: it is built into
+build/cuda_emu/ (or a folder given), never into the wheel.
 
-Variants: ``plain`` (-O1), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer). Sanitized
-libraries need the sanitizer runtime preloaded into Python: see ``sanitizer_env``.
+Variants: ``plain`` (-O1), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer), ``traffic`` (every
+global-memory access counted, cuda_emu_traffic.h). Sanitized libraries need the sanitizer runtime preloaded
+into Python: see ``sanitizer_env``.
 
     python python_tests/cuda_emu/emu_build.py [--variant plain|asan|tsan] [--csrc DIR] [--out DIR]
 
@@ -27,10 +28,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-VARIANTS = ("plain", "asan", "tsan")
+VARIANTS = ("plain", "asan", "tsan", "traffic")
 LIB_NAME = "dppo_cuda_emu.so"
-SOURCES = ("dppo_loss_emu.cpp", "vocab_parallel_emu.cpp")  # one library: the second registers a fragment
-KERNEL_HEADERS = ("dppo_loss_kernels.cuh", "vocab_parallel_kernels.cuh")
+SOURCES = ("emu_ops.cpp",)
+KERNEL_HEADERS = ("entry_points.cuh", "launch_policy.cuh", "common.cuh", "dppo_loss_forward.cuh",
+                  "dppo_loss_backward.cuh", "vocab_parallel_kernels.cuh")
 
 
 def _cxx() -> str:
@@ -49,6 +51,11 @@ def _flags(variant: str) -> list[str]:
         flags += ["-g1", "-fsanitize=address", "-fno-omit-frame-pointer"]
     elif variant == "tsan":
         flags += ["-g1", "-fsanitize=thread"]
+    elif variant == "traffic":
+        # Every load and store becomes a call into cuda_emu_traffic.h's hooks (no sanitizer runtime).
+        flags += ["-g0", "-DCUDA_EMU_TRAFFIC", "-fsanitize=kernel-address", "--param=asan-stack=0",
+                  "--param=asan-globals=0", "--param=asan-instrumentation-with-call-threshold=0",
+                  "--param=asan-instrument-allocas=0"]
     else:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     return flags
@@ -120,7 +127,7 @@ def load(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None 
     lib = build(variant, csrc, out_dir)
     torch.ops.load_library(str(lib))
     ops = torch.ops.dppo_cuda_emu
-    if ops.sanitizer() != {"plain": "none", "asan": "address", "tsan": "thread"}[variant]:
+    if ops.sanitizer() != {"plain": "none", "asan": "address", "tsan": "thread", "traffic": "traffic"}[variant]:
         raise RuntimeError(f"{lib} is not the {variant} build (sanitizer {ops.sanitizer()!r})")
     return ops
 
@@ -128,7 +135,7 @@ def load(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None 
 def sanitizer_env(variant: str) -> dict[str, str]:
     """Environment additions that let Python load a sanitized emulator (the sanitizer runtime must
     be the first library loaded, hence LD_PRELOAD). Empty for the plain build."""
-    if variant == "plain":
+    if variant in ("plain", "traffic"):
         return {}
     # libstdc++ too: Python does not link it, and a sanitizer that starts before it is loaded cannot
     # intercept __cxa_throw (the first C++ exception then aborts the process).

@@ -1,11 +1,13 @@
 """Run the emulated CUDA kernels' checks by hand or from CI (.ci/run).
 
-    python python_tests/cuda_emu/run.py [fiber] [asan] [tsan] [mutations] [-- PYTEST_ARGS...]
+    python python_tests/cuda_emu/run.py [fiber] [asan] [tsan] [traffic] [mutations] [-- PYTEST_ARGS...]
 
   fiber      the whole test grid, fibers, plain -O1 build
   asan       a subset under AddressSanitizer (libasan preloaded into Python)
   tsan       a small subset under ThreadSanitizer, one OS thread per CUDA thread (libtsan preloaded,
              address-space randomization off for the child, as TSan's fixed shadow mapping needs)
+  traffic    the test_traffic_* tests on a build that counts every global-memory load and store: each
+             kernel moves the minimum, and the bytes per logit match benchmarks/results/cuda_traffic.json
   mutations  mutation_check.py: planted kernel bugs must each be caught (add --tsan-mutant to also
              require a TSan race report for each missing-__syncthreads mutant)
 
@@ -26,7 +28,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import emu_build  # noqa: E402
 
-STEPS = ("fiber", "asan", "tsan", "mutations")
+STEPS = ("fiber", "asan", "tsan", "traffic", "mutations")
 
 
 def pytest_step(step: str, extra: list[str]) -> int:
@@ -43,8 +45,10 @@ def pytest_step(step: str, extra: list[str]) -> int:
         cmd += emu_build.tsan_prefix()
     # -s: a sanitizer reports on fd 2 and aborts; pytest's output capture would swallow the report.
     cmd += [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_cuda_emu.py"), *extra]
+    if step == "traffic":
+        cmd += ["-k", "traffic"]
     if variant != "plain":
-        cmd.append("-s")
+        cmd.append("-s")  # a sanitizer's report, the traffic table
     t1 = time.monotonic()
     rc = subprocess.run(cmd, env=env, cwd=REPO).returncode
     print(f"[cuda_emu] {step}: build {t_build:.0f}s, tests {time.monotonic() - t1:.0f}s, exit {rc}", flush=True)
