@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -346,6 +347,9 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     # TRL's colocate mode sets the torch.distributed variables in os.environ: restore them afterwards.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
+    # vLLM's CPU backend lets this variable override the engine's KV-cache size; the config's size must win (and
+    # the variable come back): it is set whenever the reference trainer's engine ran earlier in the process.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     steps = 6
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -355,6 +359,7 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     engine_config = trainer.vllm_generation.llm.llm_engine.vllm_config
     assert engine_config.model_config.dtype == torch.float32
     assert engine_config.cache_config.kv_cache_memory_bytes == 2**28, "dppo_vllm_kv_cache_gib reaches vLLM"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert not [w for w in caught if "TRL currently supports vLLM" in str(w.message)], "TRL's check at engine start"
     seen, snapshots = [], []
     generate = trainer._generate_and_score_completions

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, Optional
@@ -21,6 +23,8 @@ import torch
 
 from ...rollout.vllm_logging import install_benign_warning_filters
 from ...rollout.vllm_outputs import ranked_topk_rows
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["extra_llm_kwargs", "pad_topk", "reload_weights_into_vllm", "split_vllm_logprobs"]
 
@@ -71,6 +75,26 @@ def extra_llm_kwargs(module: ModuleType, **extra: Any) -> Iterator[None]:
         yield
     finally:
         module.LLM = original
+
+
+# vLLM's CPU backend lets this legacy variable override an engine's kv_cache_memory_bytes whenever it is set (and
+# dppo_ext.rollout.VLLMEngine sets it process-wide when it starts an engine).
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+@contextlib.contextmanager
+def kv_cache_env_lifted(kv_cache_memory_bytes: Optional[int]) -> Iterator[None]:
+    """While the block runs, ``VLLM_CPU_KVCACHE_SPACE`` is out of ``os.environ`` when an explicit KV-cache size is
+    given, so that the engine started in the block gets that size; the variable is put back afterwards."""
+    held = os.environ.pop(KV_CACHE_ENV, None) if kv_cache_memory_bytes is not None else None
+    if held is not None:
+        logger.info("dppo_vllm_kv_cache_gib (%d bytes) takes precedence over %s=%s for the colocated engine",
+                    kv_cache_memory_bytes, KV_CACHE_ENV, held)
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.environ[KV_CACHE_ENV] = held
 
 
 def reload_weights_into_vllm(generation: Any) -> None:

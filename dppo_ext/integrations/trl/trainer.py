@@ -18,7 +18,13 @@ import torch
 from ... import DPPOOutputs, aggregate_loss, dppo_metrics
 from ...contract import IGNORE_INDEX, NORM_AGG_MODES, TOPK_MODES
 from .config import DPPOGRPOConfig
-from .generation import extra_llm_kwargs, pad_topk, reload_weights_into_vllm, split_vllm_logprobs
+from .generation import (
+    extra_llm_kwargs,
+    kv_cache_env_lifted,
+    pad_topk,
+    reload_weights_into_vllm,
+    split_vllm_logprobs,
+)
 from .head import DPPOForwardOutput, add_dppo_head, flat_float
 from .versions import import_trl, tested_vllm_warning_silenced
 
@@ -99,7 +105,11 @@ class DPPOGRPOTrainer(GRPOTrainer):
         if colocate and args.dppo_vllm_kv_cache_gib is not None:
             llm_kwargs["kv_cache_memory_bytes"] = int(args.dppo_vllm_kv_cache_gib * 2**30)
         # TRL checks vLLM's version again when it starts the engine.
-        with extra_llm_kwargs(trl_vllm_generation, **llm_kwargs), tested_vllm_warning_silenced():
+        with (
+            extra_llm_kwargs(trl_vllm_generation, **llm_kwargs),
+            kv_cache_env_lifted(llm_kwargs.get("kv_cache_memory_bytes")),
+            tested_vllm_warning_silenced(),
+        ):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         if colocate and not args.vllm_enable_sleep_mode:
             self.vllm_generation.sync_weights = types.MethodType(reload_weights_into_vllm, self.vllm_generation)
