@@ -59,19 +59,18 @@ from . import (
     ops,  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
     vocab_parallel,
 )
-from ._autograd import check_no_functorch, grad_args, input_grads, refuse_double_backward
-from ._chunking import (
-    FusedLinearPlan,
-    check_chunk_settings,
-    check_fused_inputs,
-    head_backward,
-    logits_tiles,
-    plan_chunks,
+from ._autograd import check_no_functorch
+from ._chunking import FusedLinearPlan, check_chunk_settings, check_fused_inputs, plan_chunks
+from ._fused_autograd import (
+    FusedLinearGradsInForward,
+    FusedLinearRecompute,
+    aggregation_coefficients,
+    grads_will_be_needed,
 )
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
 from ._vocab_shards import Rendezvous, agreed_failures, check_split_args
 from .aggregation import aggregate_with, dppo_metrics
-from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
+from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
 
 __all__ = [
     "FusedLinearDPPOLoss",
@@ -80,159 +79,6 @@ __all__ = [
     "fused_linear_dppo_loss_per_row",
     "plan_chunks",
 ]
-
-# Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
-_OFF_BLOCK_GAP = 1.0e4
-
-
-class _FusedLinearDPPO(torch.autograd.Function):
-    """Autograd function; see the module docstring for the forward/backward scheme."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context):
-        n = hidden.shape[0]
-        outs = [torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device) for _ in range(7)]
-        if n > 0:
-            with weight_context():
-                for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
-                    chunk_outs = torch.ops.dppo.dppo_loss_forward(
-                        tile.logits, *rows.narrow(tile.rows), *settings.op_args()
-                    )
-                    for out, chunk_out in zip(outs, chunk_outs):
-                        out[tile.rows] = chunk_out
-        loss, logp, divergence, mask, row_weight, entropy, lse = outs
-        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse)
-        ctx.settings = settings
-        ctx.plan = plan
-        ctx.weight_context = weight_context
-        ctx.mark_non_differentiable(divergence, mask, row_weight, lse)
-        return loss, logp, divergence, mask, row_weight, entropy, lse
-
-    @staticmethod
-    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
-        refuse_double_backward("fused_linear_dppo_loss")
-        return input_grads(ctx, *_recompute_backward(ctx, ctx.saved_tensors, ctx.plan, g_loss, g_logp, g_entropy))
-
-
-def _recompute_backward(ctx, saved, plan: FusedLinearPlan, g_loss, g_logp, g_entropy):
-    """``(grad_hidden, grad_weight, grad_bias)`` from the upstream gradients of the per-row ``loss``, ``logp`` and
-    ``entropy``, the logits recomputed in the tiles of ``plan``; ``saved``: ``(hidden, weight, bias, tokens,
-    advantages, row_weight, mask, entropy, lse)``; ``ctx`` carries ``settings`` and ``weight_context``."""
-    hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = saved
-    settings = ctx.settings
-    temperature = float(settings.temperature)
-    grad_target, grad_entropy, entropy_arg = grad_args(
-        settings.compute_entropy, advantages, mask, row_weight, g_loss, g_logp, g_entropy, entropy
-    )
-    valid = tokens != IGNORE_INDEX
-
-    def tile_grad(tile):
-        """d loss / d logits of one tile, written over its logits by the in-place backward op."""
-        r, tok = tile.rows, tokens[tile.rows]
-        if tile.has_spare_column:
-            # A row whose token lies outside this vocabulary block points at the spare column, which holds a
-            # finite logit far below the row's lse (probability 0); its gradient there is discarded.
-            v0, width = tile.cols.start, tile.logits.shape[1]
-            in_block = (tok >= v0) & (tok < tile.cols.stop)
-            tok = torch.where(in_block, tok - v0, torch.full_like(tok, width))
-            tok = torch.where(valid[r], tok, torch.full_like(tok, IGNORE_INDEX))
-            tile.padded[:, width] = (lse[r] - _OFF_BLOCK_GAP) * temperature
-        ge = None if grad_entropy is None else grad_entropy[r]
-        ent = None if entropy_arg is None else entropy_arg[r]
-        torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
-        return tile.logits
-
-    needs = ctx.needs_input_grad[:3]
-    return head_backward(hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context)
-
-
-class _FusedLinearDPPOGradsInForward(torch.autograd.Function):
-    """The aggregated loss, with the LM head's gradients computed in the forward (see the module docstring).
-
-    Returns ``(loss, *per-row outputs)``; only the scalar ``loss`` is differentiable. ``valid [*lead]`` is the
-    response mask the aggregation takes, ``coef [N]`` its ``d loss / d loss_rows``.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context, valid, coef):
-        n = hidden.shape[0]
-        acc = accumulation_dtype(hidden.dtype)
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        outs = [torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(7)]
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=hidden.device) if need_bias else None
-        weight_acc = None  # sum over chunks of g^T @ h in float32 (float64): in place when that is weight's dtype
-        temperature = float(settings.temperature)
-        with weight_context():
-            for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
-                r = tile.rows
-                chunk = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(r), *settings.op_args())
-                for out, chunk_out in zip(outs, chunk):
-                    out[r] = chunk_out
-                _loss, _logp, _div, mask, row_weight, entropy, lse = chunk
-                grad_target, _, _ = grad_args(
-                    settings.compute_entropy, rows.advantages[r], mask, row_weight, coef[r], 0.0, None, entropy
-                )
-                g = tile.logits  # overwritten with d loss / d logits
-                torch.ops.dppo.dppo_loss_backward_(grad_target, None, g, rows.tokens[r], lse, None, temperature)
-                if need_hidden:
-                    torch.mm(g, weight, out=grad_hidden[r])
-                if need_weight:
-                    if weight_acc is None:
-                        weight_acc = torch.mm(g.t(), tile.hidden).to(acc)
-                    elif weight_acc.dtype == g.dtype:
-                        weight_acc.addmm_(g.t(), tile.hidden)
-                    else:
-                        weight_acc += torch.mm(g.t(), tile.hidden)
-                if need_bias:
-                    grad_bias += g.sum(0, dtype=acc)
-        grad_weight = None
-        if need_weight:
-            grad_weight = torch.zeros_like(weight) if weight_acc is None else weight_acc.to(weight.dtype)
-            del weight_acc
-        loss_rows, logp, divergence, mask, row_weight, entropy, lse = outs
-        loss = aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
-        # not saved tensors: the backward hands them to autograd, which then holds the only reference (no copy)
-        ctx.grads = [grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)]
-        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse, coef)
-        ctx.settings, ctx.weight_context = settings, weight_context
-        ctx.mark_non_differentiable(*outs)
-        return loss, *outs
-
-    @staticmethod
-    def backward(ctx, g_loss, *_g_rows):
-        refuse_double_backward("fused_linear_dppo_loss")
-        grads, ctx.grads = ctx.grads, None
-        if grads is not None:
-            return input_grads(ctx, *(None if t is None else t.mul_(g_loss) for t in grads))
-        # A second backward through the same graph (retain_graph=True): the first one took the forward's gradients.
-        *saved, coef = ctx.saved_tensors
-        hidden, weight = saved[:2]
-        plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype)
-        grads = _recompute_backward(ctx, saved, plan, g_loss * coef, torch.zeros_like(coef), None)
-        return input_grads(ctx, *grads)
-
-
-def _grads_will_be_needed(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether autograd will differentiate the loss w.r.t. the LM head's inputs (the forward then computes the
-    gradients as it goes)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-
-
-def _aggregation_coefficients(valid: torch.Tensor, settings: LossSettings, dtype: torch.dtype) -> torch.Tensor:
-    """``d loss / d loss_rows [N]`` of the aggregation (linear in the per-row loss), by differentiating it."""
-
-    def aggregated(loss_rows: torch.Tensor) -> torch.Tensor:
-        return aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
-
-    probe = torch.zeros(valid.numel(), dtype=dtype, device=valid.device)
-    if torch.compiler.is_compiling():  # torch.compile traces torch.func.grad, not a tensor created with grad
-        return torch.func.grad(aggregated)(probe)
-    # eager: plain autograd (torch.func's first call imports torch._dynamo, ~140 MiB of resident memory)
-    with torch.enable_grad():
-        probe.requires_grad_(True)
-        (coef,) = torch.autograd.grad(aggregated(probe), probe)
-    return coef
 
 
 def _per_row(
@@ -272,7 +118,9 @@ def _per_row(
     chunking = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=memory_budget_bytes)
     plan = plan_chunks(n, vocab, hidden_size, hidden.dtype, **chunking)
     return DPPOOutputs(
-        *_FusedLinearDPPO.apply(hidden, weight, bias, rows, settings, plan, weight_context or contextlib.nullcontext)
+        *FusedLinearRecompute.apply(
+            hidden, weight, bias, rows, settings, plan, weight_context or contextlib.nullcontext
+        )
     )
 
 
@@ -437,11 +285,11 @@ def fused_linear_dppo_loss(
         )
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
-        if rendezvous is None and vocab_chunk_size is None and _grads_will_be_needed(flat, weight, bias):
+        if rendezvous is None and vocab_chunk_size is None and grads_will_be_needed(flat, weight, bias):
             check_fused_inputs(flat, weight, bias, rows)
             chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
             plan = plan_chunks(flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, **chunking)
-            loss, *outs = _FusedLinearDPPOGradsInForward.apply(
+            loss, *outs = FusedLinearGradsInForward.apply(
                 flat,
                 weight,
                 bias,
@@ -450,7 +298,7 @@ def fused_linear_dppo_loss(
                 plan,
                 weight_context or contextlib.nullcontext,
                 valid,
-                _aggregation_coefficients(valid, settings, rows.advantages.dtype),
+                aggregation_coefficients(valid, settings, rows.advantages.dtype),
             )
             out = DPPOOutputs(*outs)
             return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))

@@ -28,6 +28,7 @@ LIBRARY = (
     "_chunking",
     "_vocab_shards",
     "ops",
+    "_fused_autograd",
     "loss",
     "fused_linear",
     "vocab_parallel",
@@ -131,7 +132,7 @@ def test_no_import_circle():
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), f"{module} imports a module above it: {graph[module]}"
     front_ends = {"dppo_ext.loss", "dppo_ext.fused_linear", "dppo_ext.vocab_parallel"}
-    for module in order + ["dppo_ext.ops", "dppo_ext._vocab_shards"]:
+    for module in order + ["dppo_ext.ops", "dppo_ext._vocab_shards", "dppo_ext._fused_autograd"]:
         assert not graph[module] & front_ends, f"{module} imports a front end: {graph[module] & front_ends}"
 
 

@@ -1,0 +1,181 @@
+"""The autograd functions of the fused LM-head + DPPO loss (the design is in :mod:`dppo_ext.fused_linear`'s docstring).
+
+* :class:`FusedLinearRecompute`: per-row outputs, any upstream gradient; the backward recomputes the logits tile by
+  tile (four LM-head products per training step).
+* :class:`FusedLinearGradsInForward`: the aggregated loss, with the LM head's gradients computed in the forward
+  chunk by chunk (three products, as the logits path), for :func:`dppo_ext.fused_linear_dppo_loss` in training.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
+from ._autograd import grad_args, input_grads, refuse_double_backward
+from ._chunking import FusedLinearPlan, head_backward, logits_tiles, plan_chunks
+from ._rows import LossSettings, RowInputs
+from .aggregation import aggregate_with
+from .contract import IGNORE_INDEX, accumulation_dtype
+
+__all__ = [
+    "FusedLinearGradsInForward",
+    "FusedLinearRecompute",
+    "aggregation_coefficients",
+    "grads_will_be_needed",
+    "recompute_backward",
+]
+
+# Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
+OFF_BLOCK_GAP = 1.0e4
+
+
+class FusedLinearRecompute(torch.autograd.Function):
+    """Autograd function; see the module docstring for the forward/backward scheme."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context):
+        n = hidden.shape[0]
+        outs = [torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device) for _ in range(7)]
+        if n > 0:
+            with weight_context():
+                for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
+                    chunk_outs = torch.ops.dppo.dppo_loss_forward(
+                        tile.logits, *rows.narrow(tile.rows), *settings.op_args()
+                    )
+                    for out, chunk_out in zip(outs, chunk_outs):
+                        out[tile.rows] = chunk_out
+        loss, logp, divergence, mask, row_weight, entropy, lse = outs
+        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse)
+        ctx.settings = settings
+        ctx.plan = plan
+        ctx.weight_context = weight_context
+        ctx.mark_non_differentiable(divergence, mask, row_weight, lse)
+        return loss, logp, divergence, mask, row_weight, entropy, lse
+
+    @staticmethod
+    def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
+        refuse_double_backward("fused_linear_dppo_loss")
+        return input_grads(ctx, *recompute_backward(ctx, ctx.saved_tensors, ctx.plan, g_loss, g_logp, g_entropy))
+
+
+def recompute_backward(ctx, saved, plan: FusedLinearPlan, g_loss, g_logp, g_entropy):
+    """``(grad_hidden, grad_weight, grad_bias)`` from the upstream gradients of the per-row ``loss``, ``logp`` and
+    ``entropy``, the logits recomputed in the tiles of ``plan``; ``saved``: ``(hidden, weight, bias, tokens,
+    advantages, row_weight, mask, entropy, lse)``; ``ctx`` carries ``settings`` and ``weight_context``."""
+    hidden, weight, bias, tokens, advantages, row_weight, mask, entropy, lse = saved
+    settings = ctx.settings
+    temperature = float(settings.temperature)
+    grad_target, grad_entropy, entropy_arg = grad_args(
+        settings.compute_entropy, advantages, mask, row_weight, g_loss, g_logp, g_entropy, entropy
+    )
+    valid = tokens != IGNORE_INDEX
+
+    def tile_grad(tile):
+        """d loss / d logits of one tile, written over its logits by the in-place backward op."""
+        r, tok = tile.rows, tokens[tile.rows]
+        if tile.has_spare_column:
+            # A row whose token lies outside this vocabulary block points at the spare column, which holds a
+            # finite logit far below the row's lse (probability 0); its gradient there is discarded.
+            v0, width = tile.cols.start, tile.logits.shape[1]
+            in_block = (tok >= v0) & (tok < tile.cols.stop)
+            tok = torch.where(in_block, tok - v0, torch.full_like(tok, width))
+            tok = torch.where(valid[r], tok, torch.full_like(tok, IGNORE_INDEX))
+            tile.padded[:, width] = (lse[r] - OFF_BLOCK_GAP) * temperature
+        ge = None if grad_entropy is None else grad_entropy[r]
+        ent = None if entropy_arg is None else entropy_arg[r]
+        torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
+        return tile.logits
+
+    needs = ctx.needs_input_grad[:3]
+    return head_backward(hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context)
+
+
+class FusedLinearGradsInForward(torch.autograd.Function):
+    """The aggregated loss, with the LM head's gradients computed in the forward (see the module docstring).
+
+    Returns ``(loss, *per-row outputs)``; only the scalar ``loss`` is differentiable. ``valid [*lead]`` is the
+    response mask the aggregation takes, ``coef [N]`` its ``d loss / d loss_rows``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context, valid, coef):
+        n = hidden.shape[0]
+        acc = accumulation_dtype(hidden.dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        outs = [torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(7)]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=hidden.device) if need_bias else None
+        weight_acc = None  # sum over chunks of g^T @ h in float32 (float64): in place when that is weight's dtype
+        temperature = float(settings.temperature)
+        with weight_context():
+            for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
+                r = tile.rows
+                chunk = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(r), *settings.op_args())
+                for out, chunk_out in zip(outs, chunk):
+                    out[r] = chunk_out
+                _loss, _logp, _div, mask, row_weight, entropy, lse = chunk
+                grad_target, _, _ = grad_args(
+                    settings.compute_entropy, rows.advantages[r], mask, row_weight, coef[r], 0.0, None, entropy
+                )
+                g = tile.logits  # overwritten with d loss / d logits
+                torch.ops.dppo.dppo_loss_backward_(grad_target, None, g, rows.tokens[r], lse, None, temperature)
+                if need_hidden:
+                    torch.mm(g, weight, out=grad_hidden[r])
+                if need_weight:
+                    if weight_acc is None:
+                        weight_acc = torch.mm(g.t(), tile.hidden).to(acc)
+                    elif weight_acc.dtype == g.dtype:
+                        weight_acc.addmm_(g.t(), tile.hidden)
+                    else:
+                        weight_acc += torch.mm(g.t(), tile.hidden)
+                if need_bias:
+                    grad_bias += g.sum(0, dtype=acc)
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros_like(weight) if weight_acc is None else weight_acc.to(weight.dtype)
+            del weight_acc
+        loss_rows, logp, divergence, mask, row_weight, entropy, lse = outs
+        loss = aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
+        # not saved tensors: the backward hands them to autograd, which then holds the only reference (no copy)
+        ctx.grads = [grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)]
+        ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse, coef)
+        ctx.settings, ctx.weight_context = settings, weight_context
+        ctx.mark_non_differentiable(*outs)
+        return loss, *outs
+
+    @staticmethod
+    def backward(ctx, g_loss, *_g_rows):
+        refuse_double_backward("fused_linear_dppo_loss")
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None:
+            return input_grads(ctx, *(None if t is None else t.mul_(g_loss) for t in grads))
+        # A second backward through the same graph (retain_graph=True): the first one took the forward's gradients.
+        *saved, coef = ctx.saved_tensors
+        hidden, weight = saved[:2]
+        plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype)
+        grads = recompute_backward(ctx, saved, plan, g_loss * coef, torch.zeros_like(coef), None)
+        return input_grads(ctx, *grads)
+
+
+def grads_will_be_needed(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will differentiate the loss w.r.t. the LM head's inputs (the forward then computes the
+    gradients as it goes)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+
+
+def aggregation_coefficients(valid: torch.Tensor, settings: LossSettings, dtype: torch.dtype) -> torch.Tensor:
+    """``d loss / d loss_rows [N]`` of the aggregation (linear in the per-row loss), by differentiating it."""
+
+    def aggregated(loss_rows: torch.Tensor) -> torch.Tensor:
+        return aggregate_with(loss_rows.reshape(valid.shape), valid, settings)
+
+    probe = torch.zeros(valid.numel(), dtype=dtype, device=valid.device)
+    if torch.compiler.is_compiling():  # torch.compile traces torch.func.grad, not a tensor created with grad
+        return torch.func.grad(aggregated)(probe)
+    # eager: plain autograd (torch.func's first call imports torch._dynamo, ~140 MiB of resident memory)
+    with torch.enable_grad():
+        probe.requires_grad_(True)
+        (coef,) = torch.autograd.grad(aggregated(probe), probe)
+    return coef
