@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing.tasks import leading_digit_task
 
-from dppo_ext.tasks import Task, make_arithmetic_task
 from dppo_ext.trainer.batch import collate_rollouts, response_logits
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.loop import Trainer
@@ -26,19 +26,6 @@ pytestmark = pytest.mark.vllm
 # float32 vLLM (CPU) and float32 transformers agree on token log-probs to ~1e-6; a stale engine
 # after the update below is off by > 1e-2.
 SYNC_TOL = 1e-4
-
-
-class LeadingDigitTask(Task):
-    """Arithmetic prompts with a reward a random tiny model already earns about half the time
-    (the response starts with a digit), so group advantages are non-zero from the first step."""
-
-    def reward(self, response: str, answer: str) -> float:
-        return float(response[:1].isdigit())
-
-
-def _task() -> Task:
-    base = make_arithmetic_task(max_operand=9, num_eval=8, num_sft=0, seed=0)
-    return LeadingDigitTask(name="leading-digit", train=base.train, eval=base.eval, verifier="exact")
 
 
 def _config(tmp_path: Path, **overrides) -> TrainConfig:
@@ -65,7 +52,7 @@ def test_vllm_training_steps_change_weights_and_stay_in_sync(tmp_path, tiny_mode
 
     engine = restore_engine
     config = _config(tmp_path, loss=loss, top_k=top_k)
-    trainer = Trainer(config, tiny_model, AutoTokenizer.from_pretrained(tiny_model_dir), _task(), engine, tmp_path)
+    trainer = Trainer(config, tiny_model, AutoTokenizer.from_pretrained(tiny_model_dir), leading_digit_task(), engine, tmp_path)
     before = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
     records = [trainer.train_step() for _ in range(config.steps)]
     assert any(not torch.equal(before[name], p) for name, p in tiny_model.named_parameters())
@@ -93,7 +80,7 @@ def test_weight_sync_makes_vllm_logprobs_match_the_trainer(tmp_path, tiny_model,
     temperature = 0.8
     config = _config(tmp_path, temperature=temperature, lr=2e-2, num_minibatches=1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = Trainer(config, tiny_model, tokenizer, _task(), engine, tmp_path)
+    trainer = Trainer(config, tiny_model, tokenizer, leading_digit_task(), engine, tmp_path)
     engine.sync_weights(tiny_model)
     prompts = [trainer.encode_prompt(p.prompt) for p in trainer.task.train[:6]]
 

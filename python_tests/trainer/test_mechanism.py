@@ -8,26 +8,12 @@ import math
 
 import pytest
 import torch
+from dppo_testing.tasks import leading_digit_task
 
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MU_BIN_EDGES
 
 TEMPERATURE = 0.5  # a random tiny model is near-uniform; a low temperature makes the noisy mu peaked (mu > 0.5 exists)
-
-
-class _DigitTask:
-    """Arithmetic prompts rewarded when the response starts with a digit (about half the samples of a random
-    tiny model), so advantages are non-zero from the first step."""
-
-    def __new__(cls):
-        from dppo_ext.tasks import Task, make_arithmetic_task
-
-        class LeadingDigit(Task):
-            def reward(self, response: str, answer: str) -> float:
-                return float(response[:1].isdigit())
-
-        base = make_arithmetic_task(max_operand=9, num_eval=8, num_sft=0, seed=0)
-        return LeadingDigit(name="leading-digit", train=base.train, eval=base.eval, verifier="exact")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,7 @@ def _trainer(tiny_dir, tmp_path, **overrides):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
-    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), _DigitTask(), engine, tmp_path)
+    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), leading_digit_task(), engine, tmp_path)
 
 
 def _token_logp(model, micro) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing.tasks import leading_digit_task
 
 from dppo_ext import dppo_loss
 from dppo_ext.trainer.config import TrainConfig
@@ -101,21 +102,6 @@ def test_loss_flags_override_the_loss_defaults():
 
 
 # ---------------------------------------------------------------- the trainer: anchor and lag
-class _DigitTask:
-    """Arithmetic prompts rewarded when the response starts with a digit (a random tiny model
-    earns it about half the time, so advantages are non-zero from the first step)."""
-
-    def __new__(cls):
-        from dppo_ext.tasks import Task, make_arithmetic_task
-
-        class LeadingDigit(Task):
-            def reward(self, response: str, answer: str) -> float:
-                return float(response[:1].isdigit())
-
-        base = make_arithmetic_task(max_operand=9, num_eval=8, num_sft=0, seed=0)
-        return LeadingDigit(name="leading-digit", train=base.train, eval=base.eval, verifier="exact")
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from dppo_ext.models.tiny import build_tiny_model
@@ -136,7 +122,7 @@ def _trainer(tiny_dir, tmp_path, **overrides):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
-    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), _DigitTask(), engine, tmp_path)
+    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), leading_digit_task(), engine, tmp_path)
 
 
 def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_dir, tmp_path, monkeypatch):
