@@ -5,23 +5,30 @@ require grad), the LM-head matmul included:
 
   fused            dppo_ext.fused_linear_dppo_loss(hidden, weight, ...) as a trainer calls it: the hidden and
                    weight gradients computed in the forward, chunk by chunk (three LM-head products)
+  fused_f32sums    the same with accum_dtype=torch.float32: in 16-bit dtypes the weight gradient is summed over
+                   the chunks in a float32 accumulator (by default: in the 16-bit gradient itself); in float32 the
+                   same as fused
   fused_recompute  dppo_ext.fused_linear_dppo_loss_per_row(...).loss, summed / N by the caller: the per-row path,
                    whose backward recomputes the logits tile by tile (four LM-head products)
   logits           logits = hidden @ weight.T; dppo_ext.dppo_loss(logits, ...)
   logits_inplace   the same with inplace_backward=True (the gradient is written into the logits buffer)
 
-``--chunk-sizes 64,256`` adds ``fused@64``, ``fused@256``: the fused path with that many rows per chunk (the sweep
-the automatic plan's chunk sizes were picked from).
+``--chunk-sizes 64,256`` adds ``fused@64``, ``fused@256`` (and ``fused_f32sums@64``, ... when ``fused_f32sums`` is
+among the cases): the fused path with that many rows per chunk (the sweep the automatic plan's chunk sizes were
+picked from).
 
-Memory is measured, never estimated. On CPU every case runs in a fresh subprocess; the peak resident set is reset
-after the inputs exist (``/proc/self/clear_refs``) and the step's peak is ``VmHWM - VmRSS`` at that point, the
-largest over the warm-up and timed steps. On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the allocated
+Memory is measured, never estimated. On CPU every case runs in a fresh subprocess, which first runs the case once on
+a 64-row input (the libraries' one-time buffers, e.g. the BLAS's, then exist, as they do in any trainer after its
+first step); the peak resident set is reset after the full-size inputs exist (``/proc/self/clear_refs``) and the
+step's peak is ``VmHWM - VmRSS`` at that point, the largest over the warm-up and timed steps (the first full-size
+step allocates every buffer fresh). On CUDA it is ``torch.cuda.max_memory_allocated()`` minus the allocated
 bytes before the step. The gradients of hidden and weight are part of every case's peak.
 
-Time is measured in one more process that runs every case in turn, round after round (the order rotates each
-round), so a loaded machine slows them alike: each case's median step time, and its median over the rounds of
-``time / the logits path's time in the same round``; the same for the process's CPU time (all threads), which a
-shared machine's other jobs inflate far less than the wall time.
+Time is measured in one more process, with the allocator's default settings (as a trainer has them), that runs
+every case in turn, round after round (the order rotates each round), so a loaded machine slows them alike: each
+case's median step time, and its median over the rounds of ``time / the logits path's time in the same round``;
+the same for the process's CPU time (all threads), which a shared machine's other jobs inflate far less than the
+wall time.
 
     python benchmarks/bench_fused_linear.py                  # N=8192, H=2048, V=151936, bf16
     python benchmarks/bench_fused_linear.py --small          # N=2048, H=512, V=32768: minutes on 2 cores
@@ -46,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchlib.peak_memory import MALLOC_ENV  # noqa: E402  (benchmarks/ on the path first)
 
-CASES = ("fused", "fused_recompute", "logits", "logits_inplace")
+CASES = ("fused", "fused_f32sums", "fused_recompute", "logits", "logits_inplace")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TARGET = {"n": 8192, "hidden": 2048, "vocab": 151936}
 SMALL = {"n": 2048, "hidden": 512, "vocab": 32768}
@@ -76,14 +83,15 @@ def _split_case(case: str) -> tuple[str, int | None]:
 class Step:
     """The inputs of one configuration and a loss step of any case on them."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, n: int | None = None) -> None:
         import torch
 
         torch.manual_seed(0)
         self.torch = torch
         self.device = torch.device(args.device)
         dtype = getattr(torch, DTYPES[args.dtype])
-        n, h, v = args.n, args.hidden, args.vocab
+        self.dtype = dtype
+        n, h, v = args.n if n is None else n, args.hidden, args.vocab
         self.n = n
         self.hidden = torch.randn(n, h, device=self.device, dtype=dtype).requires_grad_(True)
         self.weight = (torch.randn(v, h, device=self.device, dtype=dtype) * 0.02).requires_grad_(True)
@@ -101,8 +109,10 @@ class Step:
         name, chunk = _split_case(case)
         self.hidden.grad = self.weight.grad = None
         args = (self.tokens, self.rollout, self.advantages)
-        if name == "fused":
-            loss = fused_linear_dppo_loss(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)[0]
+        if name in ("fused", "fused_f32sums"):
+            accum = self.torch.float32 if name == "fused_f32sums" else None
+            loss = fused_linear_dppo_loss(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk,
+                                          accum_dtype=accum)[0]
         elif name == "fused_recompute":
             out = fused_linear_dppo_loss_per_row(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)
             loss = out.loss.sum() / self.n
@@ -115,6 +125,10 @@ class Step:
 
 def run_memory_case(args: argparse.Namespace) -> dict:
     """Child process: one case, its step's peak beyond what was live before it, and its times."""
+    small = Step(args, n=min(args.n, 64))  # the libraries' one-time allocations happen here, not in a measured step
+    small(args.case)
+    del small
+    gc.collect()
     step = Step(args)
     torch = step.torch
     peaks, times = [], []
@@ -174,7 +188,10 @@ def _plan(args: argparse.Namespace, case: str) -> dict | None:
     if not name.startswith("fused"):
         return None
     dtype = getattr(torch, DTYPES[args.dtype])
-    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=name == "fused")
+    in_forward = name in ("fused", "fused_f32sums")
+    accum = torch.float32 if name == "fused_f32sums" else None
+    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=in_forward,
+                       accum_dtype=accum)
     return plan.__dict__
 
 
@@ -190,9 +207,10 @@ def _child(args: argparse.Namespace, extra: list[str]) -> dict:
     passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
                    "--device", args.device, "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                    "--rounds", str(args.rounds)]
-    # the memory children: every freed block of 64 KiB or more leaves the resident set (benchlib/peak_memory.py)
-    proc = subprocess.run([sys.executable, __file__, *passthrough, *extra], capture_output=True, text=True,
-                          env=dict(os.environ, **MALLOC_ENV))
+    # the memory children: every freed block of 64 KiB or more leaves the resident set (benchlib/peak_memory.py);
+    # the timing child keeps the allocator's defaults, as a trainer has them
+    env = dict(os.environ, **MALLOC_ENV) if "--case" in extra else dict(os.environ)
+    proc = subprocess.run([sys.executable, __file__, *passthrough, *extra], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"child {extra} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -234,7 +252,8 @@ def main() -> None:
         print(json.dumps(run_timing(args, args.timing.split(","))))
         return
 
-    cases = list(args.cases) + [f"fused@{int(c)}" for c in args.chunk_sizes.split(",") if c]
+    swept = [c for c in ("fused", "fused_f32sums") if c in args.cases] or ["fused"]
+    cases = list(args.cases) + [f"{c}@{int(r)}" for c in swept for r in args.chunk_sizes.split(",") if r]
     element = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     # Only a guard against swapping the machine: logits + their gradient + weight and its gradient.
     rough_need = (2 * args.n * args.vocab + 2 * args.vocab * args.hidden) * element

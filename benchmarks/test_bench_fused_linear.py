@@ -4,6 +4,8 @@ One step is forward + backward of the token-mean loss from ``hidden [N, H]`` and
 grad), the LM-head matmul included:
 
 - ``fused``: ``dppo_ext.fused_linear_dppo_loss`` as a trainer calls it (no ``[N, V]`` logits tensor).
+- ``fused_f32sums`` (bfloat16 only): the same with ``accum_dtype=torch.float32`` (the weight gradient summed in a
+  float32 accumulator across chunks, not in the bf16 gradient itself).
 - ``fused_per_row``: ``fused_linear_dppo_loss_per_row`` with the caller's own token mean (the path whose
   per-row outputs take any upstream gradient).
 - ``logits``: ``logits = hidden @ weight.T`` then ``dppo_ext.dppo_loss``; ``logits_inplace`` the same with
@@ -31,9 +33,10 @@ N = int(os.environ.get("DPPO_BENCH_FL_N", "512"))
 H = int(os.environ.get("DPPO_BENCH_FL_H", "256"))
 V = int(os.environ.get("DPPO_BENCH_FL_V", "8192"))
 ROUNDS = int(os.environ.get("DPPO_BENCH_ROUNDS", "5"))
-PATHS = ("fused", "fused_per_row", "logits", "logits_inplace")
+PATHS = ("fused", "fused_f32sums", "fused_per_row", "logits", "logits_inplace")
 PHASES = ("fwd+bwd", "forward")
-CASES = [(dtype, path, phase) for dtype in ("float32", "bfloat16") for path in PATHS for phase in PHASES]
+CASES = [(dtype, path, phase) for dtype in ("float32", "bfloat16") for path in PATHS for phase in PHASES
+         if not (path == "fused_f32sums" and dtype == "float32")]  # float32 sums are float32 already
 MODE = "binary_tv"
 
 
@@ -48,9 +51,10 @@ def _inputs(dtype: torch.dtype) -> dict:
 
 
 def _loss(path: str, x: dict) -> torch.Tensor:
-    if path == "fused":
+    if path in ("fused", "fused_f32sums"):
+        accum = torch.float32 if path == "fused_f32sums" else None
         loss, _ = fused_linear_dppo_loss(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],
-                                         mode=MODE)
+                                         mode=MODE, accum_dtype=accum)
         return loss
     if path == "fused_per_row":
         out = fused_linear_dppo_loss_per_row(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],

@@ -27,11 +27,13 @@ from .contract import LOGITS_DTYPES, accumulation_dtype
 __all__ = [
     "FusedLinearPlan",
     "LogitsTile",
+    "check_accum_dtype",
     "check_chunk_settings",
     "check_fused_inputs",
     "head_backward",
     "logits_tiles",
     "plan_chunks",
+    "resolve_accum_dtype",
 ]
 
 # Smallest vocabulary block the automatic plan uses before it also splits rows (keeps matmuls efficient).
@@ -39,12 +41,12 @@ MIN_VOCAB_BLOCK = 2048
 # Default memory budget for one logits buffer: max(this, the size of ``hidden``).
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 # Rows per chunk of a training forward, which computes the LM head's gradients chunk by chunk
-# (plan_chunks(grads_in_forward=True)): every chunk adds g^T @ h into the whole [V, H] grad_weight, so that read and
-# write (and the small inner size of the product) cost ~1/rows of the chunk's own products; in 16-bit dtypes each
-# chunk's product also passes through a temporary on its way into the float32 accumulator, so they take twice the
-# rows. Measured at N=2048, H=512, V=32768 (process CPU time against the logits path's,
-# benchmarks/bench_fused_linear.py --small --chunk-sizes ...): float32 64 rows 1.64x, 128 1.18x, 256 1.01x;
-# bfloat16 256 rows 1.34x, 512 1.13x, 1024 1.12x (docs/benchmarks.md).
+# (plan_chunks(grads_in_forward=True)). Each chunk's three products stream a whole [V, H] operand once (the BLAS
+# packs W for h_c @ W^T and for g @ W; g^T @ h_c reads and writes grad_weight), a cost of ~1/rows of the chunk's
+# own multiply-adds whatever V and H are: at N=2048, H=512, V=32768, float32, AVX-512, 2 threads, the two W
+# products took 1.30x (128 rows) and 1.20x (256 rows) their time as one 2048-row product, the grad_weight product
+# 1.0x. The default is at least this many rows, and H / 4 rows when that is more (a chunk's logits then cost at most
+# a quarter of the weight gradient's memory): whole steps against the logits path are in docs/results.md.
 MIN_TRAINING_CHUNK_ROWS = 256
 # More rows when they fit in this many bytes of logits (a small vocabulary).
 TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
@@ -80,6 +82,27 @@ def check_chunk_settings(
         raise ValueError(f"memory_budget_bytes must be positive or None, got {memory_budget_bytes!r}")
 
 
+def check_accum_dtype(accum_dtype: Optional[torch.dtype]) -> None:
+    """``accum_dtype`` is None or a floating-point ``torch.dtype`` (which ones a call accepts depends on hidden's
+    dtype, see :func:`resolve_accum_dtype`)."""
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be None or a floating-point torch.dtype, got {accum_dtype!r}")
+
+
+def resolve_accum_dtype(accum_dtype: Optional[torch.dtype], dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the weight gradient's partial sums across row chunks for ``dtype`` inputs: ``accum_dtype``, or
+    by default ``dtype`` itself (the gradient's own dtype). Only that and the accumulation dtype (float32; float64
+    for float64 inputs) are accepted."""
+    check_accum_dtype(accum_dtype)
+    if accum_dtype is None:
+        return dtype
+    wide = accumulation_dtype(dtype)
+    if accum_dtype not in (wide, dtype):
+        allowed = f"None or {dtype}" if wide == dtype else f"None, {wide} or {dtype} (hidden's dtype)"
+        raise TypeError(f"accum_dtype must be {allowed} for {dtype} hidden, got {accum_dtype}")
+    return accum_dtype
+
+
 def plan_chunks(
     num_rows: int,
     vocab: int,
@@ -90,6 +113,7 @@ def plan_chunks(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     grads_in_forward: bool = False,
+    accum_dtype: Optional[torch.dtype] = None,
 ) -> FusedLinearPlan:
     """Choose chunk sizes for ``num_rows`` rows, a ``[vocab, hidden_size]`` weight and ``dtype``.
 
@@ -101,8 +125,9 @@ def plan_chunks(
 
     ``grads_in_forward``: the plan of a forward that computes the LM head's gradients chunk by chunk (no backward
     tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
-    ``memory_budget_bytes``, else ``MIN_TRAINING_CHUNK_ROWS`` (twice that in 16-bit dtypes) or as many as fit in
-    ``TRAINING_CHUNK_BYTES``.
+    ``memory_budget_bytes``, else the larger of ``MIN_TRAINING_CHUNK_ROWS`` and ``hidden_size // 4`` (a chunk's
+    logits then take at most a quarter of the weight gradient's size once rows pass the minimum), or as many as fit
+    in ``TRAINING_CHUNK_BYTES``; ``accum_dtype`` (checked as :func:`resolve_accum_dtype`) does not change them.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
@@ -111,7 +136,8 @@ def plan_chunks(
         if chunk_size is not None:
             chunk_rows = chunk_size
         elif memory_budget_bytes is None:
-            min_rows = MIN_TRAINING_CHUNK_ROWS * (2 if element_size == 2 else 1)
+            resolve_accum_dtype(accum_dtype, dtype)  # (the accumulation dtype does not change the rows)
+            min_rows = max(MIN_TRAINING_CHUNK_ROWS, hidden_size // 4)
             chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), min_rows)
         else:
             chunk_rows = max(memory_budget_bytes // (vocab * element_size), 1)

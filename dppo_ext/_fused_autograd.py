@@ -22,11 +22,14 @@ from .contract import IGNORE_INDEX, accumulation_dtype
 __all__ = [
     "FusedLinearGradsInForward",
     "FusedLinearRecompute",
+    "add_weight_grad",
     "aggregation_coefficients",
     "grads_will_be_needed",
     "recompute_backward",
 ]
 
+# Bytes of each block of the 16-bit product g^T @ h on its way into float32 partial sums (add_weight_grad).
+SUM_BLOCK_BYTES = 1024 * 1024
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
 OFF_BLOCK_GAP = 1.0e4
 
@@ -100,14 +103,16 @@ class FusedLinearGradsInForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context, valid, coef):
+    def forward(
+        ctx, hidden, weight, bias, rows: RowInputs, settings: LossSettings, plan, weight_context, valid, coef, accum
+    ):
         n = hidden.shape[0]
         acc = accumulation_dtype(hidden.dtype)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         outs = [torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(7)]
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
         grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=hidden.device) if need_bias else None
-        weight_acc = None  # sum over chunks of g^T @ h in float32 (float64): in place when that is weight's dtype
+        weight_acc = None  # sum over chunks of g^T @ h in ``accum`` (add_weight_grad)
         temperature = float(settings.temperature)
         with weight_context():
             for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
@@ -124,12 +129,7 @@ class FusedLinearGradsInForward(torch.autograd.Function):
                 if need_hidden:
                     torch.mm(g, weight, out=grad_hidden[r])
                 if need_weight:
-                    if weight_acc is None:
-                        weight_acc = torch.mm(g.t(), tile.hidden).to(acc)
-                    elif weight_acc.dtype == g.dtype:
-                        weight_acc.addmm_(g.t(), tile.hidden)
-                    else:
-                        weight_acc += torch.mm(g.t(), tile.hidden)
+                    weight_acc = add_weight_grad(weight_acc, g, tile.hidden, accum)
                 if need_bias:
                     grad_bias += g.sum(0, dtype=acc)
         grad_weight = None
@@ -157,6 +157,33 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype)
         grads = recompute_backward(ctx, saved, plan, g_loss * coef, torch.zeros_like(coef), None)
         return input_grads(ctx, *grads)
+
+
+def add_weight_grad(weight_acc: Optional[torch.Tensor], g: torch.Tensor, h: torch.Tensor, accum: torch.dtype):
+    """``weight_acc + g^T @ h`` in ``accum``, in place (``weight_acc`` None: the first chunk, a new tensor).
+
+    ``accum`` = ``g``'s dtype (the default): one product added into the sum itself (one rounding per chunk in
+    16-bit dtypes). Otherwise (16-bit ``g``, ``accum_dtype=torch.float32``) the product is formed in blocks of
+    ``SUM_BLOCK_BYTES`` of the gradient's rows, each still in cache when it is added into the float32 sum (one
+    16-bit product buffer of the whole [V, H] would cost its size in memory and a round trip through it per chunk).
+    """
+    if accum == g.dtype:
+        return torch.mm(g.t(), h) if weight_acc is None else weight_acc.addmm_(g.t(), h)
+    vocab, hidden_size = g.shape[1], h.shape[1]
+    first = weight_acc is None
+    if first:
+        weight_acc = torch.empty(vocab, hidden_size, dtype=accum, device=g.device)
+    block = max(SUM_BLOCK_BYTES // (hidden_size * g.element_size()), 1)
+    product = g.new_empty(min(block, vocab), hidden_size)
+    widened = None if first else weight_acc.new_empty(product.shape)  # the block in float32, for an add of one dtype
+    for v0 in range(0, vocab, block):
+        v1 = min(v0 + block, vocab)
+        out = torch.mm(g[:, v0:v1].t(), h, out=product[: v1 - v0])
+        if first:
+            weight_acc[v0:v1].copy_(out)
+        else:
+            weight_acc[v0:v1] += widened[: v1 - v0].copy_(out)
+    return weight_acc
 
 
 def grads_will_be_needed(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:

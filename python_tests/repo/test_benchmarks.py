@@ -69,7 +69,7 @@ def test_pytest_benchmark_suite_collects_outside_the_test_suite():
     ids = [line for line in proc.stdout.splitlines() if "::" in line]
     assert sum("test_bench_loss.py::test_dppo_loss[" in i for i in ids) == 4 * 2 * 4 * 3
     assert sum("test_bench_loss.py::test_copy_pass[" in i for i in ids) == 2
-    assert sum("test_bench_fused_linear.py::test_fused_linear[" in i for i in ids) == 2 * 4 * 2
+    assert sum("test_bench_fused_linear.py::test_fused_linear[" in i for i in ids) == 2 * 4 * 2 + 2  # + bf16 f32sums
     config = tomllib.loads((BENCH.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert config["testpaths"] == ["python_tests"]
     assert not list((BENCH.parent / "python_tests").rglob("test_bench_*.py"))
@@ -78,9 +78,9 @@ def test_pytest_benchmark_suite_collects_outside_the_test_suite():
 def test_pytest_benchmark_suite_runs(tmp_path):
     """A tiny run of both pytest-benchmark files (timing disabled): every selected case passes its checks."""
     proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "benchmarks/",
-                 "-k", "(binary_tv and float32 and fused) or copy_pass or (float32 and fused_linear)"],
+                 "-k", "(binary_tv and float32 and fused) or copy_pass or (float32 and fused_linear) or fused_f32sums"],
                 DPPO_BENCH_N="16", DPPO_BENCH_V="512", DPPO_BENCH_FL_N="16", DPPO_BENCH_FL_H="8",
                 DPPO_BENCH_FL_V="256", DPPO_BENCH_ROUNDS="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2, proc.stdout[-2000:]
+    assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2 + 2, proc.stdout[-2000:]
