@@ -1,8 +1,8 @@
 """How far the fused-linear gradients are from exact, against the logits path's own error, per accumulation dtype.
 
 For 16-bit inputs, a training step of ``fused_linear_dppo_loss`` sums the weight gradient over row chunks either in
-float32 (``accum_dtype=None``, the default) or in the input dtype itself (``accum_dtype`` = that dtype: one rounding
-per chunk, no float32 accumulator). This script measures both, and the logits path (``hidden @ weight.T`` then
+the input dtype itself (the default: one rounding per chunk, no float32 accumulator) or in float32
+(``accum_dtype=torch.float32``). This script measures both, and the logits path (``hidden @ weight.T`` then
 ``dppo_loss``), against the same step in float64 on the same rounded inputs:
 
     relative error = ||grad - grad_float64|| / ||grad_float64||   (Frobenius norm; also the largest element error
@@ -85,7 +85,7 @@ def main() -> None:
     rows = []
     rows.append({"path": "logits path", "chunk_rows": None, **_errors(_grads(x, dtype, "logits"), ref)})
     for chunk in chunks:
-        for accum, label in ((None, "fused, float32 sums (default)"), (dtype, f"fused, {args.dtype} sums")):
+        for accum, label in ((None, f"fused, {args.dtype} sums (default)"), (torch.float32, "fused, float32 sums")):
             plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=True,
                                accum_dtype=accum)
             errs = _errors(_grads(x, dtype, "fused", chunk, accum), ref)

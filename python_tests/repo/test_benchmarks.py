@@ -84,3 +84,20 @@ def test_pytest_benchmark_suite_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2 + 2, proc.stdout[-2000:]
+
+
+def test_fused_linear_accuracy_script(tmp_path):
+    """benchmarks/fused_linear_accuracy.py at a tiny size: the logits path and both accumulation dtypes are
+    measured against float64, every error is positive and finite (bf16 rounding exists) and within 3x the logits
+    path's own, and the chunks are the ones asked for."""
+    proc = _run([str(BENCH / "fused_linear_accuracy.py"), "--n", "96", "--hidden", "16", "--vocab", "300",
+                 "--chunk-sizes", "16", "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "fused_linear_accuracy.json").read_text())["rows"]
+    assert [r["path"] for r in rows] == ["logits path", "fused, bf16 sums (default)", "fused, float32 sums"]
+    base = rows[0]["weight_rel_fro"]
+    assert 0 < base < 0.05
+    for r in rows[1:]:
+        assert r["chunk_rows"] == 16 and r["chunks"] == 6
+        assert 0 < r["weight_rel_fro"] <= 3 * base, r
+        assert 0 < r["hidden_rel_fro"] <= 3 * rows[0]["hidden_rel_fro"], r
