@@ -189,9 +189,7 @@ def _plan(args: argparse.Namespace, case: str) -> dict | None:
         return None
     dtype = getattr(torch, DTYPES[args.dtype])
     in_forward = name in ("fused", "fused_f32sums")
-    accum = torch.float32 if name == "fused_f32sums" else None
-    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=in_forward,
-                       accum_dtype=accum)
+    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=in_forward)
     return plan.__dict__
 
 

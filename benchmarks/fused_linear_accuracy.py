@@ -86,8 +86,7 @@ def main() -> None:
     rows.append({"path": "logits path", "chunk_rows": None, **_errors(_grads(x, dtype, "logits"), ref)})
     for chunk in chunks:
         for accum, label in ((None, f"fused, {args.dtype} sums (default)"), (torch.float32, "fused, float32 sums")):
-            plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=True,
-                               accum_dtype=accum)
+            plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=True)
             errs = _errors(_grads(x, dtype, "fused", chunk, accum), ref)
             rows.append({"path": label, "chunk_rows": plan.chunk_rows,
                          "chunks": -(-args.n // plan.chunk_rows), **errs})

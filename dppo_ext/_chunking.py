@@ -113,7 +113,6 @@ def plan_chunks(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     grads_in_forward: bool = False,
-    accum_dtype: Optional[torch.dtype] = None,
 ) -> FusedLinearPlan:
     """Choose chunk sizes for ``num_rows`` rows, a ``[vocab, hidden_size]`` weight and ``dtype``.
 
@@ -127,7 +126,7 @@ def plan_chunks(
     tile: ``tile_rows = vocab_block = 0``): chunks of ``chunk_size`` rows, else as many as fit in
     ``memory_budget_bytes``, else the larger of ``MIN_TRAINING_CHUNK_ROWS`` and ``hidden_size // 4`` (a chunk's
     logits then take at most a quarter of the weight gradient's size once rows pass the minimum), or as many as fit
-    in ``TRAINING_CHUNK_BYTES``; ``accum_dtype`` (checked as :func:`resolve_accum_dtype`) does not change them.
+    in ``TRAINING_CHUNK_BYTES`` (the same for either ``accum_dtype``).
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
     rows = max(num_rows, 1)
@@ -136,7 +135,6 @@ def plan_chunks(
         if chunk_size is not None:
             chunk_rows = chunk_size
         elif memory_budget_bytes is None:
-            resolve_accum_dtype(accum_dtype, dtype)  # (the accumulation dtype does not change the rows)
             min_rows = max(MIN_TRAINING_CHUNK_ROWS, hidden_size // 4)
             chunk_rows = max(TRAINING_CHUNK_BYTES // (vocab * element_size), min_rows)
         else:

@@ -305,9 +305,7 @@ def fused_linear_dppo_loss(
         accum = resolve_accum_dtype(accum_dtype, hidden.dtype)
         if rendezvous is None and vocab_chunk_size is None and grads_will_be_needed(flat, weight, bias):
             check_fused_inputs(flat, weight, bias, rows)
-            chunking = dict(
-                chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True, accum_dtype=accum
-            )
+            chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
             plan = plan_chunks(flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, **chunking)
             loss, *outs = FusedLinearGradsInForward.apply(
                 flat,

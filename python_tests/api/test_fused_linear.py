@@ -314,15 +314,9 @@ def test_plan_chunks_respects_budget_and_overrides():
     assert plan_chunks(2048, 32768, 512, torch.float32, grads_in_forward=True) == FusedLinearPlan(256, 0, 0)
     assert plan_chunks(2048, 8192, 512, torch.float32, grads_in_forward=True).chunk_rows == 512
     assert plan_chunks(2048, 32768, 512, torch.bfloat16, grads_in_forward=True).chunk_rows == 256
-    bf16_sums = plan_chunks(2048, 32768, 512, torch.bfloat16, grads_in_forward=True, accum_dtype=torch.bfloat16)
-    assert bf16_sums.chunk_rows == 256
-    with pytest.raises(TypeError, match="accum_dtype must be None, torch.float32 or torch.bfloat16"):
-        plan_chunks(2048, 32768, 512, torch.bfloat16, grads_in_forward=True, accum_dtype=torch.float16)
     # a large head: a chunk's logits up to a quarter of the weight gradient (H / 4 rows)
     assert plan_chunks(8192, 151936, 2048, torch.float32, grads_in_forward=True).chunk_rows == 512
     assert plan_chunks(8192, 151936, 2048, torch.bfloat16, grads_in_forward=True).chunk_rows == 512
-    assert plan_chunks(8192, 151936, 2048, torch.bfloat16, grads_in_forward=True,
-                       accum_dtype=torch.bfloat16).chunk_rows == 512
     assert plan_chunks(100, 32768, 512, torch.float32, grads_in_forward=True).chunk_rows == 100
     assert plan_chunks(2048, 32768, 512, torch.float32, chunk_size=8, grads_in_forward=True).chunk_rows == 8
     budget = plan_chunks(2048, 1000, 512, torch.float32, memory_budget_bytes=40_000, grads_in_forward=True)
