@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ._native import cuda_compiled
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
     from .loss import DPPOLoss, dppo_loss
-    from .ops import dppo_loss_backward, dppo_loss_forward
+    from .ops import dppo_loss_forward
     from .vocab_parallel import dppo_loss_forward_vocab_parallel
 
 

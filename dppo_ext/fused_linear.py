@@ -62,7 +62,6 @@ from . import (
 )
 from ._autograd import check_no_functorch
 from ._chunking import (
-    FusedLinearPlan,
     check_accum_dtype,
     check_chunk_settings,
     check_fused_inputs,
@@ -82,10 +81,8 @@ from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumul
 
 __all__ = [
     "FusedLinearDPPOLoss",
-    "FusedLinearPlan",
     "fused_linear_dppo_loss",
     "fused_linear_dppo_loss_per_row",
-    "plan_chunks",
 ]
 
 

@@ -16,34 +16,12 @@ from torch import Tensor
 
 from . import ops, vocab_parallel
 from ._autograd import check_no_functorch, inplace_applies
-from ._rows import LossModule, LossSettings, broadcast_advantages, check_tensors, prepare_rows
+from ._rows import LossModule, LossSettings, check_tensors, prepare_rows
 from ._vocab_shards import Rendezvous, agreed_failures, check_split_args, is_dtensor, replicated_local, vocab_shard
-from .aggregation import aggregate_loss, aggregate_with, dppo_metrics
-from .contract import (
-    AGG_MODES,
-    DEFAULT_AGG_MODE,
-    DEFAULT_DELTAS,
-    DEFAULT_MODE,
-    DEFAULT_RATIO_CAP,
-    IGNORE_INDEX,
-    NORM_AGG_MODES,
-    accumulation_dtype,
-    check_aggregation,
-)
+from .aggregation import aggregate_with, dppo_metrics
+from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
 
-# dppo_loss and DPPOLoss, and the names other modules define that this one has always offered.
-__all__ = [
-    "AGG_MODES",
-    "DEFAULT_DELTAS",
-    "DPPOLoss",
-    "IGNORE_INDEX",
-    "NORM_AGG_MODES",
-    "aggregate_loss",
-    "broadcast_advantages",
-    "check_aggregation",
-    "dppo_loss",
-    "dppo_metrics",
-]
+__all__ = ["DPPOLoss", "dppo_loss"]
 
 
 def dppo_loss(

@@ -21,7 +21,6 @@ differentiation of the gradient) and ``torch.func`` transforms (``grad``, ``vmap
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -31,7 +30,6 @@ from . import _native  # noqa: F401  (loads dppo_ext._C, which registers torch.o
 from ._autograd import (
     BACKWARD_CONSUMED,
     NO_DOUBLE_BACKWARD,
-    check_inplace_backward,
     check_no_functorch,
     grad_args,
     inplace_applies,
@@ -39,18 +37,9 @@ from ._autograd import (
     refuse_double_backward,
 )
 from ._rows import DPPOOutputs, LossSettings, RowInputs, check_tensors
-from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, MODE_ALIASES, MODES, accumulation_dtype, canonical_mode
+from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
 
-__all__ = [
-    "DPPOOutputs",
-    "MODES",
-    "MODE_ALIASES",
-    "canonical_mode",
-    "check_inplace_backward",
-    "check_no_functorch",
-    "dppo_loss_backward",
-    "dppo_loss_forward",
-]
+__all__ = ["dppo_loss_forward"]
 
 # The forward op's argument names in schema order: its autograd context reads its inputs by name.
 _FORWARD_ARGS = tuple(a.name for a in torch.ops.dppo.dppo_loss_forward.default._schema.arguments)
@@ -245,38 +234,3 @@ def dppo_loss_forward(
     check_no_functorch("dppo_loss_forward", logits)
     rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
     return forward_rows(logits, rows, settings, inplace_applies(inplace_backward, logits))
-
-
-def dppo_loss_backward(
-    grad_target: Tensor,
-    logits: Tensor,
-    tokens: Tensor,
-    lse: Tensor,
-    temperature: float = 1.0,
-    grad_entropy: Optional[Tensor] = None,
-    entropy: Optional[Tensor] = None,
-    out: Optional[Tensor] = None,
-) -> Tensor:
-    """Deprecated: call ``torch.ops.dppo.dppo_loss_backward`` (or ``dppo_loss_backward_``, in place) directly.
-
-    This wrapper took its arguments in another order than the op's schema (``grad_target, grad_entropy, logits,
-    tokens, lse, entropy, temperature``) and nothing in dppo_ext uses it; it still works, with a
-    ``DeprecationWarning``, and will be removed in a later release.
-
-    ``grad[i, j] = (grad_target[i] * (1[j = a_i] - p_ij) - grad_entropy[i] * p_ij * (log p_ij + H_i)) / T``.
-    With ``out=logits`` the gradient is written in place into ``logits`` and ``logits`` is returned.
-    """
-    warnings.warn(
-        "dppo_ext.ops.dppo_loss_backward is deprecated and will be removed: call torch.ops.dppo.dppo_loss_backward("
-        "grad_target, grad_entropy, logits, tokens, lse, entropy, temperature) (or dppo_loss_backward_, in place) "
-        "directly",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    args = (grad_target, grad_entropy, logits, tokens, lse, entropy, float(temperature))
-    if out is not None:
-        if out is not logits:
-            raise ValueError("out must be the logits tensor itself (the in-place backward writes into logits)")
-        torch.ops.dppo.dppo_loss_backward_(*args)
-        return logits
-    return torch.ops.dppo.dppo_loss_backward(*args)

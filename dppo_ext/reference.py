@@ -19,14 +19,12 @@ their gradient.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from .contract import (
     AGG_MODES,
     DEFAULT_AGG_MODE,
-    DEFAULT_DELTAS,
     DEFAULT_MODE,
     DEFAULT_RATIO_CAP,
     IGNORE_INDEX,
@@ -38,8 +36,7 @@ from .contract import (
     resolve_deltas,
 )
 
-__all__ = ["AGG_MODES", "DEFAULT_DELTAS", "LOG_MASS_FLOOR", "LOG_RATIO_CLAMP", "MASS_FLOOR", "METRIC_KEYS", "MODES",
-           "OUTPUT_KEYS", "TOPK_MODES", "accumulation_dtype", "aggregate_loss_reference", "dppo_loss_full_reference",
+__all__ = ["LOG_MASS_FLOOR", "METRIC_KEYS", "OUTPUT_KEYS", "aggregate_loss_reference", "dppo_loss_full_reference",
            "dppo_loss_reference", "log1mexp"]
 
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
@@ -55,14 +52,6 @@ METRIC_KEYS = (
     "ratio_max",
     "num_tokens",
 )
-
-
-def __getattr__(name: str):
-    if name == "LOSS_AGG_MODES":  # the aggregation modes' old name here
-        warnings.warn("dppo_ext.reference.LOSS_AGG_MODES is deprecated: use AGG_MODES (dppo_ext.contract)",
-                      DeprecationWarning, stacklevel=2)
-        return AGG_MODES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

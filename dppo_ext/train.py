@@ -29,8 +29,7 @@ This module is the entry point (``run``: check the inputs, open ``--out``; ``mai
 ``dppo_ext.trainer``, one job per module: ``process`` (seeds, device, threads, library verbosity), ``task``,
 ``embedded_model`` (the warm start), ``engine`` (the rollout engine), ``resume`` and ``legacy_run`` (what
 ``--resume`` checks and adopts), ``locked_run`` (a run in its locked folder), ``summary``, ``run_files`` (the
-outputs' names), ``loop`` (the RL steps) and the run folder's modules (``run_dir``). The names this module held
-before that split are still importable from it.
+outputs' names), ``loop`` (the RL steps) and the run folder's modules (``run_dir``).
 """
 
 from __future__ import annotations
@@ -41,70 +40,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dppo_ext.models.sft import supervised_warm_start
 from dppo_ext.rollout import RolloutEngine
 from dppo_ext.tasks import DataFormatError
-from dppo_ext.trainer.atomic_files import install_folder
 from dppo_ext.trainer.checkpoint import NoCheckpointError, check_model_folder
 from dppo_ext.trainer.config import TrainConfig, parse_config
-from dppo_ext.trainer.embedded_model import (
-    WARM_START_MARKER,
-    build_embedded_model,
-    prepare_embedded_model,
-    warm_start_matches,
-    warm_start_settings,
-)
-from dppo_ext.trainer.engine import check_top_k, engine_kind, make_rollout_engine
+from dppo_ext.trainer.embedded_model import WARM_START_MARKER, warm_start_matches
 from dppo_ext.trainer.errors import RunError
 from dppo_ext.trainer.legacy_run import legacy_run_outputs
-from dppo_ext.trainer.locked_run import TORCH_DTYPES, run_locked
+from dppo_ext.trainer.locked_run import run_locked
 from dppo_ext.trainer.metrics import MetricsFormatError
 from dppo_ext.trainer.overlap import check_out_apart
-from dppo_ext.trainer.process import (
-    resolve_device,
-    resolve_threads,
-    restart_with_passive_omp_waits,
-    seed_everything,
-    set_library_verbosity,
-)
+from dppo_ext.trainer.process import resolve_device, restart_with_passive_omp_waits, set_library_verbosity
 from dppo_ext.trainer.reporting import check_report_to
-from dppo_ext.trainer.resume import check_resume_config, data_fingerprints
-from dppo_ext.trainer.run_files import CONFIG_FILE, INPUTS_FILE, METRICS_FILE, PLOT_FILE, SUMMARY_FILE
 from dppo_ext.trainer.run_folder import open_run_dir
-from dppo_ext.trainer.summary import summarize
 from dppo_ext.trainer.task import build_task
 
-# The CLI, and the names this module held before the trainer was split into dppo_ext.trainer's modules.
-__all__ = [
-    "CONFIG_FILE",
-    "INPUTS_FILE",
-    "METRICS_FILE",
-    "PLOT_FILE",
-    "SUMMARY_FILE",
-    "TORCH_DTYPES",
-    "WARM_START_MARKER",
-    "build_embedded_model",
-    "build_task",
-    "check_resume_config",
-    "check_top_k",
-    "data_fingerprints",
-    "engine_kind",
-    "install_folder",
-    "legacy_run_outputs",
-    "main",
-    "make_rollout_engine",
-    "prepare_embedded_model",
-    "resolve_device",
-    "resolve_threads",
-    "restart_with_passive_omp_waits",
-    "run",
-    "seed_everything",
-    "set_library_verbosity",
-    "summarize",
-    "supervised_warm_start",
-    "warm_start_matches",
-    "warm_start_settings",
-]
+__all__ = ["main", "run"]
 
 logger = logging.getLogger("dppo_ext.train")
 

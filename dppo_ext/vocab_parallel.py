@@ -56,26 +56,21 @@ from ._vocab_shards import (
     check_agreement,
     check_offsets,
     comm_device,
-    dtensor_vocab_shard,
     even_vocab_offsets,
     gather_stats,
     gathered_bytes_per_row,
     group_rank,
-    is_dtensor,
-    replicated_local,
     vocab_parallel_offsets,
 )
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
-# The two entry points, and the vocabulary split's public helpers (dppo_ext._vocab_shards), importable from here.
+# The two entry points, and the vocabulary split's helpers that docs/distributed.md names here (their code is in
+# dppo_ext._vocab_shards).
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
-    "dtensor_vocab_shard",
     "even_vocab_offsets",
     "fused_linear_dppo_loss_vocab_parallel",
     "gathered_bytes_per_row",
-    "is_dtensor",
-    "replicated_local",
     "vocab_parallel_offsets",
 ]
 

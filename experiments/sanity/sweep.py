@@ -112,7 +112,9 @@ def ensure_base_model(config: TrainConfig, work: Path) -> Path:
     """
     import torch
 
-    from dppo_ext.train import WARM_START_MARKER, build_task, prepare_embedded_model, seed_everything
+    from dppo_ext.trainer.embedded_model import WARM_START_MARKER, prepare_embedded_model
+    from dppo_ext.trainer.process import seed_everything
+    from dppo_ext.trainer.task import build_task
 
     key = json.dumps({k: getattr(config, k) for k in WARM_START_KEYS}, sort_keys=True)
     folder = work / "_base_models" / f"seed{config.seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
@@ -161,8 +163,9 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
     """
     import torch
 
-    from dppo_ext.train import make_rollout_engine, resolve_device
     from dppo_ext.train import run as train_run
+    from dppo_ext.trainer.engine import make_rollout_engine
+    from dppo_ext.trainer.process import resolve_device
 
     engine, engine_key, failed = None, None, 0
     for run in runs:

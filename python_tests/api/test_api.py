@@ -13,16 +13,8 @@ from dppo_testing import DEVICES, DTYPES, TOL, ambiguous_rows, as_dtype, referen
 
 import dppo_ext
 from dppo_ext import DPPOLoss, dppo_loss
-from dppo_ext.reference import (
-    AGG_MODES,
-    DEFAULT_DELTAS,
-    METRIC_KEYS,
-    MODES,
-    TOPK_MODES,
-    accumulation_dtype,
-    aggregate_loss_reference,
-    dppo_loss_full_reference,
-)
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, TOPK_MODES, accumulation_dtype
+from dppo_ext.reference import METRIC_KEYS, aggregate_loss_reference, dppo_loss_full_reference
 
 B, T = 4, 10
 

@@ -31,9 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dppo_ext
 from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext.fused_linear import FusedLinearPlan, plan_chunks
+from dppo_ext._chunking import FusedLinearPlan, plan_chunks
+from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+from dppo_ext.reference import dppo_loss_reference
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 DIFFERENTIABLE = ("loss", "logp", "entropy")

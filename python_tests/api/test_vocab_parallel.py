@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from dppo_ext._autograd import grad_args
+from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import child_env, sample_inputs
 from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,

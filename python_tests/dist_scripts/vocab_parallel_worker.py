@@ -16,11 +16,8 @@ import torch.distributed as dist
 
 from clean_exit import exit_after
 from dppo_ext import dppo_loss, fused_linear_dppo_loss
-from dppo_ext.loss import AGG_MODES
-from dppo_ext.ops import MODES
-from dppo_ext.reference import accumulation_dtype
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
-from dppo_ext.contract import DEFAULT_DELTAS
 from dppo_testing import TOL, assert_decisive, sample_inputs
 from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
                                           split_offsets, tie_rows, upstream, weighted_sum)

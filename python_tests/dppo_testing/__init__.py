@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dppo_ext.contract import DEFAULT_DELTAS
-from dppo_ext.reference import MODES, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+from dppo_ext.contract import DEFAULT_DELTAS, MODES, TOPK_MODES, accumulation_dtype
+from dppo_ext.reference import dppo_loss_reference
 
 # torch.distributed's launch variables: in-process trainers (TRL's vLLM colocate mode) set them in the pytest
 # process, and a child process must not inherit them.

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from dppo_ext.contract import accumulation_dtype
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import OUTPUT_KEYS, accumulation_dtype, dppo_loss_reference
+from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 from dppo_testing import TOL, ambiguous_rows, as_dtype, assert_no_worse, lse_rounding_allowance
 
 DIFFERENTIABLE = ("loss", "logp", "entropy")

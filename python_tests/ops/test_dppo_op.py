@@ -32,9 +32,9 @@ from dppo_testing import (
     tie_rows_for,
 )
 
-from dppo_ext.contract import DEFAULT_DELTAS
+from dppo_ext.contract import DEFAULT_DELTAS, MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import MODES, OUTPUT_KEYS, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 
 DIFFERENTIABLE = ("loss", "logp", "entropy")
 

@@ -24,8 +24,8 @@ import torch
 from dppo_testing import ambiguous_rows, reference_outputs
 
 from dppo_ext import dppo_loss
+from dppo_ext.contract import AGG_MODES
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import AGG_MODES
 
 # Stable-RL loss mode -> (our mode, uses the recomputed old-policy log-probs as mask anchor).
 MODE_MAP = {

@@ -24,8 +24,9 @@ from dppo_testing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.ops import dppo_loss_forward
-from dppo_ext.reference import MODES, OUTPUT_KEYS, TOPK_MODES, accumulation_dtype, dppo_loss_reference
+from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

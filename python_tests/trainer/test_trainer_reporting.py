@@ -16,7 +16,7 @@ from dppo_ext.rollout import vllm_logging
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.metrics import read_metrics
 from dppo_ext.trainer.reporting import tensorboard_tag
-from dppo_ext.trainer.run_dir import RunError
+from dppo_ext.trainer.errors import RunError
 from dppo_testing import child_env
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -191,7 +191,7 @@ def test_vllm_sync_weights_passes_the_engine_dtype():
 def test_threads_default_is_every_usable_cpu():
     import os
 
-    from dppo_ext.train import resolve_threads
+    from dppo_ext.trainer.process import resolve_threads
 
     assert TrainConfig().threads == 0
     assert resolve_threads(0) == len(os.sched_getaffinity(0))
@@ -204,16 +204,16 @@ def test_cli_restarts_once_with_passive_omp_waits(monkeypatch, tmp_path):
     import os
     import sys
 
-    from dppo_ext import train
+    from dppo_ext.trainer.process import restart_with_passive_omp_waits
 
     calls = []
     monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, list(args), os.environ.get("OMP_WAIT_POLICY"))))
     monkeypatch.setattr(sys, "argv", ["dppo-train", "--threads", "2", "--out", str(tmp_path)])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))
+    restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))
     assert calls == [(sys.executable, [sys.executable, "-m", "dppo_ext.train", "--threads", "2", "--out", str(tmp_path)],
                       "PASSIVE")]
-    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))  # now set: no second restart
+    restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))  # now set: no second restart
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    train.restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=1))
+    restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=1))
     assert len(calls) == 1

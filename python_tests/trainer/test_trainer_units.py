@@ -291,8 +291,8 @@ def test_micro_batches_add_up_to_the_mini_batch(agg):
     """Gradient accumulation: the micro-batches' losses (each trimmed to its own longest response, as the trainer
     does), weighted by micro_batch_scale, add up to the mini-batch's loss in every aggregation mode
     (docs/aggregation.md)."""
-    from dppo_ext.aggregation import micro_batch_scale
-    from dppo_ext.loss import NORM_AGG_MODES, aggregate_loss
+    from dppo_ext.aggregation import aggregate_loss, micro_batch_scale
+    from dppo_ext.contract import NORM_AGG_MODES
 
     g = torch.Generator().manual_seed(0)
     lengths = [5, 1, 3, 2, 4, 1, 2]

@@ -37,6 +37,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 import dppo_ext
+from dppo_ext._autograd import check_inplace_backward
 from dppo_ext.contract import IGNORE_INDEX
 
 from ._status import check_installed
@@ -169,8 +170,6 @@ def _can_write_grad_into(logits: Tensor) -> bool:
     tensor whose producer saved it, or no autograd: no, the op then allocates the gradient)."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return False
-    from dppo_ext.ops import check_inplace_backward  # loads dppo_ext._C, on the first loss call only
-
     try:
         check_inplace_backward(logits)
     except ValueError as exc:
