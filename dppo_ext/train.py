@@ -5,31 +5,15 @@ with a short supervised fine-tune, then trains it with DPPO (binary TV) from vLL
 (transformers ``generate`` when vLLM is absent). With ``--model`` and ``--data`` the same code
 trains any Hugging Face causal LM on a JSONL task.
 
-Outputs in ``--out``: ``dppo-run.json`` (the run manifest: every file and folder the trainer
-wrote there), ``config.json``, ``inputs.json`` (SHA-256 of the data files), ``metrics.jsonl``,
-``metrics.png``, ``summary.json``, ``checkpoint-<step>/`` (the newest ``--save-total-limit``),
-``base_model/`` for the embedded model and ``tensorboard/`` with ``--report-to tensorboard``.
-The rules of the folder (``dppo_ext.trainer.run_dir``, docs/run_folder.md):
-
-- a fresh run needs an empty or missing ``--out``; ``--resume`` continues the run recorded in it
-  from its newest complete checkpoint; ``--overwrite`` deletes exactly what its manifest lists
-  and starts over. A non-empty folder without a manifest is refused untouched, except that
-  ``--resume`` continues a run of a dppo-train older than the manifest after recognising each of
-  that trainer's outputs by its content (``legacy_run_outputs``);
-- ``--out`` may not be, contain or lie inside ``--model``, ``--data`` or ``--eval-data``;
-- the setup (data, warm start, top-K check, engine start, model load, checkpoint restore) writes
-  nothing into ``--out``: a failure or Ctrl-C before the first training step leaves the folder
-  as it was (a folder the run created is removed again), and ``--overwrite`` deletes the
-  previous run only once the new one has started;
-- ``--resume --steps S`` below the newest checkpoint's step is an error that changes nothing; S
-  equal to it trains nothing: a no-op when ``summary.json`` reports S steps, else the run's plot
-  and summary are completed from its records (the run stopped after its last save).
+Outputs in ``--out`` and the rules of that folder (what a run writes, deletes and never touches; fresh,
+``--resume``, ``--overwrite``; a set-up that fails changes nothing): docs/run_folder.md, enforced by
+``dppo_ext.trainer.run_folder``.
 
 This module is the entry point (``run``: check the inputs, open ``--out``; ``main``: the CLI); the work is in
 ``dppo_ext.trainer``, one job per module: ``process`` (seeds, device, threads, library verbosity), ``task``,
-``embedded_model`` (the warm start), ``engine`` (the rollout engine), ``resume`` and ``legacy_run`` (what
-``--resume`` checks and adopts), ``locked_run`` (a run in its locked folder), ``summary``, ``run_files`` (the
-outputs' names), ``loop`` (the RL steps) and the run folder's modules (``run_dir``).
+``embedded_model`` (the warm start), ``engine`` (the rollout engine), ``resume`` (what ``--resume`` checks and
+adopts), ``locked_run`` (a run in its locked folder), ``summary``, ``loop`` (the RL steps) and the run folder
+(``run_folder``).
 """
 
 from __future__ import annotations
@@ -45,14 +29,13 @@ from dppo_ext.tasks import DataFormatError
 from dppo_ext.trainer.checkpoint import NoCheckpointError, check_model_folder
 from dppo_ext.trainer.config import TrainConfig, parse_config
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER, warm_start_matches
-from dppo_ext.trainer.errors import RunError
-from dppo_ext.trainer.legacy_run import legacy_run_outputs
 from dppo_ext.trainer.locked_run import run_locked
 from dppo_ext.trainer.metrics import MetricsFormatError
-from dppo_ext.trainer.overlap import check_out_apart
 from dppo_ext.trainer.process import resolve_device, restart_with_passive_omp_waits, set_library_verbosity
 from dppo_ext.trainer.reporting import check_report_to
-from dppo_ext.trainer.run_folder import open_run_dir
+from dppo_ext.trainer.resume import legacy_run_outputs
+from dppo_ext.trainer.run_folder import check_out_apart, open_run_folder
+from dppo_ext.trainer.run_folder.files import RunError
 from dppo_ext.trainer.task import build_task
 
 __all__ = ["main", "run"]
@@ -109,7 +92,7 @@ def run(
     # Inputs are checked before --out is touched: a run refused for bad data leaves no folder behind.
     task = build_task(config)
     logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
-    with open_run_dir(out_dir, resume=config.resume, overwrite=config.overwrite, adopt=legacy_run_outputs) as folder:
+    with open_run_folder(out_dir, resume=config.resume, overwrite=config.overwrite, adopt=legacy_run_outputs) as folder:
         return run_locked(
             config, task, device, folder, wall_start, progress=progress, engine=engine, base_model=base_model
         )

@@ -11,7 +11,7 @@ A checkpoint is written into a hidden temporary folder (``.checkpoint-<step>.tmp
 every file and folder is fsynced, ``checkpoint.json`` is written last, and only then is the
 folder renamed to ``checkpoint-<step>``: a folder with that name is complete. Older checkpoints
 are deleted (``save_total_limit``) only after the new one is in place. In a run folder each
-``checkpoint-<step>`` is recorded in the run manifest (``dppo_ext.trainer.run_dir``) before it is
+``checkpoint-<step>`` is recorded in the run manifest (``dppo_ext.trainer.run_folder.manifest``) before it is
 renamed into place and dropped from it once deleted, so ``--overwrite`` removes exactly the
 checkpoints the run wrote. ``--resume`` takes the newest one and first checks every file against
 ``checkpoint.json`` (size, then SHA-256), so a truncated or corrupt file is reported by name
@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_ext.trainer.atomic_files import fsync_dir, temporary_sibling
-from dppo_ext.trainer.errors import RunError
-from dppo_ext.trainer.manifest import forget_output, record_output
+from dppo_ext.trainer.run_folder.files import RunError, fsync_dir, temporary_sibling
+from dppo_ext.trainer.run_folder.manifest import forget_output, record_output
 
 logger = logging.getLogger(__name__)
 

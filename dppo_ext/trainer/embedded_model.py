@@ -16,10 +16,10 @@ import torch
 from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
 from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
 from dppo_ext.tasks import Task
-from dppo_ext.trainer.atomic_files import atomic_write_text, fsync_dir, install_folder, temporary_sibling
 from dppo_ext.trainer.config import TrainConfig, tiny_heads
+from dppo_ext.trainer.run_folder.files import atomic_write_text, fsync_dir, install_folder, temporary_sibling
 
-logger = logging.getLogger("dppo_ext.train")  # the CLI's logger: a run's messages keep one logger name
+logger = logging.getLogger(__name__)
 
 WARM_START_MARKER = "warm_start.json"
 

@@ -9,7 +9,7 @@ import torch
 
 from dppo_ext.rollout import make_engine, vllm_available
 from dppo_ext.trainer.config import TrainConfig
-from dppo_ext.trainer.errors import RunError
+from dppo_ext.trainer.run_folder.files import RunError
 
 
 def engine_kind(config: TrainConfig) -> str:

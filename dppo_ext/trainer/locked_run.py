@@ -13,22 +13,31 @@ import torch
 
 from dppo_ext.rollout import RolloutEngine
 from dppo_ext.tasks import Task
-from dppo_ext.trainer.atomic_files import atomic_write_text, install_folder, temporary_sibling
 from dppo_ext.trainer.checkpoint import MODEL_DIR, load_trainer_state
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.embedded_model import build_embedded_model, warm_start_matches
 from dppo_ext.trainer.engine import check_top_k, engine_kind, make_rollout_engine
-from dppo_ext.trainer.errors import RunError
 from dppo_ext.trainer.loop import Trainer
 from dppo_ext.trainer.metrics import prepare_for_resume
 from dppo_ext.trainer.process import resolve_threads, seed_everything
 from dppo_ext.trainer.reporting import TENSORBOARD_DIR
 from dppo_ext.trainer.resume import data_fingerprints, resume_point
-from dppo_ext.trainer.run_files import CONFIG_FILE, INPUTS_FILE, METRICS_FILE, SUMMARY_FILE, json_object_or_none
-from dppo_ext.trainer.run_folder import EMBEDDED_MODEL_DIR, RunFolder
+from dppo_ext.trainer.run_folder import RunFolder
+from dppo_ext.trainer.run_folder.files import (
+    CONFIG_FILE,
+    EMBEDDED_MODEL_DIR,
+    INPUTS_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    RunError,
+    atomic_write_text,
+    install_folder,
+    json_object_or_none,
+    temporary_sibling,
+)
 from dppo_ext.trainer.summary import write_summary
 
-logger = logging.getLogger("dppo_ext.train")  # the CLI's logger: a run's messages keep one logger name
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

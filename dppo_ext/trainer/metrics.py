@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dppo_ext.trainer.atomic_files import atomic_write_text
-from dppo_ext.trainer.manifest import record_output
+from dppo_ext.trainer.run_folder.files import atomic_write_text
+from dppo_ext.trainer.run_folder.manifest import record_output
 
 logger = logging.getLogger(__name__)
 

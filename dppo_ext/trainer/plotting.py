@@ -7,8 +7,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from dppo_ext.trainer.atomic_files import atomic_write_bytes
 from dppo_ext.trainer.metrics import read_metrics
+from dppo_ext.trainer.run_folder.files import atomic_write_bytes
 
 PANELS = (
     ("accuracy / reward", (("eval_acc", "held-out accuracy"), ("reward", "train reward")), False),

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dppo_ext.trainer.atomic_files import atomic_write_text
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.metrics import read_metrics
 from dppo_ext.trainer.plotting import plot_metrics
-from dppo_ext.trainer.run_files import METRICS_FILE, PLOT_FILE, SUMMARY_FILE
 from dppo_ext.trainer.run_folder import RunFolder
+from dppo_ext.trainer.run_folder.files import METRICS_FILE, PLOT_FILE, SUMMARY_FILE, atomic_write_text
 
 
 def summarize(out_dir: Path, config: TrainConfig, engine_name: str, wall_s: float, train_s: float) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def _to_legacy(checkpoint: Path, name: str) -> Path:
 
 def test_rerun_into_a_non_empty_out_is_refused_and_changes_nothing(tmp_path: Path, capsys):
     from dppo_ext.train import main, run
-    from dppo_ext.trainer.errors import RunError
+    from dppo_ext.trainer.run_folder.files import RunError
 
     out = tmp_path / "run"
     out.mkdir()
@@ -119,7 +119,7 @@ def test_rerun_into_a_non_empty_out_is_refused_and_changes_nothing(tmp_path: Pat
 
 def test_out_that_is_a_file_is_refused(tmp_path: Path):
     from dppo_ext.train import run
-    from dppo_ext.trainer.errors import RunError
+    from dppo_ext.trainer.run_folder.files import RunError
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(RunError, match="exists and is not a folder"):
@@ -136,7 +136,7 @@ def test_resume_and_overwrite_together_are_refused():
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from dppo_ext.trainer.run_lock import RunLock
+    from dppo_ext.trainer.run_folder.lock import RunLock
     lock = RunLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(120)
@@ -146,8 +146,8 @@ _HOLDER = textwrap.dedent(
 
 def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path: Path):
     from dppo_ext.train import run
-    from dppo_ext.trainer.errors import RunError
-    from dppo_ext.trainer.run_lock import RunLock
+    from dppo_ext.trainer.run_folder.files import RunError
+    from dppo_ext.trainer.run_folder.lock import RunLock
 
     out = tmp_path / "run"
     out.mkdir()
@@ -176,14 +176,13 @@ def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path
 def test_a_filesystem_without_flock_warns_and_runs(tmp_path: Path, monkeypatch, caplog):
     import errno
 
-    from dppo_ext.trainer import run_lock
-    from dppo_ext.trainer.run_folder import open_run_dir
+    from dppo_ext.trainer.run_folder import lock, open_run_folder
 
     def unsupported(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(run_lock.fcntl, "flock", unsupported)
-    with caplog.at_level(logging.WARNING), open_run_dir(tmp_path / "nfs", resume=False, overwrite=False) as run:
+    monkeypatch.setattr(lock.fcntl, "flock", unsupported)
+    with caplog.at_level(logging.WARNING), open_run_folder(tmp_path / "nfs", resume=False, overwrite=False) as run:
         assert run.lock.held
     assert "does not support flock); make sure only one trainer writes" in caplog.text
 
@@ -209,9 +208,9 @@ def test_checkpoints_are_step_numbered_and_save_total_limit_keeps_the_newest(tmp
 
 def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, tiny_parts, monkeypatch):
     from dppo_ext.trainer import checkpoint as ckpt
-    from dppo_ext.trainer.run_folder import open_run_dir
+    from dppo_ext.trainer.run_folder import open_run_folder
 
-    with open_run_dir(tmp_path, resume=False, overwrite=False) as folder:  # a run folder, with its manifest
+    with open_run_folder(tmp_path, resume=False, overwrite=False) as folder:  # a run folder, with its manifest
         folder.commit()
     _save(tmp_path, tiny_parts, 1, save_total_limit=1)
     before = _snapshot(tmp_path / "checkpoint-1")
@@ -230,7 +229,7 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, tin
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-2")]
     assert leftovers
     # the next run on the folder clears the dead writer's temporary once it starts (holding the lock)
-    with open_run_dir(tmp_path, resume=True, overwrite=False) as folder:
+    with open_run_folder(tmp_path, resume=True, overwrite=False) as folder:
         assert leftovers == [p.name for p in tmp_path.iterdir() if p.name.startswith(".checkpoint-2")]
         folder.commit()
         assert not any(p.name.startswith(".checkpoint-2") for p in tmp_path.iterdir())
@@ -377,7 +376,7 @@ def test_data_that_is_not_utf8_names_file_and_line(tmp_path: Path):
 
 def test_model_folder_without_a_model_is_named(tmp_path: Path):
     from dppo_ext.train import run
-    from dppo_ext.trainer.errors import RunError
+    from dppo_ext.trainer.run_folder.files import RunError
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) + "\n" for i in range(20)))
@@ -396,7 +395,7 @@ def test_model_folder_without_a_model_is_named(tmp_path: Path):
 def test_bad_inputs_are_reported_before_out_is_touched(tmp_path: Path):
     from dppo_ext.models.tiny import build_tiny_model
     from dppo_ext.train import run
-    from dppo_ext.trainer.errors import RunError
+    from dppo_ext.trainer.run_folder.files import RunError
 
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "\xff", "answer": 1}\n')
@@ -487,8 +486,8 @@ def test_resume_treats_a_verl_alias_as_the_same_loss():
 def test_overwrite_replaces_the_previous_run_and_resume_refuses_changed_settings(tmp_path: Path):
     from dppo_ext.train import run
     from dppo_ext.trainer.checkpoint import find_resume_checkpoint, list_checkpoints, load_trainer_state
-    from dppo_ext.trainer.errors import RunError
     from dppo_ext.trainer.metrics import read_metrics
+    from dppo_ext.trainer.run_folder.files import RunError
 
     out = tmp_path / "run"
     run(_tiny_run_config(out, steps=3, save_total_limit=2, warm_start_steps=2), progress=False)
@@ -514,7 +513,7 @@ def test_overwrite_replaces_the_previous_run_and_resume_refuses_changed_settings
 def test_resume_refuses_changed_data(tmp_path: Path):
     from dppo_ext.models.tiny import build_tiny_model
     from dppo_ext.train import run
-    from dppo_ext.trainer.errors import RunError
+    from dppo_ext.trainer.run_folder.files import RunError
 
     model = build_tiny_model(tmp_path / "m", seed=0)
     data = tmp_path / "d.jsonl"

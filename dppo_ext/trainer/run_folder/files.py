@@ -1,18 +1,44 @@
-"""Crash-safe writes in the run folder: every file the trainer writes whole goes to a temporary sibling
-(``.<name>.<tag>-<pid>``), is fsynced and renamed into place, so a crash leaves the old or the new
-version, never half of one."""
+"""The run folder's files: the names of what a run writes there (beside its checkpoints, ``checkpoint.py``, and its
+TensorBoard folder, ``reporting.py``), ``RunError``, crash-safe writes and reading the JSON files back.
+
+Every file the trainer writes whole goes to a temporary sibling (``.<name>.<tag>-<pid>``), is fsynced and renamed
+into place (docs/run_folder.md).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+INPUTS_FILE = "inputs.json"  # SHA-256 of --data / --eval-data, checked on --resume
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+SUMMARY_FILE = "summary.json"
+EMBEDDED_MODEL_DIR = "base_model"  # the embedded model after its warm start (embedded_model.py)
 
 # Temporary siblings: ``.<name>.<tag>-<pid>`` (``temporary_sibling``); TEMPORARY_NAME_RE reads ``name`` and ``pid``
-# back. Which of them count as the trainer's (only those of outputs it writes) is decided in run_folder.py.
+# back. Which of them count as the trainer's (only those of outputs it writes) is decided in the package's
+# ``__init__``.
 TEMPORARY_TAGS = ("tmp", "old", "replaced", "deleting")
 TEMPORARY_NAME_RE = re.compile(rf"^\.(?P<name>.+)\.(?:{'|'.join(TEMPORARY_TAGS)})-(?P<pid>\d+)$")
+
+
+class RunError(RuntimeError):
+    """A problem with the run folder or its files that the user can act on (the message says how)."""
+
+
+def json_object_or_none(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -1,17 +1,15 @@
-"""Opening a run folder (``--out``): deciding whether it may be used, and undoing the set-up's traces.
+"""The run folder (``--out``): whether a run may use it, what the trainer wrote there, and the folder put back as it
+was when a run's set-up fails. The rules are written once, in docs/run_folder.md; this package enforces them:
 
-- **a fresh run needs an empty folder** (or a missing one; the lock file does not count).
-  ``--resume`` continues the run the manifest describes. ``--overwrite`` deletes exactly what the
-  manifest lists, and nothing else, before starting over (the one exception is ``base_model/``
-  when the new run reuses it). A non-empty folder without a manifest is refused by all three,
-  touching nothing, except ``--resume`` of a run written by a dppo-train older than the manifest
-  (``adopt``: the caller recognises that trainer's outputs by their content);
-- **setup changes nothing**: until the run calls ``RunFolder.commit`` it writes nothing into
-  ``--out`` but the lock file, a manifest (only into a folder that was empty) and temporaries; a
-  failure or Ctrl-C before that leaves ``--out`` as it was (``RunFolder.rollback``). A manifest
-  left in state ``setup`` by a process killed outright is cleared by the next fresh run.
+- this module: ``open_run_folder`` (may the folder be used: a fresh run, ``--resume``, ``--overwrite``),
+  ``RunFolder`` (``commit`` when the run starts, ``rollback`` when its set-up fails) and ``check_out_apart``
+  (``--out`` apart from ``--model``, ``--data`` and ``--eval-data``);
+- ``manifest``: ``dppo-run.json``, the record of what the trainer wrote there;
+- ``lock``: one trainer per folder (``RunLock``);
+- ``files``: the names of the run's files, ``RunError``, crash-safe writes.
 
-The rules in full: ``dppo_ext.trainer.run_dir`` and docs/run_folder.md.
+What a run of a dppo-train older than the manifest wrote is recognised by ``dppo_ext.trainer.resume``
+(``legacy_run_outputs``, the ``adopt`` of ``open_run_folder``).
 """
 
 from __future__ import annotations
@@ -23,14 +21,19 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from dppo_ext.trainer.atomic_files import TEMPORARY_NAME_RE
-from dppo_ext.trainer.errors import RunError
-from dppo_ext.trainer.manifest import MANIFEST_FILE, SETUP, STARTED, read_manifest, record_output, write_manifest
-from dppo_ext.trainer.run_lock import LOCK_FILE, RunLock
+from dppo_ext.trainer.run_folder.files import EMBEDDED_MODEL_DIR, TEMPORARY_NAME_RE, RunError
+from dppo_ext.trainer.run_folder.lock import LOCK_FILE, RunLock
+from dppo_ext.trainer.run_folder.manifest import (
+    MANIFEST_FILE,
+    SETUP,
+    STARTED,
+    read_manifest,
+    record_output,
+    write_manifest,
+)
 
-logger = logging.getLogger("dppo_ext.trainer.run_dir")  # the run folder's messages keep one logger name
+logger = logging.getLogger(__name__)
 
-EMBEDDED_MODEL_DIR = "base_model"
 # ``.tmp-<pid>-<name>``: the temporaries of dppo-train versions before the manifest.
 _EARLIER_TEMPORARY_RE = re.compile(r"^\.tmp-(?P<pid>\d+)-(?P<name>.+)$")
 _CHECKPOINT_NAME_RE = re.compile(r"^checkpoint-\d+$")
@@ -160,7 +163,7 @@ class RunFolder:
         record_output(self.path, name, kind)
 
     def rollback(self) -> None:
-        """Undo what opening and setting up wrote: the folder is left as ``open_run_dir`` found it."""
+        """Undo what opening and setting up wrote: the folder is left as ``open_run_folder`` found it."""
         folder = self.path
         pid = os.getpid()
         for name in set(_contents(folder)) - self._found:
@@ -254,7 +257,7 @@ def _plan(
     )
 
 
-def open_run_dir(folder: str | Path, *, resume: bool, overwrite: bool, adopt: Adopt | None = None) -> RunFolder:
+def open_run_folder(folder: str | Path, *, resume: bool, overwrite: bool, adopt: Adopt | None = None) -> RunFolder:
     """Check that ``folder`` may be used as ``--out`` and lock it; nothing is deleted before ``commit``.
 
     Args:
@@ -317,3 +320,34 @@ def open_run_dir(folder: str | Path, *, resume: bool, overwrite: bool, adopt: Ad
         run.rollback()
         raise
     return run
+
+
+def check_out_apart(out: str | Path, inputs: Mapping[str, str]) -> None:
+    """Refuse an ``--out`` that is, contains or lies inside one of ``inputs`` (``{flag: path}``).
+
+    Both sides are compared as resolved paths (symbolic links and ``..`` followed), so another
+    spelling of the same folder is caught. Inputs that are not local paths (a hub id) are skipped.
+
+    Raises:
+        RunError: naming both flags, the paths and what to do; nothing is written.
+    """
+    out_real = Path(os.path.realpath(out))
+    for flag, value in inputs.items():
+        if not value or not os.path.lexists(value):
+            continue
+        real = Path(os.path.realpath(value))
+        if real == out_real:
+            relation = "is"
+        elif real.is_relative_to(out_real):
+            relation = "contains"
+        elif out_real.is_relative_to(real):
+            relation = "lies inside"
+        else:
+            continue
+        spelled = (str(out_real), str(real)) != (str(out), str(value))
+        resolved = f" (resolved: {str(out_real)!r} and {str(real)!r})" if spelled else ""
+        raise RunError(
+            f"--out {str(out)!r} {relation} {flag} {value!r}{resolved}: the run would write its outputs among that "
+            f"input's files (and --overwrite delete them); pass an --out that is apart from --model, --data and "
+            "--eval-data"
+        )

@@ -1,8 +1,6 @@
-"""The run manifest ``dppo-run.json``: every file and folder the trainer created in ``--out``
-(``{"outputs": {name: "file" | "dir"}}``) and the run's state (``setup`` until it starts training,
-then ``started``). A name is recorded before the output is created (a crash can leave a listed name
-missing, never an unlisted output) and dropped once it is deleted (checkpoint rotation). The
-manifest is written atomically."""
+"""The run manifest ``dppo-run.json``: every file and folder the trainer created in ``--out`` and the run's state
+(its format and rules: docs/run_folder.md, "The run manifest"). Reading and writing it, and recording an output
+before it is created or dropping one once it is deleted, are all here."""
 
 from __future__ import annotations
 
@@ -12,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from dppo_ext._version import __version__
-from dppo_ext.trainer.atomic_files import atomic_write_text
-from dppo_ext.trainer.errors import RunError
-from dppo_ext.trainer.run_lock import LOCK_FILE
+from dppo_ext.trainer.run_folder.files import RunError, atomic_write_text
+from dppo_ext.trainer.run_folder.lock import LOCK_FILE
 
 MANIFEST_FILE = "dppo-run.json"
 MANIFEST_FORMAT = 1

@@ -1,6 +1,5 @@
-"""One writer per run folder: ``RunLock`` holds an advisory ``fcntl.flock`` on ``<out>/.dppo-train.lock``
-for the whole run; a second trainer gets an error naming the holder's pid. The kernel drops the lock
-when the holder exits or dies, so a crash never leaves the folder locked."""
+"""One trainer per run folder (docs/run_folder.md): ``RunLock``, an advisory ``fcntl.flock`` on
+``<out>/.dppo-train.lock`` held for the whole run."""
 
 from __future__ import annotations
 
@@ -11,9 +10,9 @@ import os
 import socket
 from pathlib import Path
 
-from dppo_ext.trainer.errors import RunError
+from dppo_ext.trainer.run_folder.files import RunError
 
-logger = logging.getLogger("dppo_ext.trainer.run_dir")  # the run folder's messages keep one logger name
+logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".dppo-train.lock"
 
