@@ -16,9 +16,7 @@ reported by ``dppo_ext._native`` with the command that rebuilds it.
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # torch first: dppo_ext._C links against torch's libraries, so that `import dppo_ext._C` finds them loaded.
@@ -29,24 +27,25 @@ from ._version import __version__
 from .aggregation import aggregate_loss, dppo_metrics, micro_batch_scale
 from .contract import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES
 
-# The names that need dppo_ext._C, each imported from its module on first use. This block is their one list:
-# type checkers read it, and _lazy_names() reads it from this file for __getattr__.
+# The names that need dppo_ext._C: public name -> the submodule that defines it, imported on first use
+# (``__getattr__``). Type checkers read the same names from the ``if TYPE_CHECKING:`` block below;
+# python_tests/repo/test_public_api.py checks that the two agree.
+_LAZY = {
+    "cuda_compiled": "_native",
+    "DPPOLoss": "loss",
+    "dppo_loss": "loss",
+    "FusedLinearDPPOLoss": "fused_linear",
+    "fused_linear_dppo_loss": "fused_linear",
+    "fused_linear_dppo_loss_per_row": "fused_linear",
+    "dppo_loss_forward": "ops",
+    "dppo_loss_forward_vocab_parallel": "vocab_parallel",
+}
 if TYPE_CHECKING:
     from ._native import cuda_compiled
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
     from .loss import DPPOLoss, dppo_loss
     from .ops import dppo_loss_forward
     from .vocab_parallel import dppo_loss_forward_vocab_parallel
-
-
-def _lazy_names() -> dict[str, str]:
-    """Public name -> the submodule that defines it, from the ``if TYPE_CHECKING:`` block above."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    return {alias.asname or alias.name: imp.module for imp in block.body for alias in imp.names}
-
-
-_LAZY = _lazy_names()
 
 __all__ = sorted(
     [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from dppo_ext.contract import AGG_MODES
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
+from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 from dppo_ext.trainer.losses import LOSSES, canonical_loss
@@ -25,7 +25,6 @@ from dppo_ext.trainer.losses import LOSSES, canonical_loss
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
 LOSS_MODES = {name: spec.mode for name, spec in LOSSES.items()}
 TOPK_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.uses_topk)
-ENGINES = ("auto", "vllm", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -97,7 +96,7 @@ class TrainConfig:
     eval_samples: int = _opt(2, "samples per held-out prompt (accuracy = mean reward at --eval-temperature)")
     eval_temperature: float = _opt(1.0, "held-out sampling temperature")
     # engines and devices
-    engine: str = _opt("auto", "rollout engine: vllm when installed (auto), vllm, or transformers (hf)", ENGINES)
+    engine: str = _opt("auto", "rollout engine: vllm when installed (auto), vllm, or transformers (hf)", ENGINE_KINDS)
     rollout_dtype: str = _opt("float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", DTYPES)
     dtype: str = _opt("float32", "trainer parameter dtype", DTYPES)
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
@@ -340,12 +339,3 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse command-line flags into a validated ``TrainConfig``."""
     args = build_parser().parse_args(argv)
     return TrainConfig(**vars(args)).validate()
-
-
-def load_config_json(path: str | Path) -> TrainConfig:
-    """Read a ``TrainConfig`` saved by ``to_dict`` (e.g. ``<out>/config.json``)."""
-    data = json.loads(Path(path).read_text())
-    unknown = set(data) - set(_fields())
-    if unknown:
-        raise ValueError(f"{path}: unknown config keys {sorted(unknown)}")
-    return TrainConfig(**data)

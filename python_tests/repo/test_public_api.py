@@ -9,6 +9,7 @@ import the docs add without entering it here fails too, so the list and the docs
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -98,3 +99,15 @@ def test_the_list_holds_every_dotted_name_and_import_of_the_docs():
         f"{module}.{name}" for module, name in _doc_references() if name is not None and name not in DOCUMENTED[module]
     )
     assert not missing, f"the docs name {missing}: add them to DOCUMENTED (or fix the docs)"
+
+
+@pytest.mark.parametrize("package", ["dppo_ext", "dppo_ext.integrations.trl"])
+def test_a_lazy_table_names_what_its_type_checking_block_imports(package):
+    """A package face loads some names on first use from a table (``_LAZY``); type checkers see them in its
+    ``if TYPE_CHECKING:`` block. The two lists must hold the same names from the same submodules."""
+    module = importlib.import_module(package)
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    imported = {alias.asname or alias.name: node.module for node in block.body for alias in node.names}
+    assert imported == module._LAZY
+    assert set(module._LAZY) <= set(module.__all__)

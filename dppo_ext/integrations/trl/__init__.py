@@ -44,30 +44,27 @@ and changes nothing in the process; each name below loads its module, and what t
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .versions import SUPPORTED_TRL, TESTED_TRL, TESTED_VLLM, check_trl_version  # noqa: F401  (re-exported)
 
-# The names that need TRL, each imported from its module on first use. This block is their one list: type
-# checkers read it, and _lazy_names() reads it from this file for __getattr__.
+# The names that need TRL: public name -> the submodule that defines it, imported on first use (``__getattr__``).
+# Type checkers read the same names from the ``if TYPE_CHECKING:`` block below;
+# python_tests/repo/test_public_api.py checks that the two agree.
+_LAZY = {
+    "VLLM_DTYPES": "config",
+    "DPPOGRPOConfig": "config",
+    "split_vllm_logprobs": "generation",
+    "DPPOForwardOutput": "head",
+    "add_dppo_head": "head",
+    "DPPOGRPOTrainer": "trainer",
+}
 if TYPE_CHECKING:
     from .config import VLLM_DTYPES, DPPOGRPOConfig  # noqa: F401
     from .generation import split_vllm_logprobs  # noqa: F401
     from .head import DPPOForwardOutput, add_dppo_head  # noqa: F401
     from .trainer import DPPOGRPOTrainer  # noqa: F401
-
-
-def _lazy_names() -> dict[str, str]:
-    """Public name -> the submodule that defines it, from the ``if TYPE_CHECKING:`` block above."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    return {alias.asname or alias.name: imp.module for imp in block.body for alias in imp.names}
-
-
-_LAZY = _lazy_names()
 
 __all__ = sorted(["SUPPORTED_TRL", "TESTED_TRL", "TESTED_VLLM", "check_trl_version", *_LAZY])
 

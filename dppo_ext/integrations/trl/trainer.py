@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ... import DPPOOutputs, aggregate_loss, dppo_metrics
-from ...contract import IGNORE_INDEX, NORM_AGG_MODES, TOPK_MODES
+from ... import DPPOOutputs, aggregate_loss, dppo_metrics, micro_batch_scale
+from ...contract import IGNORE_INDEX, NORM_AGG_MODES, SUM_AGG_MODES, TOPK_MODES
 from .config import DPPOGRPOConfig
 from .generation import (
     extra_llm_kwargs,
@@ -62,18 +62,19 @@ def micro_batch_loss(
     micro-batches and processes; the sequence modes are averaged over the ``accumulation_steps`` micro-batches.
     The ``-norm`` modes divide by ``max_completion_length``. In evaluation both counts are 1.
 
-    The reference trainer weighs its micro-batches by the same rule (dppo_ext/trainer/loop.py, ``_micro_share``);
-    this copy stays here, in this one function, until both use the shared micro-batch scale of
-    ``dppo_ext.aggregation``.
+    The weight of the micro-batch is ``dppo_ext.micro_batch_scale``, as in the reference trainer, with the
+    generation batch on all processes as the batch; the sequence modes keep TRL's mean of the micro-batches' means.
     """
-    if loss_agg_mode == "token-mean":
-        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes * accumulation_steps / steps_per_generation
-        return (per_token_loss * mask).sum() / normalizer
     horizon = max_completion_length if loss_agg_mode in NORM_AGG_MODES else None
     loss = aggregate_loss(per_token_loss, mask, loss_agg_mode, horizon)
-    if loss_agg_mode in ("token-sum", "token-sum-norm"):
-        return loss * num_processes  # DDP averages over processes: undo it, keep the sum
-    return loss / accumulation_steps
+    if loss_agg_mode not in SUM_AGG_MODES and loss_agg_mode != "token-mean":
+        return loss / accumulation_steps  # TRL's grpo / dr_grpo: the mean of the micro-batches' means
+    # token-mean: this micro-batch's share of the generation batch's tokens on all processes; the sums: 1
+    scale = micro_batch_scale(loss_agg_mode, mask, num_items_in_batch, batch_sequences=1).to(loss.dtype)
+    # DDP averages over the processes (undone here), and for token-mean one optimizer step holds
+    # accumulation_steps of each process's steps_per_generation micro-batches of the generation batch.
+    steps = steps_per_generation / accumulation_steps if loss_agg_mode == "token-mean" else 1
+    return loss * scale * (num_processes * steps)
 
 
 class DPPOGRPOTrainer(GRPOTrainer):
