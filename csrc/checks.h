@@ -11,7 +11,7 @@
 #include <string>
 
 #include "dppo_math.h"
-#include "vocab_parallel.h"
+#include "vocab_parallel_math.h"
 
 namespace dppo {
 
@@ -251,7 +251,7 @@ inline void check_backward_inputs(const at::Tensor& grad_target, const c10::opti
   }
 }
 
-// ---- the vocabulary-parallel ops (vocab_parallel.h) --------------------------------------------------------
+// ---- the vocabulary-parallel ops (vocab_parallel_math.h) --------------------------------------------------------
 
 inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& tokens,
                                   const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,

@@ -13,7 +13,7 @@
 
 #include <string>
 
-#include "../op_inputs.h"
+#include "../op_operands.h"
 
 namespace dppo {
 

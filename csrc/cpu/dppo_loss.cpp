@@ -18,7 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include "../dppo_math.h"
-#include "../op_inputs.h"
+#include "../op_operands.h"
 #include "buffer_cache.h"
 #include "dispatch.h"
 #include "row_simd.h"

@@ -1,4 +1,4 @@
-// cpu/vocab_parallel.cpp -- CPU kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel.h).
+// cpu/vocab_parallel.cpp -- CPU kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel_math.h).
 //
 // dppo_vocab_parallel_stats   : this rank's logits [N, V_local] (columns [vocab_start, vocab_start +
 //                               V_local) of the global vocabulary) -> statistics [N, 4 + K] in the
@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../op_inputs.h"
-#include "../vocab_parallel.h"
+#include "../op_operands.h"
+#include "../vocab_parallel_math.h"
 #include "dispatch.h"
 #include "row_simd.h"
 

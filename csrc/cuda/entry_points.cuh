@@ -1,4 +1,4 @@
-// cuda/entry_points.cuh -- the bodies of the five CUDA ops: validation and preparation (op_inputs.h, shared
+// cuda/entry_points.cuh -- the bodies of the five CUDA ops: validation and preparation (op_operands.h, shared
 // with the CPU kernels), the dispatch on the logits dtype, the kernels' parameters, the split forward's
 // workspace and the launches the launch policy (launch_policy.cuh) picks. Written once for the two places
 // that run these kernels: cuda/dppo_loss.cu and cuda/vocab_parallel.cu (nvcc, TORCH_LIBRARY_IMPL(dppo, CUDA))
@@ -18,9 +18,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "../op_inputs.h"
-#include "dppo_loss_backward.cuh"
-#include "dppo_loss_forward.cuh"
+#include "../op_operands.h"
+#include "dppo_loss_backward_kernels.cuh"
+#include "dppo_loss_forward_kernels.cuh"
 #include "launch.cuh"
 #include "launch_policy.cuh"
 #include "vocab_parallel_kernels.cuh"

@@ -1,8 +1,8 @@
 // cuda/launch_policy.cuh -- how every CUDA kernel of the extension is launched: threads per block (also
 // each kernel's __launch_bounds__), the blocks per row of the split-vocabulary forward and of the backward,
-// and the DPPO_CUDA_SPLIT override. Shared by the kernels (dppo_loss_forward.cuh, dppo_loss_backward.cuh,
-// vocab_parallel_kernels.cuh), the entry points that launch them (entry_points.cuh) and so by the CPU
-// emulator of the test suite, which compiles all of them unchanged.
+// and the DPPO_CUDA_SPLIT override. Shared by the kernels (dppo_loss_forward_kernels.cuh,
+// dppo_loss_backward_kernels.cuh, vocab_parallel_kernels.cuh), the entry points that launch them
+// (entry_points.cuh) and so by the CPU emulator of the test suite, which compiles all of them unchanged.
 //
 //   kernel                               block                 grid
 //   dppo_loss_forward_kernel             kThreads              (N)                 splits == 1

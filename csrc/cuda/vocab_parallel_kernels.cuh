@@ -1,4 +1,4 @@
-// cuda/vocab_parallel_kernels.cuh -- the CUDA kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel.h
+// cuda/vocab_parallel_kernels.cuh -- the CUDA kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel_math.h
 // holds the row math). Device code only: the launch policy is launch_policy.cuh's, the launches entry_points.cuh's;
 // nvcc (cuda/vocab_parallel.cu) and the CPU emulator of the test suite compile it unchanged.
 //
@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "../vocab_parallel.h"
+#include "../vocab_parallel_math.h"
 #include "common.cuh"
 #include "launch_policy.cuh"
 

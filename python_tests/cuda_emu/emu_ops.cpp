@@ -5,7 +5,7 @@
 // python_tests/cuda_emu/emu_build.py; never part of the wheel.
 //
 // The op bodies are entry_points.cuh's, the ones cuda/dppo_loss.cu and cuda/vocab_parallel.cu register: the
-// same input preparation (op_inputs.h), dispatch, launch policy (DPPO_CUDA_SPLIT included) and parameter
+// same input preparation (op_operands.h), dispatch, launch policy (DPPO_CUDA_SPLIT included) and parameter
 // packing. Only the Device differs: no device check or guard, the emulator's SM count, no stream.
 #include "cuda_emu.h"  // first: the kernels headers compile against it
 

@@ -1,4 +1,4 @@
-// op_inputs.h -- host-side preparation shared by the CPU and CUDA entry points of every op: validation
+// op_operands.h -- host-side preparation shared by the CPU and CUDA entry points of every op: validation
 // (checks.h), allocation of the outputs, and the contiguous per-row inputs the kernels index directly. Both
 // backends go through these, so they validate, allocate and lay out the same.
 #pragma once
@@ -9,7 +9,7 @@
 #include <tuple>
 
 #include "checks.h"
-#include "vocab_parallel.h"
+#include "vocab_parallel_math.h"
 
 namespace dppo {
 

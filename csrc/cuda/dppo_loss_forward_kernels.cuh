@@ -1,4 +1,4 @@
-// cuda/dppo_loss_forward.cuh -- the CUDA forward kernels of the DPPO loss (see docs/contract.md,
+// cuda/dppo_loss_forward_kernels.cuh -- the CUDA forward kernels of the DPPO loss (see docs/contract.md,
 // csrc/dppo_math.h). Device code only: the launch policy is launch_policy.cuh's, the launches are
 // entry_points.cuh's; nvcc (cuda/dppo_loss.cu) and the CPU emulator of the test suite compile it unchanged.
 //

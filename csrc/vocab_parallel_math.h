@@ -1,4 +1,4 @@
-// vocab_parallel.h -- the DPPO loss over a vocabulary split across ranks (tensor parallelism): the
+// vocab_parallel_math.h -- the DPPO loss over a vocabulary split across ranks (tensor parallelism): the
 // per-row slice statistics one rank contributes, and the merge of every rank's statistics followed by
 // the row epilogue. Host/device, shared by the CPU and CUDA kernels (cpu/vocab_parallel.cpp,
 // cuda/vocab_parallel_kernels.cuh); the formulas themselves are dppo_math.h's.
