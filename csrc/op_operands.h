@@ -1,6 +1,6 @@
 // op_operands.h -- host-side preparation shared by the CPU and CUDA entry points of every op: validation
-// (checks.h), allocation of the outputs, and the contiguous per-row inputs the kernels index directly. Both
-// backends go through these, so they validate, allocate and lay out the same.
+// (checks.h), then the operands a kernel reads and writes: its per-row inputs made contiguous, and its outputs
+// allocated. Both backends go through these, so they validate, allocate and lay out the same.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,9 +20,9 @@ const T* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// The rollout's per-row inputs and the seven outputs, as the forward and the vocabulary-parallel epilogue both
-// hold them.
-struct RowInputs {
+// The operands of the row epilogue, as the forward and the vocabulary-parallel epilogue both hand them to their
+// kernels: the rollout's per-row inputs made contiguous, and the seven outputs allocated.
+struct RowOperands {
   LossArgs args;                                 // mode, deltas, ratio cap, compute_entropy
   int64_t n, k;                                  // rows, top-K width (0 unless a top-K mode)
   at::Tensor tokens, rollout_lp, adv;            // [N] contiguous (undefined when N == 0)
@@ -39,8 +39,8 @@ struct RowInputs {
   }
 };
 
-// Fills `in` once validated: the outputs [N] with `opts`, then (N > 0) the contiguous per-row inputs.
-inline void prepare_rows(RowInputs& in, const at::TensorOptions& opts, const at::Tensor& tokens,
+// Fills `in` once validated: allocates the outputs [N] with `opts`, then (N > 0) the contiguous per-row inputs.
+inline void make_row_operands(RowOperands& in, const at::TensorOptions& opts, const at::Tensor& tokens,
                          const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
                          const c10::optional<at::Tensor>& topk_ids, const c10::optional<at::Tensor>& topk_logprobs,
                          const c10::optional<at::Tensor>& anchor_logprobs) {
@@ -58,30 +58,30 @@ inline void prepare_rows(RowInputs& in, const at::TensorOptions& opts, const at:
   if (anchor_logprobs.has_value()) in.anchor_lp = anchor_logprobs->contiguous();
 }
 
-struct ForwardInputs : RowInputs {
+struct ForwardOperands : RowOperands {
   int64_t v, ld;                                 // vocab, logits row stride
 };
 
-inline ForwardInputs prepare_forward(const at::Tensor& logits, const at::Tensor& tokens,
+inline ForwardOperands prepare_forward(const at::Tensor& logits, const at::Tensor& tokens,
                                      const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
                                      const c10::optional<at::Tensor>& topk_ids,
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
                                      bool compute_entropy) {
-  ForwardInputs in;
+  ForwardOperands in;
   const Mode m = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
                                       anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
   in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.ld = in.n > 1 ? logits.stride(0) : in.v;
-  prepare_rows(in, logits.options().dtype(acc_dtype(logits.scalar_type())), tokens, rollout_logprobs, advantages,
+  make_row_operands(in, logits.options().dtype(acc_dtype(logits.scalar_type())), tokens, rollout_logprobs, advantages,
                topk_ids, topk_logprobs, anchor_logprobs);
   return in;
 }
 
-struct BackwardInputs {
+struct BackwardOperands {
   int64_t n, v, ld_in, ld_out;                     // rows, vocab, row strides of logits and grad
   at::Tensor tokens, lse, grad_target;             // [N] contiguous
   c10::optional<at::Tensor> grad_entropy, entropy; // [N] contiguous, given together
@@ -89,10 +89,10 @@ struct BackwardInputs {
 
 // The inputs of one backward pass writing into `grad` (logits itself for the in-place op);
 // check_backward_inputs has already validated them.
-inline BackwardInputs prepare_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
+inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                        const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
                                        const at::Tensor& lse, const c10::optional<at::Tensor>& entropy) {
-  BackwardInputs in;
+  BackwardOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.ld_in = in.n > 1 ? logits.stride(0) : in.v;
@@ -109,7 +109,7 @@ inline BackwardInputs prepare_backward(const at::Tensor& grad_target, const c10:
 
 // ---- the vocabulary-parallel ops ----------------------------------------------------------------------------
 
-struct VpStatsInputs {
+struct VpStatsOperands {
   int64_t n, v, k, ld, start;                    // rows, local vocab, top-K width (0 without ids), row stride
   at::Tensor tokens;                             // [N] contiguous
   at::Tensor topk_ids;                           // [N, K] contiguous, or undefined
@@ -118,11 +118,11 @@ struct VpStatsInputs {
   const int64_t* topk_ids_ptr() const { return topk_ids.defined() ? topk_ids.const_data_ptr<int64_t>() : nullptr; }
 };
 
-inline VpStatsInputs prepare_vp_stats(const at::Tensor& logits, const at::Tensor& tokens,
+inline VpStatsOperands prepare_vp_stats(const at::Tensor& logits, const at::Tensor& tokens,
                                       const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
                                       double temperature) {
   check_vp_stats_inputs(logits, tokens, topk_ids, vocab_start, temperature);
-  VpStatsInputs in;
+  VpStatsOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.k = topk_ids.has_value() ? topk_ids->size(1) : 0;
@@ -135,12 +135,12 @@ inline VpStatsInputs prepare_vp_stats(const at::Tensor& logits, const at::Tensor
   return in;
 }
 
-struct VpEpilogueInputs : RowInputs {
+struct VpEpilogueOperands : RowOperands {
   int64_t world, width;                          // ranks, statistics per row (4 + K)
   at::Tensor stats;                              // [W, N, 4 + K] contiguous
 };
 
-inline VpEpilogueInputs prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets,
+inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets,
                                             const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
                                             const at::Tensor& advantages,
                                             const c10::optional<at::Tensor>& topk_ids,
@@ -148,7 +148,7 @@ inline VpEpilogueInputs prepare_vp_epilogue(const at::Tensor& stats, at::IntArra
                                             const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                             double delta_low, double delta_high, double ratio_cap,
                                             bool compute_entropy) {
-  VpEpilogueInputs in;
+  VpEpilogueOperands in;
   const Mode m = check_vp_epilogue_inputs(stats, offsets, tokens, rollout_logprobs, advantages, topk_ids,
                                           topk_logprobs, anchor_logprobs, mode, delta_low, delta_high, ratio_cap);
   in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
@@ -156,7 +156,7 @@ inline VpEpilogueInputs prepare_vp_epilogue(const at::Tensor& stats, at::IntArra
   in.n = stats.size(1);
   in.width = stats.size(2);
   in.stats = stats.contiguous();
-  prepare_rows(in, stats.options(), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs);
+  make_row_operands(in, stats.options(), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs);
   return in;
 }
 

@@ -169,7 +169,7 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
                                      bool compute_entropy) {
-  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+  const ForwardOperands in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
                                            anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
                                            compute_entropy);
   if (in.n == 0) return in.outputs();
@@ -187,7 +187,7 @@ void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>
                   const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens, const at::Tensor& lse,
                   const c10::optional<at::Tensor>& entropy, double temperature) {
   if (logits.size(0) == 0) return;
-  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n,

@@ -75,7 +75,7 @@ void stats_kernel(const scalar_t* logits, int64_t ld,      // [N, V_local], row 
 at::Tensor dppo_vocab_parallel_stats_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                          const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
                                          double temperature, bool compute_entropy) {
-  const VpStatsInputs in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
   if (in.n == 0) return in.stats;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -94,7 +94,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
                                                 const c10::optional<at::Tensor>& anchor_logprobs,
                                                 c10::string_view mode, double delta_low, double delta_high,
                                                 double ratio_cap, bool compute_entropy) {
-  const VpEpilogueInputs in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
                                                   topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
                                                   ratio_cap, compute_entropy);
   if (in.n == 0) return in.outputs();

@@ -31,7 +31,7 @@ namespace {
 // ---- the loss: forward ------------------------------------------------------------------------------------
 
 template <typename scalar_t>
-ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardInputs& in, const at::Tensor& logits,
+ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardOperands& in, const at::Tensor& logits,
                                                              double temperature) {
   using acc_t = acc_type_t<scalar_t>;
   ForwardParams<scalar_t, acc_t> p;
@@ -81,7 +81,7 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
                                        bool compute_entropy) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
+  const ForwardOperands in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
                                            anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
                                            compute_entropy);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
@@ -110,7 +110,7 @@ void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<a
   const int64_t n = logits.size(0);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cuda", [&] {
     using acc_t = acc_type_t<scalar_t>;
     BackwardParams<scalar_t, acc_t> p;
@@ -158,7 +158,7 @@ at::Tensor dppo_vocab_parallel_stats_entry(const at::Tensor& logits, const at::T
                                            double temperature, bool compute_entropy) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const VpStatsInputs in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.stats;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cuda",
@@ -182,7 +182,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::I
                                                   double ratio_cap, bool compute_entropy) {
   Device::require(stats, "stats");
   const Device device(stats);
-  const VpEpilogueInputs in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
                                                   topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
                                                   ratio_cap, compute_entropy);
   if (in.n == 0) return in.outputs();
