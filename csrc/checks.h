@@ -39,7 +39,7 @@ inline void check_logits(const at::Tensor& logits) {
                    "logits must be float32, float16, bfloat16 or float64, got ", dt);
   TORCH_CHECK_VALUE(logits.size(1) > 0, "logits must have a non-empty vocabulary dimension, got shape ",
                     logits.sizes());
-  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.size(1) == 1 || logits.stride(1) == 1),
+  TORCH_CHECK_VALUE(logits.size(1) == 1 || logits.stride(1) == 1,
                     "logits must be contiguous along the vocabulary dimension (stride(1) == 1), got strides ",
                     logits.strides(), "; call .contiguous() first");
   TORCH_CHECK_VALUE(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1),
