@@ -41,6 +41,17 @@ DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) {
   return mode == Mode::kTopkTV || mode == Mode::kTopkKL;
 }
 
+// The loss settings of one forward or vocabulary-parallel epilogue call, built once from the op's arguments
+// (checks.h's loss_settings parses the mode string) and passed down to every kernel and per-row formula as this
+// one value. The temperature is not among them: the kernels apply it to the logits as they load them (the
+// epilogue's statistics arrive already scaled).
+struct LossSettings {
+  Mode mode;
+  double delta_low, delta_high;  // the trust region's thresholds (ratio mode: 1 - delta_low, 1 + delta_high)
+  double ratio_cap;              // C, the cap of the importance weight
+  bool compute_entropy;
+};
+
 // Tokens equal to this id mark padding rows: they cost no compute, every output is 0 and their
 // gradient is 0 (the same convention as torch.nn.functional.cross_entropy).
 constexpr int64_t kIgnoreIndex = -100;
@@ -205,11 +216,13 @@ DPPO_HOST_DEVICE T binary_divergence(Mode mode, T lp, T l1p, T la) {
 // The trust-region mask (1 = keep the token's gradient). la = anchor log-prob (the rollout's
 // unless an anchor is given). Strict comparisons, as in the contract.
 template <typename T>
-DPPO_HOST_DEVICE T trust_mask(Mode mode, T adv, T lp, T la, T div, T delta_low, T delta_high) {
+DPPO_HOST_DEVICE T trust_mask(const LossSettings& settings, T adv, T lp, T la, T div) {
+  const T delta_low = T(settings.delta_low);
+  const T delta_high = T(settings.delta_high);
   bool invalid;
-  if (mode == Mode::kNone) {
+  if (settings.mode == Mode::kNone) {
     invalid = false;
-  } else if (mode == Mode::kRatio) {
+  } else if (settings.mode == Mode::kRatio) {
     invalid = adv > T(0) ? (div > T(1) + delta_high) : (div < T(1) - delta_low);
   } else {
     const T pi = std::exp(lp);
@@ -279,34 +292,21 @@ struct RowOutputPtrs {
   }
 };
 
-// The loss settings every per-row epilogue needs (the temperature is applied before, to the logits).
-struct LossArgs {
-  Mode mode;
-  double delta_low, delta_high, ratio_cap;
-  bool compute_entropy;
-};
-
 // The per-row epilogue both kernels end with: the mask, the weight and the loss from the row's
 // log-prob, divergence, entropy and lse. A row without a distribution gets NaN in every output
 // (torch.nn.functional.cross_entropy's convention): its loss is then non-finite like its gradient
 // (grad_target = g_loss * coef + g_logp is NaN through coef), and so are the metrics over it. The
 // "both log-probs -inf gives weight 0" rule of is_weight only ever sees rows with finite logits.
 template <typename T>
-DPPO_HOST_DEVICE RowOutputs<T> finish_row(Mode mode, T adv, T lp, T la, T m, T div, T entropy, T lse, T delta_low,
-                                          T delta_high, T ratio_cap) {
+DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossSettings& settings, T adv, T lp, T la, T m, T div, T entropy,
+                                          T lse) {
   if (!row_has_distribution(lse)) {
     const T nan = T(NAN);
     return {nan, nan, nan, nan, nan, nan, nan};
   }
-  const T msk = trust_mask(mode, adv, lp, la, div, delta_low, delta_high);
-  const T w = is_weight(lp, m, ratio_cap);
+  const T msk = trust_mask(settings, adv, lp, la, div);
+  const T w = is_weight(lp, m, T(settings.ratio_cap));
   return {token_loss(loss_coef(adv, w, msk), lp), lp, div, msk, w, entropy, lse};
-}
-
-template <typename T>
-DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossArgs& args, T adv, T lp, T la, T m, T div, T entropy, T lse) {
-  return finish_row(args.mode, adv, lp, la, m, div, entropy, lse, T(args.delta_low), T(args.delta_high),
-                    T(args.ratio_cap));
 }
 
 // Shifted logits s - max (or log-probs s - lse) are floored here before exp(x) * x products

@@ -6,14 +6,12 @@
 #include <ATen/ATen.h>
 
 #include <array>
-#include <tuple>
 
 #include "checks.h"
+#include "ops.h"
 #include "vocab_parallel_math.h"
 
 namespace dppo {
-
-using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 template <typename T>
 const T* opt_ptr(const c10::optional<at::Tensor>& t) {
@@ -23,7 +21,7 @@ const T* opt_ptr(const c10::optional<at::Tensor>& t) {
 // The operands of the row epilogue, as the forward and the vocabulary-parallel epilogue both hand them to their
 // kernels: the rollout's per-row inputs made contiguous, and the seven outputs allocated.
 struct RowOperands {
-  LossArgs args;                                 // mode, deltas, ratio cap, compute_entropy
+  LossSettings settings;                         // mode, deltas, ratio cap, compute_entropy
   int64_t n, k;                                  // rows, top-K width (0 unless a top-K mode)
   at::Tensor tokens, rollout_lp, adv;            // [N] contiguous (undefined when N == 0)
   c10::optional<at::Tensor> topk_ids, topk_lp;   // [N, K] contiguous, top-K modes only
@@ -40,44 +38,34 @@ struct RowOperands {
 };
 
 // Fills `in` once validated: allocates the outputs [N] with `opts`, then (N > 0) the contiguous per-row inputs.
-inline void make_row_operands(RowOperands& in, const at::TensorOptions& opts, const at::Tensor& tokens,
-                         const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                         const c10::optional<at::Tensor>& topk_ids, const c10::optional<at::Tensor>& topk_logprobs,
-                         const c10::optional<at::Tensor>& anchor_logprobs) {
+inline void make_row_operands(RowOperands& in, const at::TensorOptions& opts, const RowInputs& rows) {
   in.k = 0;
   for (auto& t : in.out) t = at::empty({in.n}, opts);
   if (in.n == 0) return;
-  in.tokens = tokens.contiguous();
-  in.rollout_lp = rollout_logprobs.contiguous();
-  in.adv = advantages.contiguous();
-  if (mode_is_topk(in.args.mode)) {
-    in.topk_ids = topk_ids->contiguous();
-    in.topk_lp = topk_logprobs->contiguous();
+  in.tokens = rows.tokens.contiguous();
+  in.rollout_lp = rows.rollout_logprobs.contiguous();
+  in.adv = rows.advantages.contiguous();
+  if (mode_is_topk(in.settings.mode)) {
+    in.topk_ids = rows.topk_ids->contiguous();
+    in.topk_lp = rows.topk_logprobs->contiguous();
     in.k = in.topk_ids->size(1);
   }
-  if (anchor_logprobs.has_value()) in.anchor_lp = anchor_logprobs->contiguous();
+  if (rows.anchor_logprobs.has_value()) in.anchor_lp = rows.anchor_logprobs->contiguous();
 }
 
 struct ForwardOperands : RowOperands {
   int64_t v, ld;                                 // vocab, logits row stride
 };
 
-inline ForwardOperands prepare_forward(const at::Tensor& logits, const at::Tensor& tokens,
-                                     const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                     const c10::optional<at::Tensor>& topk_ids,
-                                     const c10::optional<at::Tensor>& topk_logprobs,
-                                     const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                                     double temperature, double delta_low, double delta_high, double ratio_cap,
-                                     bool compute_entropy) {
+inline ForwardOperands prepare_forward(const at::Tensor& logits, const RowInputs& rows, const LossSettings& settings,
+                                       double temperature) {
+  check_forward_inputs(logits, rows, settings, temperature);
   ForwardOperands in;
-  const Mode m = check_forward_inputs(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                      anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap);
-  in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
+  in.settings = settings;
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.ld = in.n > 1 ? logits.stride(0) : in.v;
-  make_row_operands(in, logits.options().dtype(acc_dtype(logits.scalar_type())), tokens, rollout_logprobs, advantages,
-               topk_ids, topk_logprobs, anchor_logprobs);
+  make_row_operands(in, logits.options().dtype(acc_dtype(logits.scalar_type())), rows);
   return in;
 }
 
@@ -141,22 +129,15 @@ struct VpEpilogueOperands : RowOperands {
 };
 
 inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets,
-                                            const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                            const at::Tensor& advantages,
-                                            const c10::optional<at::Tensor>& topk_ids,
-                                            const c10::optional<at::Tensor>& topk_logprobs,
-                                            const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                                            double delta_low, double delta_high, double ratio_cap,
-                                            bool compute_entropy) {
+                                              const RowInputs& rows, const LossSettings& settings) {
+  check_vp_epilogue_inputs(stats, offsets, rows, settings);
   VpEpilogueOperands in;
-  const Mode m = check_vp_epilogue_inputs(stats, offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                          topk_logprobs, anchor_logprobs, mode, delta_low, delta_high, ratio_cap);
-  in.args = LossArgs{m, delta_low, delta_high, ratio_cap, compute_entropy};
+  in.settings = settings;
   in.world = stats.size(0);
   in.n = stats.size(1);
   in.width = stats.size(2);
   in.stats = stats.contiguous();
-  make_row_operands(in, stats.options(), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs);
+  make_row_operands(in, stats.options(), rows);
   return in;
 }
 

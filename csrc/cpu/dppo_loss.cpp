@@ -37,11 +37,11 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
                     const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
                     int64_t k,
                     const at::opmath_type<scalar_t>* anchor_lp,   // [N] or null
-                    double temperature, const LossArgs& args,
+                    double temperature, const LossSettings& settings,
                     const RowOutputPtrs<at::opmath_type<scalar_t>>& out) {  // seven [N]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
-  const bool topk = mode_is_topk(args.mode);
+  const bool topk = mode_is_topk(settings.mode);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t a = tokens[i];
@@ -53,15 +53,15 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       const acc_t mx = row_max(z, v) * inv_t;
       // Sum over the non-target tokens, then the target's own term: 1 - pi = other / (other + e_a).
       acc_t other = 0, wsum = 0;
-      row_sums(z, 0, a, inv_t, mx, args.compute_entropy, other, wsum);
-      row_sums(z, a + 1, v, inv_t, mx, args.compute_entropy, other, wsum);
+      row_sums(z, 0, a, inv_t, mx, settings.compute_entropy, other, wsum);
+      row_sums(z, a + 1, v, inv_t, mx, settings.compute_entropy, other, wsum);
       // Log-probabilities are formed relative to the row max ((s - mx) - log(sum)), never as
       // s - lse: for huge |s| the absolute lse has lost log(sum) to rounding.
       const acc_t xa_raw = static_cast<acc_t>(z[a]) * inv_t - mx;
       const acc_t xa = std::max(xa_raw, shift_floor<acc_t>());
       const acc_t ea = std::exp(xa);
       const acc_t total = other + ea;
-      if (args.compute_entropy) wsum += ea * xa;
+      if (settings.compute_entropy) wsum += ea * xa;
       const acc_t log_total = std::log(total);
       const acc_t lse = mx + log_total;
       const acc_t lp = xa_raw - log_total;
@@ -80,12 +80,12 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
           const acc_t s = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
           topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s) - mx) - log_total_d);
         }
-        div = static_cast<acc_t>(topk_divergence(args.mode, acc));
+        div = static_cast<acc_t>(topk_divergence(settings.mode, acc));
       } else {
-        div = binary_divergence(args.mode, lp, l1p, la);
+        div = binary_divergence(settings.mode, lp, l1p, la);
       }
-      const acc_t ent = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
-      out.store(i, finish_row(args, adv[i], lp, la, m, div, ent, lse));
+      const acc_t ent = settings.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
+      out.store(i, finish_row(settings, adv[i], lp, la, m, div, ent, lse));
     }
   });
 }
@@ -169,15 +169,15 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
                                      bool compute_entropy) {
-  const ForwardOperands in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
-                                           compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.n, in.v, in.ld, in.tokens.data_ptr<int64_t>(),
                              in.rollout_lp.data_ptr<acc_t>(), in.adv.data_ptr<acc_t>(), opt_ptr<int64_t>(in.topk_ids),
-                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.args,
+                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.settings,
                              in.output_ptrs<acc_t>());
   });
   return in.outputs();

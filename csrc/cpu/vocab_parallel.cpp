@@ -94,9 +94,9 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
                                                 const c10::optional<at::Tensor>& anchor_logprobs,
                                                 c10::string_view mode, double delta_low, double delta_high,
                                                 double ratio_cap, bool compute_entropy) {
-  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                                  topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
-                                                  ratio_cap, compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
   if (in.n == 0) return in.outputs();
   const std::vector<int64_t> offsets(vocab_offsets.begin(), vocab_offsets.end());
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "dppo_vocab_parallel_epilogue_cpu", [&] {
@@ -119,7 +119,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
         }
         out.store(i, vp_merge_row<T, T>(st + i * in.width, rank_stride, offsets.data(), in.world, a, m[i],
                                         anchor ? anchor[i] : m[i], adv[i], ids ? ids + i * in.k : nullptr,
-                                        tlp ? tlp + i * in.k : nullptr, in.k, in.args));
+                                        tlp ? tlp + i * in.k : nullptr, in.k, in.settings));
       }
     });
   });

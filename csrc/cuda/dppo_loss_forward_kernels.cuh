@@ -122,7 +122,7 @@ struct ForwardParams {
   const int64_t* topk_ids;    // [N, K] contiguous, or nullptr (non-top-K modes)
   const acc_t* topk_lp;       // [N, K] contiguous, or nullptr
   int64_t k;
-  LossArgs args;              // mode, deltas, ratio cap (the kernels take compute_entropy as kEntropy)
+  LossSettings settings;      // mode, deltas, ratio cap (the kernels take compute_entropy as kEntropy)
   acc_t inv_t;                // 1 / T, applied to every logit as it is loaded
   RowOutputPtrs<acc_t> out;   // seven [N]
 };
@@ -145,7 +145,7 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   const ep_t log_sum = std::log(full.sum);
   const ep_t lse = full.mx + log_sum;
   TopkAcc<ep_t> acc = topk_init<ep_t>();
-  const bool topk = mode_is_topk(p.args.mode);
+  const bool topk = mode_is_topk(p.settings.mode);
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
@@ -163,9 +163,9 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   const ep_t m = p.rollout_lp[i];
   const ep_t adv = p.adv[i];
   const ep_t la = p.anchor_lp != nullptr ? ep_t(p.anchor_lp[i]) : m;
-  const ep_t div = topk ? topk_divergence(p.args.mode, acc) : binary_divergence(p.args.mode, lp, l1p, la);
+  const ep_t div = topk ? topk_divergence(p.settings.mode, acc) : binary_divergence(p.settings.mode, lp, l1p, la);
   const ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
-  p.out.store(i, finish_row(p.args, adv, lp, la, m, div, ent, lse));
+  p.out.store(i, finish_row(p.settings, adv, lp, la, m, div, ent, lse));
 }
 
 // One block per row: grid (N).

@@ -46,7 +46,7 @@ ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardOperan
   p.topk_ids = opt_ptr<int64_t>(in.topk_ids);
   p.topk_lp = opt_ptr<acc_t>(in.topk_lp);
   p.k = in.k;
-  p.args = in.args;
+  p.settings = in.settings;
   p.inv_t = static_cast<acc_t>(1.0 / temperature);
   p.out = in.output_ptrs<acc_t>();
   return p;
@@ -81,15 +81,15 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
                                        bool compute_entropy) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const ForwardOperands in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
-                                           compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cuda", [&] {
     const auto p = forward_params<scalar_t>(in, logits, temperature);
     const int64_t n_split = forward_splits(in.n, in.v, Pack<scalar_t>::kSize, device.sm_count());
-    if (compute_entropy) {
+    if (settings.compute_entropy) {
       launch_forward<scalar_t, true>(p, n_split, logits, device.stream());
     } else {
       launch_forward<scalar_t, false>(p, n_split, logits, device.stream());
@@ -182,9 +182,9 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::I
                                                   double ratio_cap, bool compute_entropy) {
   Device::require(stats, "stats");
   const Device device(stats);
-  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                                  topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
-                                                  ratio_cap, compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
   if (in.n == 0) return in.outputs();
   const at::Tensor offsets =
       at::tensor(std::vector<int64_t>(vocab_offsets.begin(), vocab_offsets.end()), at::kLong).to(stats.device());
@@ -194,7 +194,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::I
     launch_kernel(vp_epilogue_kernel<S>, dim3(blocks), dim3(kVpEpilogueThreads), device.stream(),
                   in.stats.const_data_ptr<S>(), offsets.const_data_ptr<int64_t>(), in.world, in.n, in.width,
                   in.tokens.const_data_ptr<int64_t>(), in.rollout_lp.const_data_ptr<S>(), in.adv.const_data_ptr<S>(),
-                  opt_ptr<S>(in.anchor_lp), opt_ptr<int64_t>(in.topk_ids), opt_ptr<S>(in.topk_lp), in.k, in.args,
+                  opt_ptr<S>(in.anchor_lp), opt_ptr<int64_t>(in.topk_ids), opt_ptr<S>(in.topk_lp), in.k, in.settings,
                   in.output_ptrs<S>());
   });
   return in.outputs();

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kVpEpilogueThreads, 1) vp_epilogue_kernel(
     const S* __restrict__ anchor_lp,      // [N] or null
     const int64_t* __restrict__ topk_ids, // [N, K] or null
     const S* __restrict__ topk_lp,        // [N, K] or null
-    int64_t k, LossArgs args,
+    int64_t k, LossSettings settings,
     RowOutputPtrs<S> out) {               // seven [N]
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kVpEpilogueThreads, 1) vp_epilogue_kernel(
   out.store(i, vp_merge_row<double, S>(stats + i * width, n * width, offsets, world, a, m,
                                        anchor_lp ? double(anchor_lp[i]) : m, double(adv[i]),
                                        topk_ids ? topk_ids + i * k : nullptr, topk_lp ? topk_lp + i * k : nullptr, k,
-                                       args));
+                                       settings));
 }
 
 }  // namespace
