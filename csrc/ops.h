@@ -50,6 +50,13 @@ using VocabParallelEpilogueOp = ForwardOutputs(const at::Tensor& stats, at::IntA
                                                c10::string_view mode, double delta_low, double delta_high,
                                                double ratio_cap, bool compute_entropy);
 
+// `impl` as a pointer of op Op's declared type, for a registration: an implementation whose signature drifted
+// from its declaration above does not convert, so it does not compile.
+template <typename Op>
+constexpr Op* op_impl(Op* impl) {
+  return impl;
+}
+
 // The rollout's per-row arguments of dppo_loss_forward and dppo_vocab_parallel_epilogue as the op received them
 // (dppo_ext/_rows.py's RowInputs, the same six in the schema's order): tokens [N] int64, rollout_logprobs and
 // advantages [N], topk_ids [N, K]? int64, topk_logprobs [N, K]?, anchor_logprobs [N]?. References to the op's

@@ -10,9 +10,9 @@
 namespace dppo {
 
 TORCH_LIBRARY_IMPL(dppo, CUDA, m) {
-  m.impl("dppo_loss_forward", &dppo_loss_forward_entry<CudaDevice>);
-  m.impl("dppo_loss_backward", &dppo_loss_backward_entry<CudaDevice>);
-  m.impl("dppo_loss_backward_", &dppo_loss_backward_inplace_entry<CudaDevice>);
+  m.impl("dppo_loss_forward", op_impl<LossForwardOp>(&dppo_loss_forward_entry<CudaDevice>));
+  m.impl("dppo_loss_backward", op_impl<LossBackwardOp>(&dppo_loss_backward_entry<CudaDevice>));
+  m.impl("dppo_loss_backward_", op_impl<LossBackwardInplaceOp>(&dppo_loss_backward_inplace_entry<CudaDevice>));
 }
 
 }  // namespace dppo

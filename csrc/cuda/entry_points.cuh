@@ -2,7 +2,9 @@
 // with the CPU kernels), the dispatch on the logits dtype, the kernels' parameters, the split forward's
 // workspace and the launches the launch policy (launch_policy.cuh) picks. Written once for the two places
 // that run these kernels: cuda/dppo_loss.cu and cuda/vocab_parallel.cu (nvcc, TORCH_LIBRARY_IMPL(dppo, CUDA))
-// and the CPU emulator of the test suite (python_tests/cuda_emu), each supplying its Device:
+// and the CPU emulator of the test suite (python_tests/cuda_emu), each supplying its Device. Each entry
+// (dppo_loss_forward_entry<Device>, ...) has the signature its op declares in ops.h, which both registrations
+// check (op_impl). The Device:
 //
 //   struct Device {
 //     static void require(const at::Tensor& t, const char* name);  // t is on this backend's device, else throws

@@ -10,8 +10,9 @@
 namespace dppo {
 
 TORCH_LIBRARY_IMPL(dppo, CUDA, m) {
-  m.impl("dppo_vocab_parallel_stats", &dppo_vocab_parallel_stats_entry<CudaDevice>);
-  m.impl("dppo_vocab_parallel_epilogue", &dppo_vocab_parallel_epilogue_entry<CudaDevice>);
+  m.impl("dppo_vocab_parallel_stats", op_impl<VocabParallelStatsOp>(&dppo_vocab_parallel_stats_entry<CudaDevice>));
+  m.impl("dppo_vocab_parallel_epilogue",
+         op_impl<VocabParallelEpilogueOp>(&dppo_vocab_parallel_epilogue_entry<CudaDevice>));
 }
 
 }  // namespace dppo

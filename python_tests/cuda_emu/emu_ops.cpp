@@ -100,16 +100,20 @@ TORCH_LIBRARY(dppo_cuda_emu, m) {
   m.def("stats(bool reset) -> int[]");
   m.def("sanitizer() -> str");
   m.def("traffic(bool reset) -> str");
+  using dppo::op_impl;
   m.impl("dppo_loss_forward", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_forward_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossForwardOp>(&dppo::dppo_loss_forward_entry<EmuDevice>)>::run);
   m.impl("dppo_loss_backward", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_backward_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossBackwardOp>(&dppo::dppo_loss_backward_entry<EmuDevice>)>::run);
   m.impl("dppo_loss_backward_", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_backward_inplace_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossBackwardInplaceOp>(
+             &dppo::dppo_loss_backward_inplace_entry<EmuDevice>)>::run);
   m.impl("dppo_vocab_parallel_stats", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_vocab_parallel_stats_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::VocabParallelStatsOp>(
+             &dppo::dppo_vocab_parallel_stats_entry<EmuDevice>)>::run);
   m.impl("dppo_vocab_parallel_epilogue", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_vocab_parallel_epilogue_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::VocabParallelEpilogueOp>(
+             &dppo::dppo_vocab_parallel_epilogue_entry<EmuDevice>)>::run);
   m.impl("configure", &dppo_cuda_emu::configure);
   m.impl("stats", &dppo_cuda_emu::stats);
   m.impl("sanitizer", &dppo_cuda_emu::sanitizer);
