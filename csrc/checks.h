@@ -71,8 +71,8 @@ inline void check_logits(const at::Tensor& logits) {
                     "logits must be contiguous along the vocabulary dimension (stride(1) == 1), got strides ",
                     logits.strides(), "; call .contiguous() first");
   TORCH_CHECK_VALUE(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1),
-                    "logits rows must not overlap (stride(0) >= V), got strides ", logits.strides(),
-                    " for shape ", logits.sizes());
+                    "logits rows must not overlap (stride(0) >= V), got strides ", logits.strides(), " for shape ",
+                    logits.sizes());
 }
 
 // What the per-row inputs of an op are checked against: the tensor that fixes their row count N, their
@@ -80,8 +80,8 @@ inline void check_logits(const at::Tensor& logits) {
 // vocabulary-parallel epilogue), and how the messages name it.
 struct RowSource {
   const at::Tensor& tensor;
-  const char* name;       // "logits" / "stats"
-  const char* rows;       // where N comes from: "one per logits row" / "stats.size(1)"
+  const char* name;  // "logits" / "stats"
+  const char* rows;  // where N comes from: "one per logits row" / "stats.size(1)"
   int64_t n;
   at::ScalarType float_dtype;  // the dtype of every per-row float input
 };
@@ -98,8 +98,7 @@ inline void check_row_vector(const at::Tensor& t, const char* name, at::ScalarTy
                    dtype == at::kLong ? "token ids"
                    : same_as_src      ? "the dtype of "
                                       : "the accumulation dtype of ",
-                   dtype == at::kLong ? "" : src.name,
-                   dtype == at::kLong || same_as_src ? "" : " of dtype ",
+                   dtype == at::kLong ? "" : src.name, dtype == at::kLong || same_as_src ? "" : " of dtype ",
                    dtype == at::kLong || same_as_src ? "" : c10::toString(src.tensor.scalar_type()), "), got ",
                    t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
@@ -109,8 +108,8 @@ inline void check_row_vector(const at::Tensor& t, const char* name, at::ScalarTy
 inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t k, at::ScalarType dtype,
                               const RowSource& src) {
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == src.n && (k < 0 || t.size(1) == k), name,
-                    " must be 2-D [N, K] with N=", src.n, k < 0 ? "" : " and K=",
-                    k < 0 ? std::string() : std::to_string(k), ", got shape ", t.sizes());
+                    " must be 2-D [N, K] with N=", src.n,
+                    k < 0 ? "" : " and K=", k < 0 ? std::string() : std::to_string(k), ", got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.size(1) >= 1, name, " must have K >= 1 columns, got shape ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
@@ -118,15 +117,15 @@ inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t k, 
 }
 
 inline void check_temperature(double temperature) {
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
-                    "temperature must be a finite number > 0, got ", temperature);
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0, "temperature must be a finite number > 0, got ",
+                    temperature);
 }
 
 inline void check_trust_region(const LossSettings& s) {
-  TORCH_CHECK_VALUE(std::isfinite(s.delta_low) && s.delta_low >= 0.0,
-                    "delta_low must be a finite number >= 0, got ", s.delta_low);
-  TORCH_CHECK_VALUE(std::isfinite(s.delta_high) && s.delta_high >= 0.0,
-                    "delta_high must be a finite number >= 0, got ", s.delta_high);
+  TORCH_CHECK_VALUE(std::isfinite(s.delta_low) && s.delta_low >= 0.0, "delta_low must be a finite number >= 0, got ",
+                    s.delta_low);
+  TORCH_CHECK_VALUE(std::isfinite(s.delta_high) && s.delta_high >= 0.0, "delta_high must be a finite number >= 0, got ",
+                    s.delta_high);
   TORCH_CHECK_VALUE(!std::isnan(s.ratio_cap) && s.ratio_cap > 0.0, "ratio_cap must be > 0, got ", s.ratio_cap);
 }
 
@@ -268,8 +267,7 @@ inline void check_backward_inputs(const at::Tensor& grad_target, const c10::opti
 // ---- the vocabulary-parallel ops (vocab_parallel_math.h) --------------------------------------------------------
 
 inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& tokens,
-                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                  double temperature) {
+                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start, double temperature) {
   check_logits(logits);
   check_temperature(temperature);
   TORCH_CHECK_VALUE(vocab_start >= 0, "vocab_start (this rank's first global vocabulary id) must be >= 0, got ",

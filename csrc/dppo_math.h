@@ -37,9 +37,7 @@ enum class Mode : int64_t {
   kNone = 5,
 };
 
-DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) {
-  return mode == Mode::kTopkTV || mode == Mode::kTopkKL;
-}
+DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) { return mode == Mode::kTopkTV || mode == Mode::kTopkKL; }
 
 // The loss settings of one forward or vocabulary-parallel epilogue call, built once from the op's arguments
 // (checks.h's loss_settings parses the mode string) and passed down to every kernel and per-row formula as this
@@ -60,13 +58,19 @@ constexpr int64_t kIgnoreIndex = -100;
 // and top-K divergences finite when a mass underflows to 0 while leaving every mask decision
 // unchanged (a floored divergence is still ~27 nats / ~1 in TV, far above any threshold).
 template <typename T>
-DPPO_HOST_DEVICE T mass_floor() { return T(1e-12); }
+DPPO_HOST_DEVICE T mass_floor() {
+  return T(1e-12);
+}
 template <typename T>
-DPPO_HOST_DEVICE T log_mass_floor() { return T(-27.631021115928547); }  // log(1e-12)
+DPPO_HOST_DEVICE T log_mass_floor() {
+  return T(-27.631021115928547);
+}  // log(1e-12)
 
 // The importance weight's log-ratio is clamped at 20 before exp (verl / Stable-RL convention).
 template <typename T>
-DPPO_HOST_DEVICE T log_ratio_clamp() { return T(20); }
+DPPO_HOST_DEVICE T log_ratio_clamp() {
+  return T(20);
+}
 
 // max(a, b) that propagates NaN (std::fmax and std::max drop it): the row-max passes use it, so a NaN
 // logit cannot hide from the row's lse (and so from row_has_distribution).
@@ -165,7 +169,9 @@ struct TopkAcc {
 };
 
 template <typename T>
-DPPO_HOST_DEVICE TopkAcc<T> topk_init() { return {T(0), T(0), T(0), T(0)}; }
+DPPO_HOST_DEVICE TopkAcc<T> topk_init() {
+  return {T(0), T(0), T(0), T(0)};
+}
 
 // lpk: rollout log-prob of the k-th top token (may be -inf), lqk: trainer log-prob of that token.
 template <typename T>
@@ -247,10 +253,14 @@ DPPO_HOST_DEVICE T is_weight(T lp, T m, T ratio_cap) {
 // Gradient coefficient c = -A * w * M (dl/dz_j = c * (1[j = a] - p_j) / T) and loss = c * logp,
 // with a zero coefficient giving an exact 0 loss even when logp = -inf.
 template <typename T>
-DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) { return -adv * w * m; }
+DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) {
+  return -adv * w * m;
+}
 
 template <typename T>
-DPPO_HOST_DEVICE T token_loss(T coef, T lp) { return coef == T(0) ? T(0) : coef * lp; }
+DPPO_HOST_DEVICE T token_loss(T coef, T lp) {
+  return coef == T(0) ? T(0) : coef * lp;
+}
 
 // Whether a row's scaled logits define a distribution: lse finite. It is not when s holds a NaN
 // (propagated by nan_max or the sums), a +inf (inf - inf in the sum) or is all -inf (empty sum).
@@ -313,7 +323,9 @@ DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossSettings& settings, T adv, T
 // (entropy moment, entropy gradient): a -inf logit then contributes exp(-1e30) * -1e30 = 0
 // instead of 0 * -inf = NaN. Any x below ~-104 already has exp(x) == 0 in float.
 template <typename T>
-DPPO_HOST_DEVICE T shift_floor() { return T(-1e30); }
+DPPO_HOST_DEVICE T shift_floor() {
+  return T(-1e30);
+}
 
 // Backward, element j of a row, given p = p_j = exp(logp_j) (the kernel computes the exp with its
 // own scalar or SIMD routine): g_t * (1[j = a] - p) - g_h * p * (logp_j + H), all / T.

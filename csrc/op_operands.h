@@ -21,12 +21,12 @@ const T* opt_ptr(const c10::optional<at::Tensor>& t) {
 // The operands of the row epilogue, as the forward and the vocabulary-parallel epilogue both hand them to their
 // kernels: the rollout's per-row inputs made contiguous, and the seven outputs allocated.
 struct RowOperands {
-  LossSettings settings;                         // mode, deltas, ratio cap, compute_entropy
-  int64_t n, k;                                  // rows, top-K width (0 unless a top-K mode)
-  at::Tensor tokens, rollout_lp, adv;            // [N] contiguous (undefined when N == 0)
-  c10::optional<at::Tensor> topk_ids, topk_lp;   // [N, K] contiguous, top-K modes only
-  c10::optional<at::Tensor> anchor_lp;           // [N] contiguous, when given
-  std::array<at::Tensor, 7> out;                 // loss, logp, divergence, mask, weight, entropy, lse
+  LossSettings settings;                        // mode, deltas, ratio cap, compute_entropy
+  int64_t n, k;                                 // rows, top-K width (0 unless a top-K mode)
+  at::Tensor tokens, rollout_lp, adv;           // [N] contiguous (undefined when N == 0)
+  c10::optional<at::Tensor> topk_ids, topk_lp;  // [N, K] contiguous, top-K modes only
+  c10::optional<at::Tensor> anchor_lp;          // [N] contiguous, when given
+  std::array<at::Tensor, 7> out;                // loss, logp, divergence, mask, weight, entropy, lse
 
   ForwardOutputs outputs() const { return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]}; }
 
@@ -54,7 +54,7 @@ inline void make_row_operands(RowOperands& in, const at::TensorOptions& opts, co
 }
 
 struct ForwardOperands : RowOperands {
-  int64_t v, ld;                                 // vocab, logits row stride
+  int64_t v, ld;  // vocab, logits row stride
 };
 
 inline ForwardOperands prepare_forward(const at::Tensor& logits, const RowInputs& rows, const LossSettings& settings,
@@ -70,16 +70,16 @@ inline ForwardOperands prepare_forward(const at::Tensor& logits, const RowInputs
 }
 
 struct BackwardOperands {
-  int64_t n, v, ld_in, ld_out;                     // rows, vocab, row strides of logits and grad
-  at::Tensor tokens, lse, grad_target;             // [N] contiguous
-  c10::optional<at::Tensor> grad_entropy, entropy; // [N] contiguous, given together
+  int64_t n, v, ld_in, ld_out;                      // rows, vocab, row strides of logits and grad
+  at::Tensor tokens, lse, grad_target;              // [N] contiguous
+  c10::optional<at::Tensor> grad_entropy, entropy;  // [N] contiguous, given together
 };
 
 // The inputs of one backward pass writing into `grad` (logits itself for the in-place op);
 // check_backward_inputs has already validated them.
 inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
-                                       const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
-                                       const at::Tensor& lse, const c10::optional<at::Tensor>& entropy) {
+                                         const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
+                                         const at::Tensor& lse, const c10::optional<at::Tensor>& entropy) {
   BackwardOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
@@ -98,17 +98,17 @@ inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c1
 // ---- the vocabulary-parallel ops ----------------------------------------------------------------------------
 
 struct VpStatsOperands {
-  int64_t n, v, k, ld, start;                    // rows, local vocab, top-K width (0 without ids), row stride
-  at::Tensor tokens;                             // [N] contiguous
-  at::Tensor topk_ids;                           // [N, K] contiguous, or undefined
-  at::Tensor stats;                              // the output [N, 4 + K] in the accumulation dtype
+  int64_t n, v, k, ld, start;  // rows, local vocab, top-K width (0 without ids), row stride
+  at::Tensor tokens;           // [N] contiguous
+  at::Tensor topk_ids;         // [N, K] contiguous, or undefined
+  at::Tensor stats;            // the output [N, 4 + K] in the accumulation dtype
 
   const int64_t* topk_ids_ptr() const { return topk_ids.defined() ? topk_ids.const_data_ptr<int64_t>() : nullptr; }
 };
 
 inline VpStatsOperands prepare_vp_stats(const at::Tensor& logits, const at::Tensor& tokens,
-                                      const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                      double temperature) {
+                                        const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
+                                        double temperature) {
   check_vp_stats_inputs(logits, tokens, topk_ids, vocab_start, temperature);
   VpStatsOperands in;
   in.n = logits.size(0);
@@ -124,12 +124,12 @@ inline VpStatsOperands prepare_vp_stats(const at::Tensor& logits, const at::Tens
 }
 
 struct VpEpilogueOperands : RowOperands {
-  int64_t world, width;                          // ranks, statistics per row (4 + K)
-  at::Tensor stats;                              // [W, N, 4 + K] contiguous
+  int64_t world, width;  // ranks, statistics per row (4 + K)
+  at::Tensor stats;      // [W, N, 4 + K] contiguous
 };
 
-inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets,
-                                              const RowInputs& rows, const LossSettings& settings) {
+inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets, const RowInputs& rows,
+                                              const LossSettings& settings) {
   check_vp_epilogue_inputs(stats, offsets, rows, settings);
   VpEpilogueOperands in;
   in.settings = settings;

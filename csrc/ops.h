@@ -43,12 +43,11 @@ using VocabParallelStatsOp = at::Tensor(const at::Tensor& logits, const at::Tens
 
 using VocabParallelEpilogueOp = ForwardOutputs(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
                                                const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                               const at::Tensor& advantages,
-                                               const c10::optional<at::Tensor>& topk_ids,
+                                               const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
                                                const c10::optional<at::Tensor>& topk_logprobs,
-                                               const c10::optional<at::Tensor>& anchor_logprobs,
-                                               c10::string_view mode, double delta_low, double delta_high,
-                                               double ratio_cap, bool compute_entropy);
+                                               const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                               double delta_low, double delta_high, double ratio_cap,
+                                               bool compute_entropy);
 
 // `impl` as a pointer of op Op's declared type, for a registration: an implementation whose signature drifted
 // from its declaration above does not convert, so it does not compile.

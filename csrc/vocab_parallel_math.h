@@ -44,9 +44,9 @@ DPPO_HOST_DEVICE int64_t vp_owner(const int64_t* offsets, int64_t world, int64_t
 // T: the type the row is evaluated in; S: the stored type of stats and topk_lp (the CUDA kernel evaluates
 // float rows in double, as its single-device epilogue does).
 template <typename T, typename S>
-DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets,
-                                            int64_t world, int64_t a, T m, T la, T adv, const int64_t* topk_ids,
-                                            const S* topk_lp, int64_t k, const LossSettings& settings) {
+DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets, int64_t world,
+                                            int64_t a, T m, T la, T adv, const int64_t* topk_ids, const S* topk_lp,
+                                            int64_t k, const LossSettings& settings) {
   const int64_t owner = vp_owner(offsets, world, a);
   const T s_a = T(stats[owner * rank_stride + kVpTarget]);
   // One pass over the ranks: the non-target sums merge as log-sum-exp states, the full sums (the owner's

@@ -28,15 +28,15 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t>
-void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
+void forward_kernel(const scalar_t* logits,  // [N, V], row stride ld
                     int64_t n, int64_t v, int64_t ld,
-                    const int64_t* tokens,        // [N]
+                    const int64_t* tokens,                        // [N]
                     const at::opmath_type<scalar_t>* rollout_lp,  // [N]
                     const at::opmath_type<scalar_t>* adv,         // [N]
-                    const int64_t* topk_ids,      // [N, K] or null
+                    const int64_t* topk_ids,                      // [N, K] or null
                     const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
                     int64_t k,
-                    const at::opmath_type<scalar_t>* anchor_lp,   // [N] or null
+                    const at::opmath_type<scalar_t>* anchor_lp,  // [N] or null
                     double temperature, const LossSettings& settings,
                     const RowOutputPtrs<at::opmath_type<scalar_t>>& out) {  // seven [N]
   using acc_t = at::opmath_type<scalar_t>;
@@ -93,8 +93,7 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
 // ---- backward ---------------------------------------------------------------------------------
 
 template <typename scalar_t>
-void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float lse, float gt, float gh,
-                  float ent) {
+void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float lse, float gt, float gh, float ent) {
   const FVec vinv(inv_t), vlse(lse), vgt(gt), vneg(-inv_t);
   int64_t j = 0;
   if (gh == 0.f) {
@@ -123,8 +122,7 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
   }
 }
 
-void backward_row(const double* z, double* g, int64_t v, double inv_t, double lse, double gt, double gh,
-                  double ent) {
+void backward_row(const double* z, double* g, int64_t v, double inv_t, double lse, double gt, double gh, double ent) {
   for (int64_t j = 0; j < v; ++j) {
     const double l = std::max(z[j] * inv_t - lse, shift_floor<double>());
     g[j] = gh == 0.0 ? grad_from_p_noent(std::exp(l), gt, -inv_t) : grad_from_p(std::exp(l), l, gt, gh, ent, -inv_t);
@@ -135,11 +133,11 @@ template <typename scalar_t>
 void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stride ld_in
                      scalar_t* grad, int64_t ld_out,         // [N, V], row stride ld_out (may alias logits)
                      int64_t n, int64_t v,
-                     const int64_t* tokens,                  // [N]
-                     const at::opmath_type<scalar_t>* lse,   // [N]
-                     const at::opmath_type<scalar_t>* g_t,   // [N]
-                     const at::opmath_type<scalar_t>* g_h,   // [N] or null
-                     const at::opmath_type<scalar_t>* ent,   // [N] or null
+                     const int64_t* tokens,                 // [N]
+                     const at::opmath_type<scalar_t>* lse,  // [N]
+                     const at::opmath_type<scalar_t>* g_t,  // [N]
+                     const at::opmath_type<scalar_t>* g_h,  // [N] or null
+                     const at::opmath_type<scalar_t>* ent,  // [N] or null
                      double temperature) {
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);

@@ -29,12 +29,12 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t>
-void stats_kernel(const scalar_t* logits, int64_t ld,      // [N, V_local], row stride ld
+void stats_kernel(const scalar_t* logits, int64_t ld,  // [N, V_local], row stride ld
                   int64_t n, int64_t v, int64_t start,
-                  const int64_t* tokens,                    // [N] global ids or -100
-                  const int64_t* topk_ids, int64_t k,       // [N, K] global ids, or null
+                  const int64_t* tokens,               // [N] global ids or -100
+                  const int64_t* topk_ids, int64_t k,  // [N, K] global ids, or null
                   double temperature, bool with_ent,
-                  at::opmath_type<scalar_t>* stats) {       // [N, 4 + K]
+                  at::opmath_type<scalar_t>* stats) {  // [N, 4 + K]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
   const int64_t width = vp_stat_width(k);
@@ -88,12 +88,11 @@ at::Tensor dppo_vocab_parallel_stats_cpu(const at::Tensor& logits, const at::Ten
 
 ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
                                                 const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                                const at::Tensor& advantages,
-                                                const c10::optional<at::Tensor>& topk_ids,
+                                                const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
                                                 const c10::optional<at::Tensor>& topk_logprobs,
-                                                const c10::optional<at::Tensor>& anchor_logprobs,
-                                                c10::string_view mode, double delta_low, double delta_high,
-                                                double ratio_cap, bool compute_entropy) {
+                                                const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                                double delta_low, double delta_high, double ratio_cap,
+                                                bool compute_entropy) {
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
   const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
@@ -128,8 +127,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
 
 }  // namespace
 
-const CpuVocabParallelKernels vocab_parallel_kernels{&dppo_vocab_parallel_stats_cpu,
-                                                     &dppo_vocab_parallel_epilogue_cpu};
+const CpuVocabParallelKernels vocab_parallel_kernels{&dppo_vocab_parallel_stats_cpu, &dppo_vocab_parallel_epilogue_cpu};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace dppo

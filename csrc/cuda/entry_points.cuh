@@ -61,8 +61,8 @@ void launch_forward(const ForwardParams<scalar_t, acc_type_t<scalar_t>>& p, int6
                     cudaStream_t stream) {
   using acc_t = acc_type_t<scalar_t>;
   if (n_split <= 1) {
-    launch_kernel(dppo_loss_forward_kernel<scalar_t, acc_t, kEntropy>, dim3(static_cast<unsigned>(p.n)),
-                  dim3(kThreads), stream, p);
+    launch_kernel(dppo_loss_forward_kernel<scalar_t, acc_t, kEntropy>, dim3(static_cast<unsigned>(p.n)), dim3(kThreads),
+                  stream, p);
     return;
   }
   const at::Tensor ws = at::empty({p.n, n_split, 3}, logits.options().dtype(acc_dtype(logits.scalar_type())));
@@ -163,25 +163,22 @@ at::Tensor dppo_vocab_parallel_stats_entry(const at::Tensor& logits, const at::T
   const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.stats;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cuda",
-                                  [&] {
-    using acc_t = acc_type_t<scalar_t>;
-    launch_kernel(vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads), device.stream(),
-                  logits.const_data_ptr<scalar_t>(), in.ld, in.v, in.start, in.tokens.const_data_ptr<int64_t>(),
-                  in.topk_ids_ptr(), in.k, acc_t(1.0 / temperature), compute_entropy, in.stats.data_ptr<acc_t>());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cuda", [&] {
+        using acc_t = acc_type_t<scalar_t>;
+        launch_kernel(vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads), device.stream(),
+                      logits.const_data_ptr<scalar_t>(), in.ld, in.v, in.start, in.tokens.const_data_ptr<int64_t>(),
+                      in.topk_ids_ptr(), in.k, acc_t(1.0 / temperature), compute_entropy, in.stats.data_ptr<acc_t>());
+      });
   return in.stats;
 }
 
 template <typename Device>
-ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
-                                                  const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                                  const at::Tensor& advantages,
-                                                  const c10::optional<at::Tensor>& topk_ids,
-                                                  const c10::optional<at::Tensor>& topk_logprobs,
-                                                  const c10::optional<at::Tensor>& anchor_logprobs,
-                                                  c10::string_view mode, double delta_low, double delta_high,
-                                                  double ratio_cap, bool compute_entropy) {
+ForwardOutputs dppo_vocab_parallel_epilogue_entry(
+    const at::Tensor& stats, at::IntArrayRef vocab_offsets, const at::Tensor& tokens,
+    const at::Tensor& rollout_logprobs, const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
+    c10::string_view mode, double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
   Device::require(stats, "stats");
   const Device device(stats);
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);

@@ -26,10 +26,10 @@
 namespace dppo {
 namespace {
 
-constexpr int kThreads = 256;        // threads per row block (forward, split forward, backward)
-constexpr int kFinishThreads = 128;  // threads per row in the split-vocabulary finishing kernel
-constexpr int kUnroll = 4;           // 16-byte vectors in flight per thread per loop round
-constexpr int kVpThreads = 256;      // threads per row of the vocabulary-parallel statistics
+constexpr int kThreads = 256;            // threads per row block (forward, split forward, backward)
+constexpr int kFinishThreads = 128;      // threads per row in the split-vocabulary finishing kernel
+constexpr int kUnroll = 4;               // 16-byte vectors in flight per thread per loop round
+constexpr int kVpThreads = 256;          // threads per row of the vocabulary-parallel statistics
 constexpr int kVpEpilogueThreads = 128;  // rows (one per thread) per block of the vocabulary-parallel epilogue
 
 // Blocks per SM each kernel asks ptxas to fit (the second argument of its __launch_bounds__, so a register cap

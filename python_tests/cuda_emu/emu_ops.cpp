@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "../op_schemas.h"     // <csrc>/cuda/../ through -I <csrc>/cuda: the schemas of ops.cpp
-#include "entry_points.cuh"    // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
+#include "../op_schemas.h"  // <csrc>/cuda/../ through -I <csrc>/cuda: the schemas of ops.cpp
 #include "cuda_emu_engine.h"
+#include "entry_points.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
 
 namespace dppo_cuda_emu {
 
