@@ -11,7 +11,8 @@
 #include <string>
 
 #include "dppo_math.h"
-#include "vocab_parallel.h"
+#include "ops.h"
+#include "vocab_parallel_math.h"
 
 namespace dppo {
 
@@ -24,6 +25,33 @@ inline Mode parse_mode(c10::string_view mode) {
   if (mode == "none") return Mode::kNone;
   TORCH_CHECK_VALUE(false, "mode must be one of 'binary_tv', 'binary_kl', 'topk_tv', 'topk_kl', ",
                     "'ratio', 'none'; got '", std::string(mode), "'");
+}
+
+// The mode's name as the schema spells it (parse_mode's inverse).
+inline const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kBinaryTV:
+      return "binary_tv";
+    case Mode::kBinaryKL:
+      return "binary_kl";
+    case Mode::kTopkTV:
+      return "topk_tv";
+    case Mode::kTopkKL:
+      return "topk_kl";
+    case Mode::kRatio:
+      return "ratio";
+    case Mode::kNone:
+      return "none";
+  }
+  return "?";
+}
+
+// The loss settings of a dppo_loss_forward or dppo_vocab_parallel_epilogue call, built once from the op's
+// arguments: the mode parsed (an unknown one throws here, before any other check); the thresholds are checked
+// with the op's other inputs (check_trust_region), in the order every entry point checks them.
+inline LossSettings loss_settings(c10::string_view mode, double delta_low, double delta_high, double ratio_cap,
+                                  bool compute_entropy) {
+  return {parse_mode(mode), delta_low, delta_high, ratio_cap, compute_entropy};
 }
 
 // The dtype of every per-row float input and output: float32 for low-precision and fp32 logits,
@@ -39,12 +67,12 @@ inline void check_logits(const at::Tensor& logits) {
                    "logits must be float32, float16, bfloat16 or float64, got ", dt);
   TORCH_CHECK_VALUE(logits.size(1) > 0, "logits must have a non-empty vocabulary dimension, got shape ",
                     logits.sizes());
-  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.size(1) == 1 || logits.stride(1) == 1),
+  TORCH_CHECK_VALUE(logits.size(1) == 1 || logits.stride(1) == 1,
                     "logits must be contiguous along the vocabulary dimension (stride(1) == 1), got strides ",
                     logits.strides(), "; call .contiguous() first");
   TORCH_CHECK_VALUE(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1),
-                    "logits rows must not overlap (stride(0) >= V), got strides ", logits.strides(),
-                    " for shape ", logits.sizes());
+                    "logits rows must not overlap (stride(0) >= V), got strides ", logits.strides(), " for shape ",
+                    logits.sizes());
 }
 
 // What the per-row inputs of an op are checked against: the tensor that fixes their row count N, their
@@ -52,8 +80,8 @@ inline void check_logits(const at::Tensor& logits) {
 // vocabulary-parallel epilogue), and how the messages name it.
 struct RowSource {
   const at::Tensor& tensor;
-  const char* name;       // "logits" / "stats"
-  const char* rows;       // where N comes from: "one per logits row" / "stats.size(1)"
+  const char* name;  // "logits" / "stats"
+  const char* rows;  // where N comes from: "one per logits row" / "stats.size(1)"
   int64_t n;
   at::ScalarType float_dtype;  // the dtype of every per-row float input
 };
@@ -70,8 +98,7 @@ inline void check_row_vector(const at::Tensor& t, const char* name, at::ScalarTy
                    dtype == at::kLong ? "token ids"
                    : same_as_src      ? "the dtype of "
                                       : "the accumulation dtype of ",
-                   dtype == at::kLong ? "" : src.name,
-                   dtype == at::kLong || same_as_src ? "" : " of dtype ",
+                   dtype == at::kLong ? "" : src.name, dtype == at::kLong || same_as_src ? "" : " of dtype ",
                    dtype == at::kLong || same_as_src ? "" : c10::toString(src.tensor.scalar_type()), "), got ",
                    t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
@@ -81,8 +108,8 @@ inline void check_row_vector(const at::Tensor& t, const char* name, at::ScalarTy
 inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t k, at::ScalarType dtype,
                               const RowSource& src) {
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == src.n && (k < 0 || t.size(1) == k), name,
-                    " must be 2-D [N, K] with N=", src.n, k < 0 ? "" : " and K=",
-                    k < 0 ? std::string() : std::to_string(k), ", got shape ", t.sizes());
+                    " must be 2-D [N, K] with N=", src.n,
+                    k < 0 ? "" : " and K=", k < 0 ? std::string() : std::to_string(k), ", got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.size(1) >= 1, name, " must have K >= 1 columns, got shape ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == src.tensor.device(), name, " must be on the same device as ", src.name, " (",
@@ -90,16 +117,16 @@ inline void check_topk_matrix(const at::Tensor& t, const char* name, int64_t k, 
 }
 
 inline void check_temperature(double temperature) {
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0,
-                    "temperature must be a finite number > 0, got ", temperature);
+  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0.0, "temperature must be a finite number > 0, got ",
+                    temperature);
 }
 
-inline void check_trust_region(double delta_low, double delta_high, double ratio_cap) {
-  TORCH_CHECK_VALUE(std::isfinite(delta_low) && delta_low >= 0.0,
-                    "delta_low must be a finite number >= 0, got ", delta_low);
-  TORCH_CHECK_VALUE(std::isfinite(delta_high) && delta_high >= 0.0,
-                    "delta_high must be a finite number >= 0, got ", delta_high);
-  TORCH_CHECK_VALUE(!std::isnan(ratio_cap) && ratio_cap > 0.0, "ratio_cap must be > 0, got ", ratio_cap);
+inline void check_trust_region(const LossSettings& s) {
+  TORCH_CHECK_VALUE(std::isfinite(s.delta_low) && s.delta_low >= 0.0, "delta_low must be a finite number >= 0, got ",
+                    s.delta_low);
+  TORCH_CHECK_VALUE(std::isfinite(s.delta_high) && s.delta_high >= 0.0, "delta_high must be a finite number >= 0, got ",
+                    s.delta_high);
+  TORCH_CHECK_VALUE(!std::isnan(s.ratio_cap) && s.ratio_cap > 0.0, "ratio_cap must be > 0, got ", s.ratio_cap);
 }
 
 // Value checks that read the data. On CPU a plain loop over the values (no temporaries: these run
@@ -177,61 +204,47 @@ inline void check_finite_values(const at::Tensor& t, const char* name) {
 
 // The rollout's per-row inputs of the forward and of the vocabulary-parallel epilogue: shapes, dtypes and devices
 // (no data read).
-inline void check_rollout_shapes(const RowSource& src, Mode mode, c10::string_view mode_str, const at::Tensor& tokens,
-                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                 const c10::optional<at::Tensor>& topk_ids,
-                                 const c10::optional<at::Tensor>& topk_logprobs,
-                                 const c10::optional<at::Tensor>& anchor_logprobs) {
-  check_row_vector(tokens, "tokens", at::kLong, src);
-  check_row_vector(rollout_logprobs, "rollout_logprobs", src.float_dtype, src);
-  check_row_vector(advantages, "advantages", src.float_dtype, src);
-  if (anchor_logprobs.has_value()) check_row_vector(*anchor_logprobs, "anchor_logprobs", src.float_dtype, src);
-  TORCH_CHECK_VALUE(topk_ids.has_value() == topk_logprobs.has_value(),
+inline void check_rollout_shapes(const RowSource& src, Mode mode, const RowInputs& rows) {
+  check_row_vector(rows.tokens, "tokens", at::kLong, src);
+  check_row_vector(rows.rollout_logprobs, "rollout_logprobs", src.float_dtype, src);
+  check_row_vector(rows.advantages, "advantages", src.float_dtype, src);
+  if (rows.anchor_logprobs.has_value()) {
+    check_row_vector(*rows.anchor_logprobs, "anchor_logprobs", src.float_dtype, src);
+  }
+  TORCH_CHECK_VALUE(rows.topk_ids.has_value() == rows.topk_logprobs.has_value(),
                     "topk_ids and topk_logprobs must be given together, got ",
-                    topk_ids.has_value() ? "topk_ids only" : "topk_logprobs only");
+                    rows.topk_ids.has_value() ? "topk_ids only" : "topk_logprobs only");
   if (mode_is_topk(mode)) {
-    TORCH_CHECK_VALUE(topk_ids.has_value(), "mode '", std::string(mode_str),
+    TORCH_CHECK_VALUE(rows.topk_ids.has_value(), "mode '", mode_name(mode),
                       "' needs the rollout's top-K: pass topk_ids [N, K] and topk_logprobs [N, K] "
                       "(e.g. from vLLM SamplingParams(logprobs=K))");
   }
-  if (topk_ids.has_value()) {
-    check_topk_matrix(*topk_ids, "topk_ids", -1, at::kLong, src);
-    check_topk_matrix(*topk_logprobs, "topk_logprobs", topk_ids->size(1), src.float_dtype, src);
+  if (rows.topk_ids.has_value()) {
+    check_topk_matrix(*rows.topk_ids, "topk_ids", -1, at::kLong, src);
+    check_topk_matrix(*rows.topk_logprobs, "topk_logprobs", rows.topk_ids->size(1), src.float_dtype, src);
   }
 }
 
 // The same inputs' values (token ids in [0, vocab), log-probs <= 0, finite advantages): reads the data.
-inline void check_rollout_values(Mode mode, int64_t vocab, const at::Tensor& tokens,
-                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                 const c10::optional<at::Tensor>& topk_ids,
-                                 const c10::optional<at::Tensor>& topk_logprobs,
-                                 const c10::optional<at::Tensor>& anchor_logprobs) {
-  check_token_values(tokens, vocab, "tokens", /*allow_ignore=*/true);
-  check_logprob_values(rollout_logprobs, "rollout_logprobs");
-  if (anchor_logprobs.has_value()) check_logprob_values(*anchor_logprobs, "anchor_logprobs");
-  if (topk_ids.has_value() && mode_is_topk(mode)) {
-    check_token_values(*topk_ids, vocab, "topk_ids", /*allow_ignore=*/false);
-    check_logprob_values(*topk_logprobs, "topk_logprobs");
+inline void check_rollout_values(Mode mode, int64_t vocab, const RowInputs& rows) {
+  check_token_values(rows.tokens, vocab, "tokens", /*allow_ignore=*/true);
+  check_logprob_values(rows.rollout_logprobs, "rollout_logprobs");
+  if (rows.anchor_logprobs.has_value()) check_logprob_values(*rows.anchor_logprobs, "anchor_logprobs");
+  if (rows.topk_ids.has_value() && mode_is_topk(mode)) {
+    check_token_values(*rows.topk_ids, vocab, "topk_ids", /*allow_ignore=*/false);
+    check_logprob_values(*rows.topk_logprobs, "topk_logprobs");
   }
-  check_finite_values(advantages, "advantages");
+  check_finite_values(rows.advantages, "advantages");
 }
 
-// Everything the forward entry point validates, for both backends.
-inline Mode check_forward_inputs(const at::Tensor& logits, const at::Tensor& tokens,
-                                 const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                 const c10::optional<at::Tensor>& topk_ids,
-                                 const c10::optional<at::Tensor>& topk_logprobs,
-                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
-                                 double temperature, double delta_low, double delta_high, double ratio_cap) {
-  const Mode mode = parse_mode(mode_str);
+// Everything the forward entry point validates, for both backends (the mode was parsed by loss_settings).
+inline void check_forward_inputs(const at::Tensor& logits, const RowInputs& rows, const LossSettings& settings,
+                                 double temperature) {
   check_logits(logits);
   check_temperature(temperature);
-  check_trust_region(delta_low, delta_high, ratio_cap);
-  check_rollout_shapes(logits_rows(logits), mode, mode_str, tokens, rollout_logprobs, advantages, topk_ids,
-                       topk_logprobs, anchor_logprobs);
-  check_rollout_values(mode, logits.size(1), tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                       anchor_logprobs);
-  return mode;
+  check_trust_region(settings);
+  check_rollout_shapes(logits_rows(logits), settings.mode, rows);
+  check_rollout_values(settings.mode, logits.size(1), rows);
 }
 
 inline void check_backward_inputs(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
@@ -251,11 +264,10 @@ inline void check_backward_inputs(const at::Tensor& grad_target, const c10::opti
   }
 }
 
-// ---- the vocabulary-parallel ops (vocab_parallel.h) --------------------------------------------------------
+// ---- the vocabulary-parallel ops (vocab_parallel_math.h) --------------------------------------------------------
 
 inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& tokens,
-                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                  double temperature) {
+                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start, double temperature) {
   check_logits(logits);
   check_temperature(temperature);
   TORCH_CHECK_VALUE(vocab_start >= 0, "vocab_start (this rank's first global vocabulary id) must be >= 0, got ",
@@ -265,15 +277,12 @@ inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& to
   if (topk_ids.has_value()) check_topk_matrix(*topk_ids, "topk_ids", -1, at::kLong, src);
 }
 
-// Everything the epilogue validates; returns the mode. stats: [W, N, 4 + K], every rank's statistics stacked.
-inline Mode check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef offsets, const at::Tensor& tokens,
-                                     const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                     const c10::optional<at::Tensor>& topk_ids,
-                                     const c10::optional<at::Tensor>& topk_logprobs,
-                                     const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode_str,
-                                     double delta_low, double delta_high, double ratio_cap) {
-  const Mode mode = parse_mode(mode_str);
-  check_trust_region(delta_low, delta_high, ratio_cap);
+// Everything the epilogue validates (the mode was parsed by loss_settings). stats: [W, N, 4 + K], every rank's
+// statistics stacked.
+inline void check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef offsets, const RowInputs& rows,
+                                     const LossSettings& settings) {
+  const Mode mode = settings.mode;
+  check_trust_region(settings);
   TORCH_CHECK_VALUE(stats.dim() == 3 && stats.size(2) >= kVpTopk,
                     "stats must be 3-D [W, N, 4 + K] (every rank's dppo_vocab_parallel_stats, stacked), got shape ",
                     stats.sizes());
@@ -289,17 +298,14 @@ inline Mode check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef of
                       "at least one vocabulary column), got ", offsets);
   }
   const RowSource src{stats, "stats", "stats.size(1)", stats.size(1), stats.scalar_type()};
-  check_rollout_shapes(src, mode, mode_str, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                       anchor_logprobs);
+  check_rollout_shapes(src, mode, rows);
   if (mode_is_topk(mode)) {
-    const int64_t k = topk_ids->size(1);
+    const int64_t k = rows.topk_ids->size(1);
     TORCH_CHECK_VALUE(stats.size(2) == vp_stat_width(k), "stats must have 4 + K = ", vp_stat_width(k),
                       " columns for K=", k, " top-K ids (pass the same topk_ids to dppo_vocab_parallel_stats), ",
                       "got shape ", stats.sizes());
   }
-  check_rollout_values(mode, offsets[world], tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                       anchor_logprobs);
-  return mode;
+  check_rollout_values(mode, offsets[world], rows);
 }
 
 }  // namespace dppo

@@ -37,9 +37,18 @@ enum class Mode : int64_t {
   kNone = 5,
 };
 
-DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) {
-  return mode == Mode::kTopkTV || mode == Mode::kTopkKL;
-}
+DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) { return mode == Mode::kTopkTV || mode == Mode::kTopkKL; }
+
+// The loss settings of one forward or vocabulary-parallel epilogue call, built once from the op's arguments
+// (checks.h's loss_settings parses the mode string) and passed down to every kernel and per-row formula as this
+// one value. The temperature is not among them: the kernels apply it to the logits as they load them (the
+// epilogue's statistics arrive already scaled).
+struct LossSettings {
+  Mode mode;
+  double delta_low, delta_high;  // the trust region's thresholds (ratio mode: 1 - delta_low, 1 + delta_high)
+  double ratio_cap;              // C, the cap of the importance weight
+  bool compute_entropy;
+};
 
 // Tokens equal to this id mark padding rows: they cost no compute, every output is 0 and their
 // gradient is 0 (the same convention as torch.nn.functional.cross_entropy).
@@ -49,13 +58,19 @@ constexpr int64_t kIgnoreIndex = -100;
 // and top-K divergences finite when a mass underflows to 0 while leaving every mask decision
 // unchanged (a floored divergence is still ~27 nats / ~1 in TV, far above any threshold).
 template <typename T>
-DPPO_HOST_DEVICE T mass_floor() { return T(1e-12); }
+DPPO_HOST_DEVICE T mass_floor() {
+  return T(1e-12);
+}
 template <typename T>
-DPPO_HOST_DEVICE T log_mass_floor() { return T(-27.631021115928547); }  // log(1e-12)
+DPPO_HOST_DEVICE T log_mass_floor() {
+  return T(-27.631021115928547);
+}  // log(1e-12)
 
 // The importance weight's log-ratio is clamped at 20 before exp (verl / Stable-RL convention).
 template <typename T>
-DPPO_HOST_DEVICE T log_ratio_clamp() { return T(20); }
+DPPO_HOST_DEVICE T log_ratio_clamp() {
+  return T(20);
+}
 
 // max(a, b) that propagates NaN (std::fmax and std::max drop it): the row-max passes use it, so a NaN
 // logit cannot hide from the row's lse (and so from row_has_distribution).
@@ -154,7 +169,9 @@ struct TopkAcc {
 };
 
 template <typename T>
-DPPO_HOST_DEVICE TopkAcc<T> topk_init() { return {T(0), T(0), T(0), T(0)}; }
+DPPO_HOST_DEVICE TopkAcc<T> topk_init() {
+  return {T(0), T(0), T(0), T(0)};
+}
 
 // lpk: rollout log-prob of the k-th top token (may be -inf), lqk: trainer log-prob of that token.
 template <typename T>
@@ -205,11 +222,13 @@ DPPO_HOST_DEVICE T binary_divergence(Mode mode, T lp, T l1p, T la) {
 // The trust-region mask (1 = keep the token's gradient). la = anchor log-prob (the rollout's
 // unless an anchor is given). Strict comparisons, as in the contract.
 template <typename T>
-DPPO_HOST_DEVICE T trust_mask(Mode mode, T adv, T lp, T la, T div, T delta_low, T delta_high) {
+DPPO_HOST_DEVICE T trust_mask(const LossSettings& settings, T adv, T lp, T la, T div) {
+  const T delta_low = T(settings.delta_low);
+  const T delta_high = T(settings.delta_high);
   bool invalid;
-  if (mode == Mode::kNone) {
+  if (settings.mode == Mode::kNone) {
     invalid = false;
-  } else if (mode == Mode::kRatio) {
+  } else if (settings.mode == Mode::kRatio) {
     invalid = adv > T(0) ? (div > T(1) + delta_high) : (div < T(1) - delta_low);
   } else {
     const T pi = std::exp(lp);
@@ -234,10 +253,14 @@ DPPO_HOST_DEVICE T is_weight(T lp, T m, T ratio_cap) {
 // Gradient coefficient c = -A * w * M (dl/dz_j = c * (1[j = a] - p_j) / T) and loss = c * logp,
 // with a zero coefficient giving an exact 0 loss even when logp = -inf.
 template <typename T>
-DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) { return -adv * w * m; }
+DPPO_HOST_DEVICE T loss_coef(T adv, T w, T m) {
+  return -adv * w * m;
+}
 
 template <typename T>
-DPPO_HOST_DEVICE T token_loss(T coef, T lp) { return coef == T(0) ? T(0) : coef * lp; }
+DPPO_HOST_DEVICE T token_loss(T coef, T lp) {
+  return coef == T(0) ? T(0) : coef * lp;
+}
 
 // Whether a row's scaled logits define a distribution: lse finite. It is not when s holds a NaN
 // (propagated by nan_max or the sums), a +inf (inf - inf in the sum) or is all -inf (empty sum).
@@ -279,41 +302,30 @@ struct RowOutputPtrs {
   }
 };
 
-// The loss settings every per-row epilogue needs (the temperature is applied before, to the logits).
-struct LossArgs {
-  Mode mode;
-  double delta_low, delta_high, ratio_cap;
-  bool compute_entropy;
-};
-
 // The per-row epilogue both kernels end with: the mask, the weight and the loss from the row's
 // log-prob, divergence, entropy and lse. A row without a distribution gets NaN in every output
 // (torch.nn.functional.cross_entropy's convention): its loss is then non-finite like its gradient
 // (grad_target = g_loss * coef + g_logp is NaN through coef), and so are the metrics over it. The
 // "both log-probs -inf gives weight 0" rule of is_weight only ever sees rows with finite logits.
 template <typename T>
-DPPO_HOST_DEVICE RowOutputs<T> finish_row(Mode mode, T adv, T lp, T la, T m, T div, T entropy, T lse, T delta_low,
-                                          T delta_high, T ratio_cap) {
+DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossSettings& settings, T adv, T lp, T la, T m, T div, T entropy,
+                                          T lse) {
   if (!row_has_distribution(lse)) {
     const T nan = T(NAN);
     return {nan, nan, nan, nan, nan, nan, nan};
   }
-  const T msk = trust_mask(mode, adv, lp, la, div, delta_low, delta_high);
-  const T w = is_weight(lp, m, ratio_cap);
+  const T msk = trust_mask(settings, adv, lp, la, div);
+  const T w = is_weight(lp, m, T(settings.ratio_cap));
   return {token_loss(loss_coef(adv, w, msk), lp), lp, div, msk, w, entropy, lse};
-}
-
-template <typename T>
-DPPO_HOST_DEVICE RowOutputs<T> finish_row(const LossArgs& args, T adv, T lp, T la, T m, T div, T entropy, T lse) {
-  return finish_row(args.mode, adv, lp, la, m, div, entropy, lse, T(args.delta_low), T(args.delta_high),
-                    T(args.ratio_cap));
 }
 
 // Shifted logits s - max (or log-probs s - lse) are floored here before exp(x) * x products
 // (entropy moment, entropy gradient): a -inf logit then contributes exp(-1e30) * -1e30 = 0
 // instead of 0 * -inf = NaN. Any x below ~-104 already has exp(x) == 0 in float.
 template <typename T>
-DPPO_HOST_DEVICE T shift_floor() { return T(-1e30); }
+DPPO_HOST_DEVICE T shift_floor() {
+  return T(-1e30);
+}
 
 // Backward, element j of a row, given p = p_j = exp(logp_j) (the kernel computes the exp with its
 // own scalar or SIMD routine): g_t * (1[j = a] - p) - g_h * p * (logp_j + H), all / T.

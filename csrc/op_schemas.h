@@ -26,7 +26,7 @@ inline constexpr const char* kLossBackwardInplace =
     "dppo_loss_backward_(Tensor grad_target, Tensor? grad_entropy, Tensor(a!) logits, Tensor tokens, "
     "Tensor lse, Tensor? entropy, float temperature) -> ()";
 // dppo_vocab_parallel_stats(logits [N, V_local], tokens [N], topk_ids [N, K]?, vocab_start, T, compute_entropy)
-//   -> stats [N, 4 + K]: this rank's slice statistics (csrc/vocab_parallel.h); tokens/topk_ids are global ids.
+//   -> stats [N, 4 + K]: this rank's slice statistics (csrc/vocab_parallel_math.h); tokens/topk_ids are global ids.
 inline constexpr const char* kVocabParallelStats =
     "dppo_vocab_parallel_stats(Tensor logits, Tensor tokens, Tensor? topk_ids, int vocab_start, "
     "float temperature, bool compute_entropy) -> Tensor";

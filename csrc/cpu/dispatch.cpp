@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <stdexcept>
+#include <utility>
 
 namespace dppo {
 namespace {
@@ -100,52 +101,31 @@ Build select_build() {
   }
 }
 
-const CpuLossKernels& loss() {
+// The chosen build's table of each kind, selected on first use.
+template <typename Table>
+const Table& chosen();
+
+template <>
+const CpuLossKernels& chosen<CpuLossKernels>() {
   static const CpuLossKernels& t = select_build().loss;
   return t;
 }
 
-const CpuVocabParallelKernels& vocab_parallel() {
+template <>
+const CpuVocabParallelKernels& chosen<CpuVocabParallelKernels>() {
   static const CpuVocabParallelKernels& t = select_build().vocab_parallel;
   return t;
 }
 
-ForwardOutputs forward_cpu(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                           const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
-                           const c10::optional<at::Tensor>& topk_logprobs,
-                           const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode, double temperature,
-                           double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
-  return loss().forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, mode,
-                        temperature, delta_low, delta_high, ratio_cap, compute_entropy);
-}
+// The CPU op of table entry kEntry (&CpuLossKernels::forward, ...): the chosen build's entry, called with the
+// dispatcher's arguments. Its signature is the entry's, so the op's (ops.h).
+template <auto kEntry>
+struct CpuOp;
 
-at::Tensor backward_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
-                        const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                        const c10::optional<at::Tensor>& entropy, double temperature) {
-  return loss().backward(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
-}
-
-void backward_inplace_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
-                          const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                          const c10::optional<at::Tensor>& entropy, double temperature) {
-  loss().backward_inplace(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
-}
-
-at::Tensor vp_stats_cpu(const at::Tensor& logits, const at::Tensor& tokens, const c10::optional<at::Tensor>& topk_ids,
-                        int64_t vocab_start, double temperature, bool compute_entropy) {
-  return vocab_parallel().stats(logits, tokens, topk_ids, vocab_start, temperature, compute_entropy);
-}
-
-ForwardOutputs vp_epilogue_cpu(const at::Tensor& stats, at::IntArrayRef vocab_offsets, const at::Tensor& tokens,
-                               const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                               const c10::optional<at::Tensor>& topk_ids,
-                               const c10::optional<at::Tensor>& topk_logprobs,
-                               const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                               double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
-  return vocab_parallel().epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                   topk_logprobs, anchor_logprobs, mode, delta_low, delta_high, ratio_cap,
-                                   compute_entropy);
-}
+template <typename Table, typename R, typename... A, R (*Table::*kEntry)(A...)>
+struct CpuOp<kEntry> {
+  static R run(A... args) { return (chosen<Table>().*kEntry)(std::forward<A>(args)...); }
+};
 
 }  // namespace
 
@@ -165,11 +145,11 @@ const char* cpu_capabilities_compiled() {
 }
 
 TORCH_LIBRARY_IMPL(dppo, CPU, m) {
-  m.impl("dppo_loss_forward", &forward_cpu);
-  m.impl("dppo_loss_backward", &backward_cpu);
-  m.impl("dppo_loss_backward_", &backward_inplace_cpu);
-  m.impl("dppo_vocab_parallel_stats", &vp_stats_cpu);
-  m.impl("dppo_vocab_parallel_epilogue", &vp_epilogue_cpu);
+  m.impl("dppo_loss_forward", &CpuOp<&CpuLossKernels::forward>::run);
+  m.impl("dppo_loss_backward", &CpuOp<&CpuLossKernels::backward>::run);
+  m.impl("dppo_loss_backward_", &CpuOp<&CpuLossKernels::backward_inplace>::run);
+  m.impl("dppo_vocab_parallel_stats", &CpuOp<&CpuVocabParallelKernels::stats>::run);
+  m.impl("dppo_vocab_parallel_epilogue", &CpuOp<&CpuVocabParallelKernels::epilogue>::run);
 }
 
 }  // namespace dppo

@@ -13,44 +13,20 @@
 
 #include <string>
 
-#include "../op_inputs.h"
+#include "../ops.h"
 
 namespace dppo {
 
-// The CPU entry points, one signature per op schema (op_schemas.h).
-using CpuForwardFn = ForwardOutputs (*)(const at::Tensor& logits, const at::Tensor& tokens,
-                                        const at::Tensor& rollout_logprobs, const at::Tensor& advantages,
-                                        const c10::optional<at::Tensor>& topk_ids,
-                                        const c10::optional<at::Tensor>& topk_logprobs,
-                                        const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                                        double temperature, double delta_low, double delta_high, double ratio_cap,
-                                        bool compute_entropy);
-using CpuBackwardFn = at::Tensor (*)(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
-                                     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                     const c10::optional<at::Tensor>& entropy, double temperature);
-using CpuBackwardInplaceFn = void (*)(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
-                                      const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                      const c10::optional<at::Tensor>& entropy, double temperature);
-using CpuVpStatsFn = at::Tensor (*)(const at::Tensor& logits, const at::Tensor& tokens,
-                                    const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                    double temperature, bool compute_entropy);
-using CpuVpEpilogueFn = ForwardOutputs (*)(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
-                                           const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                           const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
-                                           const c10::optional<at::Tensor>& topk_logprobs,
-                                           const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
-                                           double delta_low, double delta_high, double ratio_cap,
-                                           bool compute_entropy);
-
 // The entry points of one instruction-set build of cpu/dppo_loss.cpp and of cpu/vocab_parallel.cpp.
+// Each entry has its op's one signature (ops.h).
 struct CpuLossKernels {
-  CpuForwardFn forward;
-  CpuBackwardFn backward;
-  CpuBackwardInplaceFn backward_inplace;
+  LossForwardOp* forward;
+  LossBackwardOp* backward;
+  LossBackwardInplaceOp* backward_inplace;
 };
 struct CpuVocabParallelKernels {
-  CpuVpStatsFn stats;
-  CpuVpEpilogueFn epilogue;
+  VocabParallelStatsOp* stats;
+  VocabParallelEpilogueOp* epilogue;
 };
 
 // One pair of tables per compiled instruction set. The build defines DPPO_CPU_HAVE_AVX2 / _AVX512 for

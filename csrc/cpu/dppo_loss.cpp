@@ -18,7 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include "../dppo_math.h"
-#include "../op_inputs.h"
+#include "../op_operands.h"
 #include "buffer_cache.h"
 #include "dispatch.h"
 #include "row_simd.h"
@@ -28,20 +28,20 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t>
-void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
+void forward_kernel(const scalar_t* logits,  // [N, V], row stride ld
                     int64_t n, int64_t v, int64_t ld,
-                    const int64_t* tokens,        // [N]
+                    const int64_t* tokens,                        // [N]
                     const at::opmath_type<scalar_t>* rollout_lp,  // [N]
                     const at::opmath_type<scalar_t>* adv,         // [N]
-                    const int64_t* topk_ids,      // [N, K] or null
+                    const int64_t* topk_ids,                      // [N, K] or null
                     const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
                     int64_t k,
-                    const at::opmath_type<scalar_t>* anchor_lp,   // [N] or null
-                    double temperature, const LossArgs& args,
+                    const at::opmath_type<scalar_t>* anchor_lp,  // [N] or null
+                    double temperature, const LossSettings& settings,
                     const RowOutputPtrs<at::opmath_type<scalar_t>>& out) {  // seven [N]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
-  const bool topk = mode_is_topk(args.mode);
+  const bool topk = mode_is_topk(settings.mode);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t a = tokens[i];
@@ -53,15 +53,15 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
       const acc_t mx = row_max(z, v) * inv_t;
       // Sum over the non-target tokens, then the target's own term: 1 - pi = other / (other + e_a).
       acc_t other = 0, wsum = 0;
-      row_sums(z, 0, a, inv_t, mx, args.compute_entropy, other, wsum);
-      row_sums(z, a + 1, v, inv_t, mx, args.compute_entropy, other, wsum);
+      row_sums(z, 0, a, inv_t, mx, settings.compute_entropy, other, wsum);
+      row_sums(z, a + 1, v, inv_t, mx, settings.compute_entropy, other, wsum);
       // Log-probabilities are formed relative to the row max ((s - mx) - log(sum)), never as
       // s - lse: for huge |s| the absolute lse has lost log(sum) to rounding.
       const acc_t xa_raw = static_cast<acc_t>(z[a]) * inv_t - mx;
       const acc_t xa = std::max(xa_raw, shift_floor<acc_t>());
       const acc_t ea = std::exp(xa);
       const acc_t total = other + ea;
-      if (args.compute_entropy) wsum += ea * xa;
+      if (settings.compute_entropy) wsum += ea * xa;
       const acc_t log_total = std::log(total);
       const acc_t lse = mx + log_total;
       const acc_t lp = xa_raw - log_total;
@@ -80,12 +80,12 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
           const acc_t s = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
           topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s) - mx) - log_total_d);
         }
-        div = static_cast<acc_t>(topk_divergence(args.mode, acc));
+        div = static_cast<acc_t>(topk_divergence(settings.mode, acc));
       } else {
-        div = binary_divergence(args.mode, lp, l1p, la);
+        div = binary_divergence(settings.mode, lp, l1p, la);
       }
-      const acc_t ent = args.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
-      out.store(i, finish_row(args, adv[i], lp, la, m, div, ent, lse));
+      const acc_t ent = settings.compute_entropy ? entropy_from_state(total, wsum) : acc_t(0);
+      out.store(i, finish_row(settings, adv[i], lp, la, m, div, ent, lse));
     }
   });
 }
@@ -93,8 +93,7 @@ void forward_kernel(const scalar_t* logits,       // [N, V], row stride ld
 // ---- backward ---------------------------------------------------------------------------------
 
 template <typename scalar_t>
-void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float lse, float gt, float gh,
-                  float ent) {
+void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float lse, float gt, float gh, float ent) {
   const FVec vinv(inv_t), vlse(lse), vgt(gt), vneg(-inv_t);
   int64_t j = 0;
   if (gh == 0.f) {
@@ -123,8 +122,7 @@ void backward_row(const scalar_t* z, scalar_t* g, int64_t v, float inv_t, float 
   }
 }
 
-void backward_row(const double* z, double* g, int64_t v, double inv_t, double lse, double gt, double gh,
-                  double ent) {
+void backward_row(const double* z, double* g, int64_t v, double inv_t, double lse, double gt, double gh, double ent) {
   for (int64_t j = 0; j < v; ++j) {
     const double l = std::max(z[j] * inv_t - lse, shift_floor<double>());
     g[j] = gh == 0.0 ? grad_from_p_noent(std::exp(l), gt, -inv_t) : grad_from_p(std::exp(l), l, gt, gh, ent, -inv_t);
@@ -135,11 +133,11 @@ template <typename scalar_t>
 void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stride ld_in
                      scalar_t* grad, int64_t ld_out,         // [N, V], row stride ld_out (may alias logits)
                      int64_t n, int64_t v,
-                     const int64_t* tokens,                  // [N]
-                     const at::opmath_type<scalar_t>* lse,   // [N]
-                     const at::opmath_type<scalar_t>* g_t,   // [N]
-                     const at::opmath_type<scalar_t>* g_h,   // [N] or null
-                     const at::opmath_type<scalar_t>* ent,   // [N] or null
+                     const int64_t* tokens,                 // [N]
+                     const at::opmath_type<scalar_t>* lse,  // [N]
+                     const at::opmath_type<scalar_t>* g_t,  // [N]
+                     const at::opmath_type<scalar_t>* g_h,  // [N] or null
+                     const at::opmath_type<scalar_t>* ent,  // [N] or null
                      double temperature) {
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
@@ -169,15 +167,15 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
                                      bool compute_entropy) {
-  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
-                                           compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.n, in.v, in.ld, in.tokens.data_ptr<int64_t>(),
                              in.rollout_lp.data_ptr<acc_t>(), in.adv.data_ptr<acc_t>(), opt_ptr<int64_t>(in.topk_ids),
-                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.args,
+                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.settings,
                              in.output_ptrs<acc_t>());
   });
   return in.outputs();
@@ -187,7 +185,7 @@ void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>
                   const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens, const at::Tensor& lse,
                   const c10::optional<at::Tensor>& entropy, double temperature) {
   if (logits.size(0) == 0) return;
-  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n,

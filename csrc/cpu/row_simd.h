@@ -104,8 +104,8 @@ inline FVec vexp(const FVec& xv) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = xv;
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFlushBelow), _CMP_NLT_UQ);  // NaN: kept
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC5), r, _mm512_set1_ps(kExpC4));
@@ -119,8 +119,8 @@ inline FVec vexp(const FVec& xv) {
   const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpFlushBelow), _CMP_NLT_UQ);  // NaN: kept
   // max/min return their second operand when one is NaN, so a NaN x passes through both.
   const __m256 xc = _mm256_min_ps(_mm256_set1_ps(kExpClampAbove), _mm256_max_ps(_mm256_set1_ps(kExpFlushBelow), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
   __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpC5), r, _mm256_set1_ps(kExpC4));

@@ -1,4 +1,4 @@
-// cpu/vocab_parallel.cpp -- CPU kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel.h).
+// cpu/vocab_parallel.cpp -- CPU kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel_math.h).
 //
 // dppo_vocab_parallel_stats   : this rank's logits [N, V_local] (columns [vocab_start, vocab_start +
 //                               V_local) of the global vocabulary) -> statistics [N, 4 + K] in the
@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "../op_inputs.h"
-#include "../vocab_parallel.h"
+#include "../op_operands.h"
+#include "../vocab_parallel_math.h"
 #include "dispatch.h"
 #include "row_simd.h"
 
@@ -29,12 +29,12 @@ namespace CPU_CAPABILITY {
 namespace {
 
 template <typename scalar_t>
-void stats_kernel(const scalar_t* logits, int64_t ld,      // [N, V_local], row stride ld
+void stats_kernel(const scalar_t* logits, int64_t ld,  // [N, V_local], row stride ld
                   int64_t n, int64_t v, int64_t start,
-                  const int64_t* tokens,                    // [N] global ids or -100
-                  const int64_t* topk_ids, int64_t k,       // [N, K] global ids, or null
+                  const int64_t* tokens,               // [N] global ids or -100
+                  const int64_t* topk_ids, int64_t k,  // [N, K] global ids, or null
                   double temperature, bool with_ent,
-                  at::opmath_type<scalar_t>* stats) {       // [N, 4 + K]
+                  at::opmath_type<scalar_t>* stats) {  // [N, 4 + K]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
   const int64_t width = vp_stat_width(k);
@@ -75,7 +75,7 @@ void stats_kernel(const scalar_t* logits, int64_t ld,      // [N, V_local], row 
 at::Tensor dppo_vocab_parallel_stats_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                          const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
                                          double temperature, bool compute_entropy) {
-  const VpStatsInputs in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
   if (in.n == 0) return in.stats;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -88,15 +88,14 @@ at::Tensor dppo_vocab_parallel_stats_cpu(const at::Tensor& logits, const at::Ten
 
 ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
                                                 const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                                const at::Tensor& advantages,
-                                                const c10::optional<at::Tensor>& topk_ids,
+                                                const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
                                                 const c10::optional<at::Tensor>& topk_logprobs,
-                                                const c10::optional<at::Tensor>& anchor_logprobs,
-                                                c10::string_view mode, double delta_low, double delta_high,
-                                                double ratio_cap, bool compute_entropy) {
-  const VpEpilogueInputs in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                                  topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
-                                                  ratio_cap, compute_entropy);
+                                                const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
+                                                double delta_low, double delta_high, double ratio_cap,
+                                                bool compute_entropy) {
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
   if (in.n == 0) return in.outputs();
   const std::vector<int64_t> offsets(vocab_offsets.begin(), vocab_offsets.end());
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "dppo_vocab_parallel_epilogue_cpu", [&] {
@@ -119,7 +118,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
         }
         out.store(i, vp_merge_row<T, T>(st + i * in.width, rank_stride, offsets.data(), in.world, a, m[i],
                                         anchor ? anchor[i] : m[i], adv[i], ids ? ids + i * in.k : nullptr,
-                                        tlp ? tlp + i * in.k : nullptr, in.k, in.args));
+                                        tlp ? tlp + i * in.k : nullptr, in.k, in.settings));
       }
     });
   });
@@ -128,8 +127,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
 
 }  // namespace
 
-const CpuVocabParallelKernels vocab_parallel_kernels{&dppo_vocab_parallel_stats_cpu,
-                                                     &dppo_vocab_parallel_epilogue_cpu};
+const CpuVocabParallelKernels vocab_parallel_kernels{&dppo_vocab_parallel_stats_cpu, &dppo_vocab_parallel_epilogue_cpu};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace dppo

@@ -1,5 +1,5 @@
-// cuda/common.cuh -- device helpers shared by both CUDA kernel families (dppo_loss_forward.cuh,
-// dppo_loss_backward.cuh, vocab_parallel_kernels.cuh): 16-byte vector loads and stores, the logit scaling
+// cuda/common.cuh -- device helpers shared by both CUDA kernel families (dppo_loss_forward_kernels.cuh,
+// dppo_loss_backward_kernels.cuh, vocab_parallel_kernels.cuh): 16-byte vector loads and stores, the logit scaling
 // s = z * (1 / T), and the warp / block reductions of online log-sum-exp states, top-K sums and single
 // values. No ATen, no launch: compiled by nvcc and, unchanged, by the CPU emulator of the test suite.
 #pragma once

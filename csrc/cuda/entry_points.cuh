@@ -1,8 +1,10 @@
-// cuda/entry_points.cuh -- the bodies of the five CUDA ops: validation and preparation (op_inputs.h, shared
+// cuda/entry_points.cuh -- the bodies of the five CUDA ops: validation and preparation (op_operands.h, shared
 // with the CPU kernels), the dispatch on the logits dtype, the kernels' parameters, the split forward's
 // workspace and the launches the launch policy (launch_policy.cuh) picks. Written once for the two places
 // that run these kernels: cuda/dppo_loss.cu and cuda/vocab_parallel.cu (nvcc, TORCH_LIBRARY_IMPL(dppo, CUDA))
-// and the CPU emulator of the test suite (python_tests/cuda_emu), each supplying its Device:
+// and the CPU emulator of the test suite (python_tests/cuda_emu), each supplying its Device. Each entry
+// (dppo_loss_forward_entry<Device>, ...) has the signature its op declares in ops.h, which both registrations
+// check (op_impl). The Device:
 //
 //   struct Device {
 //     static void require(const at::Tensor& t, const char* name);  // t is on this backend's device, else throws
@@ -18,9 +20,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "../op_inputs.h"
-#include "dppo_loss_backward.cuh"
-#include "dppo_loss_forward.cuh"
+#include "../op_operands.h"
+#include "dppo_loss_backward_kernels.cuh"
+#include "dppo_loss_forward_kernels.cuh"
 #include "launch.cuh"
 #include "launch_policy.cuh"
 #include "vocab_parallel_kernels.cuh"
@@ -31,7 +33,7 @@ namespace {
 // ---- the loss: forward ------------------------------------------------------------------------------------
 
 template <typename scalar_t>
-ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardInputs& in, const at::Tensor& logits,
+ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardOperands& in, const at::Tensor& logits,
                                                              double temperature) {
   using acc_t = acc_type_t<scalar_t>;
   ForwardParams<scalar_t, acc_t> p;
@@ -46,7 +48,7 @@ ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardInputs
   p.topk_ids = opt_ptr<int64_t>(in.topk_ids);
   p.topk_lp = opt_ptr<acc_t>(in.topk_lp);
   p.k = in.k;
-  p.args = in.args;
+  p.settings = in.settings;
   p.inv_t = static_cast<acc_t>(1.0 / temperature);
   p.out = in.output_ptrs<acc_t>();
   return p;
@@ -59,8 +61,8 @@ void launch_forward(const ForwardParams<scalar_t, acc_type_t<scalar_t>>& p, int6
                     cudaStream_t stream) {
   using acc_t = acc_type_t<scalar_t>;
   if (n_split <= 1) {
-    launch_kernel(dppo_loss_forward_kernel<scalar_t, acc_t, kEntropy>, dim3(static_cast<unsigned>(p.n)),
-                  dim3(kThreads), stream, p);
+    launch_kernel(dppo_loss_forward_kernel<scalar_t, acc_t, kEntropy>, dim3(static_cast<unsigned>(p.n)), dim3(kThreads),
+                  stream, p);
     return;
   }
   const at::Tensor ws = at::empty({p.n, n_split, 3}, logits.options().dtype(acc_dtype(logits.scalar_type())));
@@ -81,15 +83,15 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
                                        bool compute_entropy) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const ForwardInputs in = prepare_forward(logits, tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs,
-                                           anchor_logprobs, mode, temperature, delta_low, delta_high, ratio_cap,
-                                           compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cuda", [&] {
     const auto p = forward_params<scalar_t>(in, logits, temperature);
     const int64_t n_split = forward_splits(in.n, in.v, Pack<scalar_t>::kSize, device.sm_count());
-    if (compute_entropy) {
+    if (settings.compute_entropy) {
       launch_forward<scalar_t, true>(p, n_split, logits, device.stream());
     } else {
       launch_forward<scalar_t, false>(p, n_split, logits, device.stream());
@@ -110,7 +112,7 @@ void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<a
   const int64_t n = logits.size(0);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const BackwardInputs in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cuda", [&] {
     using acc_t = acc_type_t<scalar_t>;
     BackwardParams<scalar_t, acc_t> p;
@@ -158,33 +160,30 @@ at::Tensor dppo_vocab_parallel_stats_entry(const at::Tensor& logits, const at::T
                                            double temperature, bool compute_entropy) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const VpStatsInputs in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.stats;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cuda",
-                                  [&] {
-    using acc_t = acc_type_t<scalar_t>;
-    launch_kernel(vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads), device.stream(),
-                  logits.const_data_ptr<scalar_t>(), in.ld, in.v, in.start, in.tokens.const_data_ptr<int64_t>(),
-                  in.topk_ids_ptr(), in.k, acc_t(1.0 / temperature), compute_entropy, in.stats.data_ptr<acc_t>());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cuda", [&] {
+        using acc_t = acc_type_t<scalar_t>;
+        launch_kernel(vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads), device.stream(),
+                      logits.const_data_ptr<scalar_t>(), in.ld, in.v, in.start, in.tokens.const_data_ptr<int64_t>(),
+                      in.topk_ids_ptr(), in.k, acc_t(1.0 / temperature), compute_entropy, in.stats.data_ptr<acc_t>());
+      });
   return in.stats;
 }
 
 template <typename Device>
-ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
-                                                  const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
-                                                  const at::Tensor& advantages,
-                                                  const c10::optional<at::Tensor>& topk_ids,
-                                                  const c10::optional<at::Tensor>& topk_logprobs,
-                                                  const c10::optional<at::Tensor>& anchor_logprobs,
-                                                  c10::string_view mode, double delta_low, double delta_high,
-                                                  double ratio_cap, bool compute_entropy) {
+ForwardOutputs dppo_vocab_parallel_epilogue_entry(
+    const at::Tensor& stats, at::IntArrayRef vocab_offsets, const at::Tensor& tokens,
+    const at::Tensor& rollout_logprobs, const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
+    c10::string_view mode, double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
   Device::require(stats, "stats");
   const Device device(stats);
-  const VpEpilogueInputs in = prepare_vp_epilogue(stats, vocab_offsets, tokens, rollout_logprobs, advantages, topk_ids,
-                                                  topk_logprobs, anchor_logprobs, mode, delta_low, delta_high,
-                                                  ratio_cap, compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
   if (in.n == 0) return in.outputs();
   const at::Tensor offsets =
       at::tensor(std::vector<int64_t>(vocab_offsets.begin(), vocab_offsets.end()), at::kLong).to(stats.device());
@@ -194,7 +193,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(const at::Tensor& stats, at::I
     launch_kernel(vp_epilogue_kernel<S>, dim3(blocks), dim3(kVpEpilogueThreads), device.stream(),
                   in.stats.const_data_ptr<S>(), offsets.const_data_ptr<int64_t>(), in.world, in.n, in.width,
                   in.tokens.const_data_ptr<int64_t>(), in.rollout_lp.const_data_ptr<S>(), in.adv.const_data_ptr<S>(),
-                  opt_ptr<S>(in.anchor_lp), opt_ptr<int64_t>(in.topk_ids), opt_ptr<S>(in.topk_lp), in.k, in.args,
+                  opt_ptr<S>(in.anchor_lp), opt_ptr<int64_t>(in.topk_ids), opt_ptr<S>(in.topk_lp), in.k, in.settings,
                   in.output_ptrs<S>());
   });
   return in.outputs();

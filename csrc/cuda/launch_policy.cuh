@@ -1,8 +1,8 @@
 // cuda/launch_policy.cuh -- how every CUDA kernel of the extension is launched: threads per block (also
 // each kernel's __launch_bounds__), the blocks per row of the split-vocabulary forward and of the backward,
-// and the DPPO_CUDA_SPLIT override. Shared by the kernels (dppo_loss_forward.cuh, dppo_loss_backward.cuh,
-// vocab_parallel_kernels.cuh), the entry points that launch them (entry_points.cuh) and so by the CPU
-// emulator of the test suite, which compiles all of them unchanged.
+// and the DPPO_CUDA_SPLIT override. Shared by the kernels (dppo_loss_forward_kernels.cuh,
+// dppo_loss_backward_kernels.cuh, vocab_parallel_kernels.cuh), the entry points that launch them
+// (entry_points.cuh) and so by the CPU emulator of the test suite, which compiles all of them unchanged.
 //
 //   kernel                               block                 grid
 //   dppo_loss_forward_kernel             kThreads              (N)                 splits == 1
@@ -26,10 +26,10 @@
 namespace dppo {
 namespace {
 
-constexpr int kThreads = 256;        // threads per row block (forward, split forward, backward)
-constexpr int kFinishThreads = 128;  // threads per row in the split-vocabulary finishing kernel
-constexpr int kUnroll = 4;           // 16-byte vectors in flight per thread per loop round
-constexpr int kVpThreads = 256;      // threads per row of the vocabulary-parallel statistics
+constexpr int kThreads = 256;            // threads per row block (forward, split forward, backward)
+constexpr int kFinishThreads = 128;      // threads per row in the split-vocabulary finishing kernel
+constexpr int kUnroll = 4;               // 16-byte vectors in flight per thread per loop round
+constexpr int kVpThreads = 256;          // threads per row of the vocabulary-parallel statistics
 constexpr int kVpEpilogueThreads = 128;  // rows (one per thread) per block of the vocabulary-parallel epilogue
 
 // Blocks per SM each kernel asks ptxas to fit (the second argument of its __launch_bounds__, so a register cap

@@ -1,4 +1,4 @@
-// cuda/vocab_parallel_kernels.cuh -- the CUDA kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel.h
+// cuda/vocab_parallel_kernels.cuh -- the CUDA kernels of the vocabulary-parallel DPPO loss (csrc/vocab_parallel_math.h
 // holds the row math). Device code only: the launch policy is launch_policy.cuh's, the launches entry_points.cuh's;
 // nvcc (cuda/vocab_parallel.cu) and the CPU emulator of the test suite compile it unchanged.
 //
@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "../vocab_parallel.h"
+#include "../vocab_parallel_math.h"
 #include "common.cuh"
 #include "launch_policy.cuh"
 
@@ -21,13 +21,13 @@ namespace dppo {
 namespace {
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kVpThreads) vp_stats_kernel(
-    const scalar_t* __restrict__ logits,  // [N, V_local], row stride ld
-    int64_t ld, int64_t v, int64_t start,
-    const int64_t* __restrict__ tokens,    // [N] global ids or -100
-    const int64_t* __restrict__ topk_ids,  // [N, K] global ids, or null
-    int64_t k, acc_type_t<scalar_t> inv_t, bool with_ent,
-    acc_type_t<scalar_t>* __restrict__ stats) {  // [N, 4 + K]
+__global__ void __launch_bounds__(kVpThreads)
+    vp_stats_kernel(const scalar_t* __restrict__ logits,  // [N, V_local], row stride ld
+                    int64_t ld, int64_t v, int64_t start,
+                    const int64_t* __restrict__ tokens,    // [N] global ids or -100
+                    const int64_t* __restrict__ topk_ids,  // [N, K] global ids, or null
+                    int64_t k, acc_type_t<scalar_t> inv_t, bool with_ent,
+                    acc_type_t<scalar_t>* __restrict__ stats) {  // [N, 4 + K]
   using acc_t = acc_type_t<scalar_t>;
   __shared__ acc_t smem[kVpThreads / kWarp];
   const int64_t i = blockIdx.x;
@@ -68,18 +68,18 @@ __global__ void __launch_bounds__(kVpThreads) vp_stats_kernel(
 }
 
 template <typename S>
-__global__ void __launch_bounds__(kVpEpilogueThreads, 1) vp_epilogue_kernel(
-    const S* __restrict__ stats,          // [W, N, 4 + K]
-    const int64_t* __restrict__ offsets,  // [W + 1]
-    int64_t world, int64_t n, int64_t width,
-    const int64_t* __restrict__ tokens,   // [N]
-    const S* __restrict__ rollout_lp,     // [N]
-    const S* __restrict__ adv,            // [N]
-    const S* __restrict__ anchor_lp,      // [N] or null
-    const int64_t* __restrict__ topk_ids, // [N, K] or null
-    const S* __restrict__ topk_lp,        // [N, K] or null
-    int64_t k, LossArgs args,
-    RowOutputPtrs<S> out) {               // seven [N]
+__global__ void __launch_bounds__(kVpEpilogueThreads, 1)
+    vp_epilogue_kernel(const S* __restrict__ stats,          // [W, N, 4 + K]
+                       const int64_t* __restrict__ offsets,  // [W + 1]
+                       int64_t world, int64_t n, int64_t width,
+                       const int64_t* __restrict__ tokens,    // [N]
+                       const S* __restrict__ rollout_lp,      // [N]
+                       const S* __restrict__ adv,             // [N]
+                       const S* __restrict__ anchor_lp,       // [N] or null
+                       const int64_t* __restrict__ topk_ids,  // [N, K] or null
+                       const S* __restrict__ topk_lp,         // [N, K] or null
+                       int64_t k, LossSettings settings,
+                       RowOutputPtrs<S> out) {  // seven [N]
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t a = tokens[i];
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kVpEpilogueThreads, 1) vp_epilogue_kernel(
   out.store(i, vp_merge_row<double, S>(stats + i * width, n * width, offsets, world, a, m,
                                        anchor_lp ? double(anchor_lp[i]) : m, double(adv[i]),
                                        topk_ids ? topk_ids + i * k : nullptr, topk_lp ? topk_lp + i * k : nullptr, k,
-                                       args));
+                                       settings));
 }
 
 }  // namespace

@@ -91,9 +91,9 @@ enum class Mode { kFiber, kThread };
 
 struct Config {
   Mode mode = Mode::kFiber;
-  int sm_count = 132;          // what cudaDeviceGetAttribute(MultiProcessorCount) reports
-  uint64_t seed = 0;           // block-order shuffle seed (mixed with a per-launch counter)
-  double timeout_s = 20.0;     // thread mode: a barrier waiting longer is reported as a deadlock
+  int sm_count = 132;       // what cudaDeviceGetAttribute(MultiProcessorCount) reports
+  uint64_t seed = 0;        // block-order shuffle seed (mixed with a per-launch counter)
+  double timeout_s = 20.0;  // thread mode: a barrier waiting longer is reported as a deadlock
 };
 
 Config& config();
@@ -129,10 +129,13 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t /*stream*/
     void (*kernel)(P...);
     std::tuple<P...> args;
   } call{kernel, std::tuple<P...>(args...)};
-  run_grid(reinterpret_cast<const void*>(kernel), grid, block, [](void* c) {
-    auto* call = static_cast<Call*>(c);
-    std::apply(call->kernel, call->args);  // each CUDA thread gets its own copy of the arguments
-  }, &call);
+  run_grid(
+      reinterpret_cast<const void*>(kernel), grid, block,
+      [](void* c) {
+        auto* call = static_cast<Call*>(c);
+        std::apply(call->kernel, call->args);  // each CUDA thread gets its own copy of the arguments
+      },
+      &call);
 }
 
 inline void check_aligned16(const void* p, const char* what) {

@@ -15,8 +15,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <csetjmp>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -186,11 +186,11 @@ struct Fiber final : ThreadCtx {
   std::source_location site;
   const char* what = "";
   unsigned mask = 0;
-  unsigned parity = 0;              // which exchange buffer the next shuffle uses
+  unsigned parity = 0;  // which exchange buffer the next shuffle uses
   bool started = false;
-  ucontext_t ctx;                   // the entry context (makecontext): used once, to start
-  jmp_buf jb;                       // where the fiber yielded: resumed with _longjmp
-  unsigned char* stack = nullptr;   // kStackBytes, below it one guard page
+  ucontext_t ctx;                  // the entry context (makecontext): used once, to start
+  jmp_buf jb;                      // where the fiber yielded: resumed with _longjmp
+  unsigned char* stack = nullptr;  // kStackBytes, below it one guard page
   void* fake_stack = nullptr;
 
   void yield();
@@ -288,8 +288,8 @@ struct StackPool {
   unsigned char* get(size_t i) {
     while (stacks.size() <= i) {
       const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-      void* m = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+      void* m =
+          mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (m == MAP_FAILED) fail("mmap of a fiber stack failed");
       mprotect(m, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
       stacks.push_back(static_cast<unsigned char*>(m) + page);
@@ -468,8 +468,8 @@ struct ThreadRun {
   void* arg = nullptr;
 
   std::chrono::steady_clock::time_point deadline() const {
-    return std::chrono::steady_clock::now() +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(config().timeout_s));
+    return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                  std::chrono::duration<double>(config().timeout_s));
   }
   // With m held: record the first error and wake everyone.
   void set_error(const std::string& e) {

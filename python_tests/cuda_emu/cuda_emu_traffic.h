@@ -28,7 +28,7 @@ namespace cuda_emu::traffic {
 struct Buffer {
   uintptr_t base = 0;
   size_t size = 0;
-  int64_t load = 0, store = 0;               // bytes, every access
+  int64_t load = 0, store = 0;                 // bytes, every access
   std::vector<uint8_t> load_bits, store_bits;  // one bit per byte: which bytes were touched
 };
 
@@ -104,9 +104,7 @@ class TrackingAllocator final : public c10::Allocator {
     }
     return {p, new c10::DataPtr(std::move(inner)), &release, device};
   }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
  private:
   static void release(void* ctx) {
@@ -167,9 +165,9 @@ inline std::string report(bool reset) {
 }  // namespace cuda_emu::traffic
 
 // The hooks -fsanitize=kernel-address calls for every load and store of the instrumented code.
-#define CUDA_EMU_HOOK(kind, is_store, n)                                                             \
-  extern "C" CUDA_EMU_NO_INSTRUMENT void __asan_##kind##n##_noabort(uintptr_t addr) {               \
-    cuda_emu::traffic::access(addr, n, is_store);                                                   \
+#define CUDA_EMU_HOOK(kind, is_store, n)                                              \
+  extern "C" CUDA_EMU_NO_INSTRUMENT void __asan_##kind##n##_noabort(uintptr_t addr) { \
+    cuda_emu::traffic::access(addr, n, is_store);                                     \
   }
 CUDA_EMU_HOOK(load, false, 1)
 CUDA_EMU_HOOK(load, false, 2)

@@ -31,8 +31,8 @@ REPO = HERE.parents[1]
 VARIANTS = ("plain", "asan", "tsan", "traffic")
 LIB_NAME = "dppo_cuda_emu.so"
 SOURCES = ("emu_ops.cpp",)
-KERNEL_HEADERS = ("entry_points.cuh", "launch_policy.cuh", "common.cuh", "dppo_loss_forward.cuh",
-                  "dppo_loss_backward.cuh", "vocab_parallel_kernels.cuh")
+KERNEL_HEADERS = ("entry_points.cuh", "launch_policy.cuh", "common.cuh", "dppo_loss_forward_kernels.cuh",
+                  "dppo_loss_backward_kernels.cuh", "vocab_parallel_kernels.cuh")
 
 
 def _cxx() -> str:

@@ -5,7 +5,7 @@
 // python_tests/cuda_emu/emu_build.py; never part of the wheel.
 //
 // The op bodies are entry_points.cuh's, the ones cuda/dppo_loss.cu and cuda/vocab_parallel.cu register: the
-// same input preparation (op_inputs.h), dispatch, launch policy (DPPO_CUDA_SPLIT included) and parameter
+// same input preparation (op_operands.h), dispatch, launch policy (DPPO_CUDA_SPLIT included) and parameter
 // packing. Only the Device differs: no device check or guard, the emulator's SM count, no stream.
 #include "cuda_emu.h"  // first: the kernels headers compile against it
 
@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "../op_schemas.h"     // <csrc>/cuda/../ through -I <csrc>/cuda: the schemas of ops.cpp
-#include "entry_points.cuh"    // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
+#include "../op_schemas.h"  // <csrc>/cuda/../ through -I <csrc>/cuda: the schemas of ops.cpp
 #include "cuda_emu_engine.h"
+#include "entry_points.cuh"  // -I <csrc>/cuda of the tree under test (the repo's, or a mutant)
 
 namespace dppo_cuda_emu {
 
@@ -100,16 +100,20 @@ TORCH_LIBRARY(dppo_cuda_emu, m) {
   m.def("stats(bool reset) -> int[]");
   m.def("sanitizer() -> str");
   m.def("traffic(bool reset) -> str");
+  using dppo::op_impl;
   m.impl("dppo_loss_forward", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_forward_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossForwardOp>(&dppo::dppo_loss_forward_entry<EmuDevice>)>::run);
   m.impl("dppo_loss_backward", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_backward_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossBackwardOp>(&dppo::dppo_loss_backward_entry<EmuDevice>)>::run);
   m.impl("dppo_loss_backward_", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_loss_backward_inplace_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::LossBackwardInplaceOp>(
+             &dppo::dppo_loss_backward_inplace_entry<EmuDevice>)>::run);
   m.impl("dppo_vocab_parallel_stats", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_vocab_parallel_stats_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::VocabParallelStatsOp>(
+             &dppo::dppo_vocab_parallel_stats_entry<EmuDevice>)>::run);
   m.impl("dppo_vocab_parallel_epilogue", c10::DispatchKey::CPU,
-         &dppo_cuda_emu::Guarded<&dppo::dppo_vocab_parallel_epilogue_entry<EmuDevice>>::run);
+         &dppo_cuda_emu::Guarded<op_impl<dppo::VocabParallelEpilogueOp>(
+             &dppo::dppo_vocab_parallel_epilogue_entry<EmuDevice>)>::run);
   m.impl("configure", &dppo_cuda_emu::configure);
   m.impl("stats", &dppo_cuda_emu::stats);
   m.impl("sanitizer", &dppo_cuda_emu::sanitizer);

@@ -34,8 +34,8 @@ sys.path.insert(0, str(HERE))
 import emu_build  # noqa: E402
 
 COMMON = "cuda/common.cuh"
-FORWARD = "cuda/dppo_loss_forward.cuh"
-BACKWARD = "cuda/dppo_loss_backward.cuh"
+FORWARD = "cuda/dppo_loss_forward_kernels.cuh"
+BACKWARD = "cuda/dppo_loss_backward_kernels.cuh"
 VP_HEADER = "cuda/vocab_parallel_kernels.cuh"
 
 

@@ -7,9 +7,9 @@
 
 #include "../../../cuda_emu.h"
 
-#define C10_CUDA_CHECK(EXPR)                                                              \
-  do {                                                                                    \
-    const cudaError_t dppo_emu_err = (EXPR);                                              \
+#define C10_CUDA_CHECK(EXPR)                                                                               \
+  do {                                                                                                     \
+    const cudaError_t dppo_emu_err = (EXPR);                                                               \
     TORCH_CHECK(dppo_emu_err == cudaSuccess, "CUDA error (emulated): ", cudaGetErrorString(dppo_emu_err)); \
   } while (0)
 

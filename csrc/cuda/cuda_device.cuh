@@ -1,4 +1,4 @@
-// cuda/cuda_device.h -- the Device of entry_points.cuh on a real GPU (the CPU emulator of the test suite has
+// cuda/cuda_device.cuh -- the Device of entry_points.cuh on a real GPU (the CPU emulator of the test suite has
 // its own): the CUDA-tensor check, a device guard for the op's lifetime, the current stream, the SM count.
 #pragma once
 

@@ -1,4 +1,4 @@
-// cuda/dppo_loss_backward.cuh -- the CUDA backward kernel of the DPPO loss (see docs/contract.md,
+// cuda/dppo_loss_backward_kernels.cuh -- the CUDA backward kernel of the DPPO loss (see docs/contract.md,
 // csrc/dppo_math.h). Device code only: the launch policy is launch_policy.cuh's, the launch entry_points.cuh's;
 // nvcc (cuda/dppo_loss.cu) and the CPU emulator of the test suite compile it unchanged.
 //
@@ -20,8 +20,8 @@ namespace {
 
 template <typename scalar_t, typename acc_t>
 struct BackwardParams {
-  const scalar_t* logits;     // [N, V], row stride ld_in, stride(1) == 1
-  scalar_t* grad;             // [N, V], row stride ld_out; may be logits itself (in-place)
+  const scalar_t* logits;  // [N, V], row stride ld_in, stride(1) == 1
+  scalar_t* grad;          // [N, V], row stride ld_out; may be logits itself (in-place)
   int64_t n, v, ld_in, ld_out;
   const int64_t* tokens;      // [N], rows outside [0, V) (padding -100) get a zero row
   const acc_t* lse;           // [N]
@@ -103,8 +103,8 @@ __device__ __forceinline__ void backward_vectors(const scalar_t* in_body, scalar
 // Block (i, s)'s share of row i: body vectors plus, for the first / last split, the unaligned
 // head / tail; or, when input and output rows differ in 16-byte alignment, a plain element range.
 template <typename scalar_t, typename acc_t, bool kEnt>
-__device__ __forceinline__ void backward_share(const scalar_t* in, scalar_t* out, int64_t v, int64_t s,
-                                               int64_t n_split, const RowGrad<acc_t, kEnt>* rg) {
+__device__ __forceinline__ void backward_share(const scalar_t* in, scalar_t* out, int64_t v, int64_t s, int64_t n_split,
+                                               const RowGrad<acc_t, kEnt>* rg) {
   constexpr int kVec = Pack<scalar_t>::kSize;
   const int64_t head = head_elems(in, v);
   if (head != head_elems(out, v)) {

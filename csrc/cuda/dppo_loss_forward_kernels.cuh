@@ -1,4 +1,4 @@
-// cuda/dppo_loss_forward.cuh -- the CUDA forward kernels of the DPPO loss (see docs/contract.md,
+// cuda/dppo_loss_forward_kernels.cuh -- the CUDA forward kernels of the DPPO loss (see docs/contract.md,
 // csrc/dppo_math.h). Device code only: the launch policy is launch_policy.cuh's, the launches are
 // entry_points.cuh's; nvcc (cuda/dppo_loss.cu) and the CPU emulator of the test suite compile it unchanged.
 //
@@ -101,8 +101,8 @@ __device__ __forceinline__ void add_vectors(EntState<acc_t>& st, const scalar_t*
 
 // Row elements [jb, je) one per thread (the unaligned head and the tail of a row), skipping a.
 template <bool kEntropy, typename scalar_t, typename acc_t>
-__device__ __forceinline__ void add_scalars(EntState<acc_t>& st, const scalar_t* row, int64_t jb, int64_t je,
-                                            int64_t a, acc_t inv_t) {
+__device__ __forceinline__ void add_scalars(EntState<acc_t>& st, const scalar_t* row, int64_t jb, int64_t je, int64_t a,
+                                            acc_t inv_t) {
   for (int64_t j = jb + threadIdx.x; j < je; j += blockDim.x) {
     if (j == a) continue;
     st = merge_state<kEntropy>(st, EntState<acc_t>{scale_logit(static_cast<acc_t>(row[j]), inv_t), acc_t(1), acc_t(0)});
@@ -113,18 +113,18 @@ __device__ __forceinline__ void add_scalars(EntState<acc_t>& st, const scalar_t*
 
 template <typename scalar_t, typename acc_t>
 struct ForwardParams {
-  const scalar_t* logits;     // [N, V], row stride ld, stride(1) == 1
+  const scalar_t* logits;  // [N, V], row stride ld, stride(1) == 1
   int64_t n, v, ld;
-  const int64_t* tokens;      // [N], -100 = padding row
-  const acc_t* rollout_lp;    // [N]
-  const acc_t* adv;           // [N]
-  const acc_t* anchor_lp;     // [N] or nullptr (then the rollout log-prob is the anchor)
-  const int64_t* topk_ids;    // [N, K] contiguous, or nullptr (non-top-K modes)
-  const acc_t* topk_lp;       // [N, K] contiguous, or nullptr
+  const int64_t* tokens;    // [N], -100 = padding row
+  const acc_t* rollout_lp;  // [N]
+  const acc_t* adv;         // [N]
+  const acc_t* anchor_lp;   // [N] or nullptr (then the rollout log-prob is the anchor)
+  const int64_t* topk_ids;  // [N, K] contiguous, or nullptr (non-top-K modes)
+  const acc_t* topk_lp;     // [N, K] contiguous, or nullptr
   int64_t k;
-  LossArgs args;              // mode, deltas, ratio cap (the kernels take compute_entropy as kEntropy)
-  acc_t inv_t;                // 1 / T, applied to every logit as it is loaded
-  RowOutputPtrs<acc_t> out;   // seven [N]
+  LossSettings settings;     // mode, deltas, ratio cap (the kernels take compute_entropy as kEntropy)
+  acc_t inv_t;               // 1 / T, applied to every logit as it is loaded
+  RowOutputPtrs<acc_t> out;  // seven [N]
 };
 
 // Everything after the row reduction. `other` is the block-merged state of the non-target tokens
@@ -145,7 +145,7 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   const ep_t log_sum = std::log(full.sum);
   const ep_t lse = full.mx + log_sum;
   TopkAcc<ep_t> acc = topk_init<ep_t>();
-  const bool topk = mode_is_topk(p.args.mode);
+  const bool topk = mode_is_topk(p.settings.mode);
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
@@ -159,13 +159,13 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   if (threadIdx.x != 0) return;
   const ep_t lp = (s_a - full.mx) - log_sum;
   const ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
-                                                             : (other.mx - full.mx) + std::log(other.sum) - log_sum;
+                                                            : (other.mx - full.mx) + std::log(other.sum) - log_sum;
   const ep_t m = p.rollout_lp[i];
   const ep_t adv = p.adv[i];
   const ep_t la = p.anchor_lp != nullptr ? ep_t(p.anchor_lp[i]) : m;
-  const ep_t div = topk ? topk_divergence(p.args.mode, acc) : binary_divergence(p.args.mode, lp, l1p, la);
+  const ep_t div = topk ? topk_divergence(p.settings.mode, acc) : binary_divergence(p.settings.mode, lp, l1p, la);
   const ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
-  p.out.store(i, finish_row(p.args, adv, lp, la, m, div, ent, lse));
+  p.out.store(i, finish_row(p.settings, adv, lp, la, m, div, ent, lse));
 }
 
 // One block per row: grid (N).

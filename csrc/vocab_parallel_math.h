@@ -1,4 +1,4 @@
-// vocab_parallel.h -- the DPPO loss over a vocabulary split across ranks (tensor parallelism): the
+// vocab_parallel_math.h -- the DPPO loss over a vocabulary split across ranks (tensor parallelism): the
 // per-row slice statistics one rank contributes, and the merge of every rank's statistics followed by
 // the row epilogue. Host/device, shared by the CPU and CUDA kernels (cpu/vocab_parallel.cpp,
 // cuda/vocab_parallel_kernels.cuh); the formulas themselves are dppo_math.h's.
@@ -44,9 +44,9 @@ DPPO_HOST_DEVICE int64_t vp_owner(const int64_t* offsets, int64_t world, int64_t
 // T: the type the row is evaluated in; S: the stored type of stats and topk_lp (the CUDA kernel evaluates
 // float rows in double, as its single-device epilogue does).
 template <typename T, typename S>
-DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets,
-                                            int64_t world, int64_t a, T m, T la, T adv, const int64_t* topk_ids,
-                                            const S* topk_lp, int64_t k, const LossArgs& args) {
+DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets, int64_t world,
+                                            int64_t a, T m, T la, T adv, const int64_t* topk_ids, const S* topk_lp,
+                                            int64_t k, const LossSettings& settings) {
   const int64_t owner = vp_owner(offsets, world, a);
   const T s_a = T(stats[owner * rank_stride + kVpTarget]);
   // One pass over the ranks: the non-target sums merge as log-sum-exp states, the full sums (the owner's
@@ -78,20 +78,20 @@ DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride,
   const T lp = xa_raw - log_total;
   const T l1p = std::log(other_sum) - log_total;
   T div;
-  if (mode_is_topk(args.mode)) {
+  if (mode_is_topk(settings.mode)) {
     TopkAcc<T> acc = topk_init<T>();
     for (int64_t c = 0; c < k; ++c) {
       const int64_t id = topk_ids[c];
       const T s = T(stats[vp_owner(offsets, world, id) * rank_stride + kVpTopk + c]);
       topk_add(acc, T(topk_lp[c]), (s - mx) - log_total);
     }
-    div = topk_divergence(args.mode, acc);
+    div = topk_divergence(settings.mode, acc);
   } else {
-    div = binary_divergence(args.mode, lp, l1p, la);
+    div = binary_divergence(settings.mode, lp, l1p, la);
   }
-  const T entropy = args.compute_entropy ? entropy_from_state(total, ent.wsum) : T(0);
+  const T entropy = settings.compute_entropy ? entropy_from_state(total, ent.wsum) : T(0);
   // dppo_math.h's per-row epilogue, the single-device kernels' own (a row without a distribution is all NaN).
-  return finish_row(args, adv, lp, la, m, div, entropy, lse);
+  return finish_row(settings, adv, lp, la, m, div, entropy, lse);
 }
 
 }  // namespace dppo
