@@ -1,4 +1,4 @@
-"""What the vocab-parallel call header costs next to the forward it protects (``dppo_ext._vocab_shards.Rendezvous``).
+"""What the vocab-parallel call header costs next to the forward it protects (``dppo_ext._agreement.Rendezvous``).
 
 Every vocab-parallel forward first exchanges a fixed-size header per rank (row count, split, settings hash, a
 bitwise fingerprint of each per-row input, a failure flag), so that ranks whose calls differ all raise the same
@@ -29,8 +29,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from dppo_ext._agreement import Rendezvous, call_header, check_agreement
 from dppo_ext._rows import LossSettings, RowInputs
-from dppo_ext._vocab_shards import Rendezvous, call_header, check_agreement, comm_device
+from dppo_ext._vocab_split import comm_device
 from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -60,6 +60,7 @@ from . import (
     ops,  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
     vocab_parallel,
 )
+from ._agreement import Rendezvous, agreed_failures
 from ._autograd import check_no_functorch
 from ._chunking import (
     FusedLinearPlan,
@@ -76,7 +77,7 @@ from ._fused_autograd import (
     grads_will_be_needed,
 )
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
-from ._vocab_shards import Rendezvous, agreed_failures, check_split_args
+from ._vocab_split import check_split_args
 from .aggregation import aggregate_with, dppo_metrics
 from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
 

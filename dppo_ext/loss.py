@@ -15,9 +15,11 @@ import torch
 from torch import Tensor
 
 from . import ops, vocab_parallel
+from ._agreement import Rendezvous, agreed_failures
 from ._autograd import check_no_functorch, inplace_applies
+from ._dtensor import is_dtensor, replicated_local, vocab_shard
 from ._rows import LossModule, LossSettings, broadcast_advantages, check_tensors, prepare_rows
-from ._vocab_shards import Rendezvous, agreed_failures, check_split_args, is_dtensor, replicated_local, vocab_shard
+from ._vocab_split import check_split_args
 from .aggregation import aggregate_loss, aggregate_with, dppo_metrics
 from .contract import (
     AGG_MODES,

@@ -6,7 +6,7 @@ rollout's top-K are global ids/values, identical on every rank. The result on ev
 same and equals the single-device op on the gathered logits (to rounding: sums are merged in another order).
 
 Forward, per call (``docs/distributed.md``):
-  1. The call header (``dppo_ext._vocab_shards.Rendezvous``): every rank all-gathers 16 int64 words (row count,
+  1. The call header (``dppo_ext._agreement.Rendezvous``): every rank all-gathers 16 int64 words (row count,
      K, slice width, statistics dtype, hashes of the split and the settings, a bitwise fingerprint of each
      per-row input, a failure flag) and checks every rank's; ranks whose calls differ all raise the same error,
      and a rank whose own checks failed (``agreed_failures``) still joins it, so no rank waits in a collective.
@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops  # noqa: F401  (loads dppo_ext._C and registers the ops' fake kernels)
+from ._agreement import Rendezvous, agreed_failures, call_header, check_agreement
 from ._autograd import (
     BACKWARD_CONSUMED,
     check_no_functorch,
@@ -48,26 +49,21 @@ from ._autograd import (
     refuse_double_backward,
 )
 from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
+from ._dtensor import dtensor_vocab_shard, is_dtensor, replicated_local
 from ._rows import DPPOOutputs, LossSettings, RowInputs, check_row_counts, check_tensors
-from ._vocab_shards import (
-    Rendezvous,
-    agreed_failures,
-    call_header,
-    check_agreement,
+from ._vocab_split import (
     check_offsets,
     comm_device,
-    dtensor_vocab_shard,
     even_vocab_offsets,
     gather_stats,
     gathered_bytes_per_row,
     group_rank,
-    is_dtensor,
-    replicated_local,
     vocab_parallel_offsets,
 )
 from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
 
-# The two entry points, and the vocabulary split's public helpers (dppo_ext._vocab_shards), importable from here.
+# The two entry points, and the vocabulary split's public helpers (dppo_ext._vocab_split, dppo_ext._dtensor),
+# importable from here.
 __all__ = [
     "dppo_loss_forward_vocab_parallel",
     "dtensor_vocab_shard",
