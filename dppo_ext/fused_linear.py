@@ -28,7 +28,8 @@ Design: two paths, both three LM-head products per training step where they can 
   without storing the [N, V] gradient. So the forward only keeps the per-row ``lse`` and ``entropy`` ([N] each) and
   the backward recomputes the logits tile by tile: one extra LM-head product (4 N*V*H multiply-adds per step).
 
-  Every pass iterates ``dppo_ext._chunking.logits_tiles``, which computes each tile's logits into one reused buffer.
+  Every pass iterates ``dppo_ext._lm_head_tiles.logits_tiles``, which computes each tile's logits into one reused
+  buffer.
   Recompute forward: row chunks of ``chunk_rows`` rows: ``buf[:rows] = h_c @ W^T (+ b)`` into a ``[chunk_rows, V]``
   buffer, then the logits op on it (the op needs whole rows for the log-sum-exp and the top-K divergence).
   Recompute backward: tiles of ``tile_rows`` x ``vocab_block``, vocabulary blocks outermost. Per tile, the logits are
@@ -62,19 +63,19 @@ from . import (
 )
 from ._agreement import Rendezvous, agreed_failures
 from ._autograd import check_no_functorch
-from ._chunking import (
+from ._fused_autograd import (
+    FusedLinearGradsInForward,
+    FusedLinearRecompute,
+    aggregation_coefficients,
+    grads_will_be_needed,
+)
+from ._lm_head_tiles import (
     FusedLinearPlan,
     check_accum_dtype,
     check_chunk_settings,
     check_fused_inputs,
     plan_chunks,
     resolve_accum_dtype,
-)
-from ._fused_autograd import (
-    FusedLinearGradsInForward,
-    FusedLinearRecompute,
-    aggregation_coefficients,
-    grads_will_be_needed,
 )
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
 from ._vocab_split import check_split_args

@@ -26,7 +26,7 @@ Bytes per row gathered by each rank: ``W * (4 + K) * 4`` (float32 statistics; 8 
 96 B for W = 4 binary modes, 384 B for W = 4, K = 20 -- against ``V * 2`` bytes to all-gather bf16 logits; plus
 ``W * 128`` B per call for the headers.
 The fused-linear form (``fused_linear_dppo_loss(..., vocab_parallel_group=)``) runs the stats op on row chunks
-of ``hidden @ weight.T`` (``dppo_ext._chunking``'s tile loop) and additionally all-reduces the ``[N, H]``
+of ``hidden @ weight.T`` (``dppo_ext._lm_head_tiles``'s tile loop) and additionally all-reduces the ``[N, H]``
 hidden-state gradient in backward, as Megatron's column-parallel LM head does.
 """
 
@@ -48,8 +48,8 @@ from ._autograd import (
     input_grads,
     refuse_double_backward,
 )
-from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
 from ._dtensor import dtensor_vocab_shard, is_dtensor, replicated_local
+from ._lm_head_tiles import check_fused_inputs, head_backward, logits_tiles, plan_chunks
 from ._rows import DPPOOutputs, LossSettings, RowInputs, check_row_counts, check_tensors
 from ._vocab_split import (
     check_offsets,

@@ -3,7 +3,7 @@
 - no import circle between dppo_ext's modules (module-level imports);
 - no private name (``_x``) imported from, or read off, another dppo_ext module; a private MODULE (``_rows``) is
   fine, its names are the package's own;
-- the library layer imports strictly downward (contract <- _autograd <- _rows <- aggregation <- _chunking, and
+- the library layer imports strictly downward (contract <- _autograd <- _rows <- aggregation <- _lm_head_tiles, and
   contract <- _vocab_split <- _agreement / _dtensor; none of them, nor ops, imports a front end: loss, fused_linear,
   vocab_parallel), and none of its modules imports a dppo_ext module inside a function (an import there would
   hide a circle);
@@ -26,7 +26,7 @@ LIBRARY = (
     "_autograd",
     "_rows",
     "aggregation",
-    "_chunking",
+    "_lm_head_tiles",
     "_vocab_split",
     "_agreement",
     "_dtensor",
@@ -131,7 +131,7 @@ def test_no_import_circle():
         if module not in state:
             visit(module)
     # the library layer imports strictly downward, in this order
-    order = ["dppo_ext." + m for m in ("contract", "_autograd", "_rows", "aggregation", "_chunking")]
+    order = ["dppo_ext." + m for m in ("contract", "_autograd", "_rows", "aggregation", "_lm_head_tiles")]
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), f"{module} imports a module above it: {graph[module]}"
     split = ["dppo_ext." + m for m in ("_vocab_split", "_agreement", "_dtensor")]
@@ -332,7 +332,7 @@ def test_old_import_paths_still_work(module):
     assert not missing, f"{module} lost {missing}"
     assert (
         importlib.import_module("dppo_ext.fused_linear").plan_chunks
-        is importlib.import_module("dppo_ext._chunking").plan_chunks
+        is importlib.import_module("dppo_ext._lm_head_tiles").plan_chunks
     )
     assert importlib.import_module("dppo_ext.ops").MODES is importlib.import_module("dppo_ext.contract").MODES
 
