@@ -81,10 +81,10 @@ def build(path: str):
 
         def dppo(inp):
             logits = bc._AsLayerOutput.apply(inp.logits) if inplace else inp.logits
-            out = dppo_ext.dppo_loss_forward(
-                logits, inp.tokens, inp.rollout_logprobs, inp.advantages, inp.topk_ids, inp.topk_logprobs, None,
-                mode="topk_kl", temperature=1.0, delta_low=DELTA, delta_high=DELTA, ratio_cap=RATIO_CAP,
-                compute_entropy=False, inplace_backward=inplace)
+            out = dppo_ext.dppo_loss_per_row(
+                logits, inp.tokens, inp.rollout_logprobs, inp.advantages, topk_ids=inp.topk_ids,
+                topk_logprobs=inp.topk_logprobs, mode="topk_kl", temperature=1.0, delta_low=DELTA, delta_high=DELTA,
+                ratio_cap=RATIO_CAP, compute_entropy=False, inplace_backward=inplace)
             return out.loss.mean()
 
         return dppo

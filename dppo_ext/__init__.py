@@ -34,9 +34,8 @@ from .contract import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES
 if TYPE_CHECKING:
     from ._native import cuda_compiled
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-    from .loss import DPPOLoss, dppo_loss
-    from .ops import dppo_loss_backward, dppo_loss_forward
-    from .vocab_parallel import dppo_loss_forward_vocab_parallel
+    from .loss import DPPOLoss, dppo_loss, dppo_loss_per_row
+    from .ops import dppo_loss_backward
 
 
 def _lazy_names() -> dict[str, str]:

@@ -6,14 +6,15 @@
 - ``check_agreement``: every rank raises the same error when the ranks' headers differ, and returns the call's
   vocabulary offsets otherwise.
 - ``agreed_failures``: the body of a call; a rank whose own checks failed still joins the exchange (flagged), so
-  that no rank waits in a collective that another never reaches.
+  that no rank waits in a collective that another never reaches. ``vocab_parallel_call``: the same, or nothing for
+  an unsharded call, the one way every entry point enters a call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import ContextManager, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ __all__ = [
     "call_header",
     "check_agreement",
     "fingerprint",
+    "vocab_parallel_call",
 ]
 
 ROW_INPUT_NAMES = (
@@ -217,3 +219,9 @@ def agreed_failures(group: Optional[dist.ProcessGroup]) -> Iterator[Rendezvous]:
         if not rendezvous.done and _can_join(group):
             rendezvous.exchange_failure()
         raise
+
+
+def vocab_parallel_call(group: Optional[dist.ProcessGroup]) -> ContextManager[Optional[Rendezvous]]:
+    """The body of an entry point's call: :func:`agreed_failures` over ``group`` when the vocabulary is sharded (an
+    error of this rank alone still reaches the other ranks), nothing (``None``) when ``group`` is None."""
+    return contextlib.nullcontext() if group is None else agreed_failures(group)

@@ -1,6 +1,6 @@
 """The constants, defaults and setting rules of docs/contract.md (and the mode names of docs/names.md), in one place.
 
-Every entry point that computes the loss (``ops.dppo_loss_forward``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
+Every entry point that computes the loss (``dppo_loss_per_row``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
 and vocabulary-parallel functions, the TRL integration) and the readable reference take their modes, the ignore
 index, the per-mode default thresholds and the numeric constants of the contract from here, so a threshold left at
 ``None`` means the same thing everywhere. Pure Python: no compiled code is imported.

@@ -1,7 +1,7 @@
 """Per-step metrics that show the trust-region mechanism at work (docs/sanity.md, "Metrics").
 
-The trainer fills one :class:`MechanismStats` per RL step from two kinds of no-grad passes of the
-``dppo_loss_forward`` op over each micro-batch:
+The trainer fills one :class:`MechanismStats` per RL step from two kinds of no-grad passes of
+``dppo_loss_per_row`` (the op's per-row outputs) over each micro-batch:
 
 - the loss's own inputs, before the mini-batch's optimizer step: the mask the loss applied, split
   into the first mini-batch of the step (before any update of the step: masking caused by the
@@ -44,7 +44,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
 
     ``logits``: ``[b, T, V]`` response logits of ``micro``. The rows and settings are the loss's.
     """
-    from dppo_ext.ops import dppo_loss_forward
+    from dppo_ext import dppo_loss_per_row
 
     valid = micro.response_mask.reshape(-1)
     tokens = torch.where(micro.response_mask, micro.tokens, torch.full_like(micro.tokens, -100)).reshape(-1)
@@ -55,7 +55,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
         return None if t is None else t.reshape(rows, *t.shape[2:])
 
     with torch.no_grad():
-        out = dppo_loss_forward(
+        out = dppo_loss_per_row(
             logits.detach().reshape(rows, logits.shape[-1]),
             tokens,
             flat(micro.rollout_logprobs).float(),

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from clean_exit import exit_after
-from dppo_ext import dppo_loss, fused_linear_dppo_loss
+from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss
 from dppo_ext.loss import AGG_MODES
 from dppo_ext.ops import MODES
 from dppo_ext.reference import accumulation_dtype
-from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
+from dppo_ext.vocab_parallel import even_vocab_offsets
 from dppo_ext.contract import DEFAULT_DELTAS
 from dppo_testing import TOL, assert_decisive, sample_inputs
 from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
@@ -49,8 +49,8 @@ def check_rowwise(mode: str, dtype: torch.dtype, inplace: bool, derive_offsets: 
     leaf = inputs["logits"][:, offsets[rank]:offsets[rank + 1]].detach().clone().requires_grad_(True)
     local = leaf * 1  # a non-leaf, as a model's logits are (the in-place backward consumes them)
     kw = {k: v for k, v in inputs.items() if k != "logits"}
-    out = dppo_loss_forward_vocab_parallel(local, **kw, inplace_backward=inplace,
-                                           vocab_offsets=None if derive_offsets else offsets)
+    out = dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD, inplace_backward=inplace,
+                            vocab_offsets=None if derive_offsets else offsets)
     weighted_sum(out._asdict(), g).backward()
     assert leaf.grad.shape == (inputs["logits"].shape[0], offsets[rank + 1] - offsets[rank])
     gathered = gather_columns(leaf.grad, offsets)  # collectives first: a failed comparison must not skip one
@@ -180,7 +180,8 @@ def check_wrong_offsets_raise_everywhere() -> None:
     local = inputs["logits"][:, offsets[rank]:offsets[rank + 1]]
     kw = {k: v for k, v in inputs.items() if k != "logits"}
     try:
-        dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=even_vocab_offsets(129, world))
+        dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
+                          vocab_offsets=even_vocab_offsets(129, world))
     except ValueError as exc:
         assert "vocab-parallel split mismatch" in str(exc), str(exc)
     else:

@@ -23,8 +23,7 @@ import pytest
 import torch
 from dppo_testing import ambiguous_rows, reference_outputs
 
-from dppo_ext import dppo_loss
-from dppo_ext.ops import dppo_loss_forward
+from dppo_ext import dppo_loss, dppo_loss_per_row
 from dppo_ext.reference import AGG_MODES
 
 # Stable-RL loss mode -> (our mode, uses the recomputed old-policy log-probs as mask anchor).
@@ -190,7 +189,7 @@ def _ours(loss_mode: str, d: dict):
         "ratio_cap": CLIP_RATIO_C,
     }
     with torch.no_grad():
-        out = dppo_loss_forward(**kwargs)
+        out = dppo_loss_per_row(**kwargs)
     return out, kwargs
 
 

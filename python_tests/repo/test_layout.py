@@ -193,8 +193,7 @@ OLD_PATHS = {
         "cuda_compiled",
         "dppo_loss",
         "dppo_loss_backward",
-        "dppo_loss_forward",
-        "dppo_loss_forward_vocab_parallel",
+        "dppo_loss_per_row",
         "dppo_metrics",
         "fused_linear_dppo_loss",
         "fused_linear_dppo_loss_per_row",
@@ -233,7 +232,6 @@ OLD_PATHS = {
         "check_inplace_backward",
         "check_no_functorch",
         "dppo_loss_backward",
-        "dppo_loss_forward",
     ],
     "dppo_ext.fused_linear": [
         "FusedLinearDPPOLoss",
@@ -243,10 +241,8 @@ OLD_PATHS = {
         "plan_chunks",
     ],
     "dppo_ext.vocab_parallel": [
-        "dppo_loss_forward_vocab_parallel",
         "dtensor_vocab_shard",
         "even_vocab_offsets",
-        "fused_linear_dppo_loss_vocab_parallel",
         "gathered_bytes_per_row",
         "is_dtensor",
         "replicated_local",
@@ -350,13 +346,14 @@ def test_deprecated_backward_wrapper_warns_and_matches_the_op():
     """ops.dppo_loss_backward (arguments in its own order) still computes the backward op's gradient."""
     import torch
 
-    from dppo_ext.ops import dppo_loss_backward, dppo_loss_forward
+    from dppo_ext import dppo_loss_per_row
+    from dppo_ext.ops import dppo_loss_backward
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 11, generator=g, dtype=torch.float64)
     tokens = torch.tensor([0, 3, -100, 10, 7])
     rollout = torch.log_softmax(logits, -1).gather(1, tokens.clamp(min=0)[:, None])[:, 0] - 0.1
-    out = dppo_loss_forward(logits, tokens, rollout, torch.randn(5, generator=g, dtype=torch.float64))
+    out = dppo_loss_per_row(logits, tokens, rollout, torch.randn(5, generator=g, dtype=torch.float64))
     grad_target = torch.randn(5, generator=g, dtype=torch.float64)
     want = torch.ops.dppo.dppo_loss_backward(grad_target, None, logits, tokens, out.lse, None, 1.0)
     with pytest.warns(DeprecationWarning, match="dppo_loss_backward is deprecated"):
