@@ -37,6 +37,8 @@ import types
 
 import torch
 
+from dppo_ext.contract import LOG_RATIO_CLAMP
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
@@ -68,7 +70,7 @@ def _dppo_from_logp(logp, divergence, inp):
     pi, mu = logp.detach().exp(), mu_log.exp()
     adv = inp.advantages
     masked = torch.where(adv > 0, (divergence > DELTA) & (pi > mu), (divergence > DELTA) & (pi < mu))
-    weight = torch.exp((logp.detach() - mu_log).clamp(max=20.0)).clamp(max=RATIO_CAP)
+    weight = torch.exp((logp.detach() - mu_log).clamp(max=LOG_RATIO_CLAMP)).clamp(max=RATIO_CAP)
     return (-adv * weight * (~masked).float() * logp).mean()
 
 

@@ -57,7 +57,7 @@ from dppo_ext.trainer.embedded_model import (
 from dppo_ext.trainer.engine import check_top_k, engine_kind, make_rollout_engine
 from dppo_ext.trainer.errors import RunError
 from dppo_ext.trainer.legacy_run import legacy_run_outputs
-from dppo_ext.trainer.locked_run import TORCH_DTYPES, run_locked
+from dppo_ext.trainer.locked_run import run_locked
 from dppo_ext.trainer.metrics import MetricsFormatError
 from dppo_ext.trainer.overlap import check_out_apart
 from dppo_ext.trainer.process import (
@@ -81,7 +81,6 @@ __all__ = [
     "METRICS_FILE",
     "PLOT_FILE",
     "SUMMARY_FILE",
-    "TORCH_DTYPES",
     "WARM_START_MARKER",
     "build_embedded_model",
     "build_task",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout import RolloutEngine
 from dppo_ext.tasks import Task
 from dppo_ext.trainer.atomic_files import atomic_write_text, install_folder, temporary_sibling
@@ -29,8 +30,6 @@ from dppo_ext.trainer.run_folder import EMBEDDED_MODEL_DIR, RunFolder
 from dppo_ext.trainer.summary import write_summary
 
 logger = logging.getLogger("dppo_ext.train")  # the CLI's logger: a run's messages keep one logger name
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def run_locked(
@@ -94,7 +93,7 @@ def run_locked(
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
-        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=TORCH_DTYPES[config.dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=MODEL_DTYPES[config.dtype]).to(device).eval()
         if not own_engine:
             engine.sync_weights(model)
         trainer = Trainer(config, model, tokenizer, task, engine, out_dir)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.contract import IGNORE_INDEX
 from dppo_ext.trainer.batch import RolloutBatch
 
 __all__ = ["BAD_UPDATE_DELTA", "HIGH_MU", "MU_BIN_EDGES", "MechanismStats", "op_rows"]
@@ -47,7 +48,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
     from dppo_ext import dppo_loss_per_row
 
     valid = micro.response_mask.reshape(-1)
-    tokens = torch.where(micro.response_mask, micro.tokens, torch.full_like(micro.tokens, -100)).reshape(-1)
+    tokens = torch.where(micro.response_mask, micro.tokens, torch.full_like(micro.tokens, IGNORE_INDEX)).reshape(-1)
     rows = valid.numel()
     advantages = micro.advantages.float()[:, None].expand(micro.tokens.shape).reshape(-1)
 

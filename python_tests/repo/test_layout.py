@@ -268,7 +268,6 @@ OLD_PATHS = {
         "METRICS_FILE",
         "PLOT_FILE",
         "SUMMARY_FILE",
-        "TORCH_DTYPES",
         "WARM_START_MARKER",
         "build_embedded_model",
         "build_task",

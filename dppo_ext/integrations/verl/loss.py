@@ -37,7 +37,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 import dppo_ext
-from dppo_ext.contract import IGNORE_INDEX
+from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 from ._status import check_installed
 from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, RolloutTopK
@@ -262,7 +262,7 @@ def policy_loss(config: Any, model_output: dict, data: TensorDict) -> tuple[Tens
                        **config.global_batch_info)
 
     with torch.no_grad():
-        log_ratio = (log_prob.detach() - anchor).clamp(min=-20.0, max=20.0)
+        log_ratio = (log_prob.detach() - anchor).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
         kept = per_token["dppo_mask"]
         pg_metrics = {
             "actor/pg_clipfrac": masked_mean(1.0 - kept, response_mask).item(),
