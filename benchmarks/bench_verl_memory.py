@@ -37,6 +37,8 @@ import types
 
 import torch
 
+from dppo_ext.contract import LOG_RATIO_CLAMP
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common as bc  # noqa: E402
@@ -68,7 +70,7 @@ def _dppo_from_logp(logp, divergence, inp):
     pi, mu = logp.detach().exp(), mu_log.exp()
     adv = inp.advantages
     masked = torch.where(adv > 0, (divergence > DELTA) & (pi > mu), (divergence > DELTA) & (pi < mu))
-    weight = torch.exp((logp.detach() - mu_log).clamp(max=20.0)).clamp(max=RATIO_CAP)
+    weight = torch.exp((logp.detach() - mu_log).clamp(max=LOG_RATIO_CLAMP)).clamp(max=RATIO_CAP)
     return (-adv * weight * (~masked).float() * logp).mean()
 
 
@@ -81,10 +83,10 @@ def build(path: str):
 
         def dppo(inp):
             logits = bc._AsLayerOutput.apply(inp.logits) if inplace else inp.logits
-            out = dppo_ext.dppo_loss_forward(
-                logits, inp.tokens, inp.rollout_logprobs, inp.advantages, inp.topk_ids, inp.topk_logprobs, None,
-                mode="topk_kl", temperature=1.0, delta_low=DELTA, delta_high=DELTA, ratio_cap=RATIO_CAP,
-                compute_entropy=False, inplace_backward=inplace)
+            out = dppo_ext.dppo_loss_per_row(
+                logits, inp.tokens, inp.rollout_logprobs, inp.advantages, topk_ids=inp.topk_ids,
+                topk_logprobs=inp.topk_logprobs, mode="topk_kl", temperature=1.0, delta_low=DELTA, delta_high=DELTA,
+                ratio_cap=RATIO_CAP, compute_entropy=False, inplace_backward=inplace)
             return out.loss.mean()
 
         return dppo

@@ -236,9 +236,10 @@ def main() -> None:
     if args.rank_worker:
         rank_main(args)
         return
+    from dppo_ext.contract import TOPK_MODES
     from dppo_ext.vocab_parallel import gathered_bytes_per_row
 
-    k = args.topk if args.mode.startswith("topk") else 0
+    k = args.topk if args.mode in TOPK_MODES else 0
     rows = []
     for world in args.worlds:
         res = launch(world, args, args.out.with_suffix(f".w{world}.tmp.json"))

@@ -1,4 +1,4 @@
-"""What the vocab-parallel call header costs next to the forward it protects (``dppo_ext._vocab_shards.Rendezvous``).
+"""What the vocab-parallel call header costs next to the forward it protects (``dppo_ext._agreement.Rendezvous``).
 
 Every vocab-parallel forward first exchanges a fixed-size header per rank (row count, split, settings hash, a
 bitwise fingerprint of each per-row input, a failure flag), so that ranks whose calls differ all raise the same
@@ -8,7 +8,7 @@ processes on this host (one thread each), the median of:
 - ``fingerprint``: building this rank's header (the fingerprints of tokens, rollout log-probs, advantages and,
   for top-K modes, the top-K ids and log-probs; all device ops);
 - ``exchange``: the header all-gather and every rank's check of every header (the forward's one host sync);
-- ``forward``: the whole ``dppo_loss_forward_vocab_parallel`` forward (no grad) that includes both.
+- ``forward``: the whole ``dppo_loss_per_row(..., vocab_parallel_group=)`` forward (no grad) that includes both.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_vocab_parallel_header.py --rows 4096 --local-vocab 32768``
 (prints one JSON line per mode and dtype). CPU figures depend on the SIMD level: name it with the figures.
@@ -29,9 +29,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from dppo_ext import dppo_loss_per_row
+from dppo_ext._agreement import Rendezvous, call_header, check_agreement
 from dppo_ext._rows import LossSettings, RowInputs
-from dppo_ext._vocab_shards import Rendezvous, call_header, check_agreement, comm_device
-from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
+from dppo_ext._vocab_split import comm_device
+from dppo_ext.vocab_parallel import even_vocab_offsets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,7 +54,9 @@ def _exchange(header: torch.Tensor, offsets: list[int], world: int) -> None:
 
 def _forward(logits: torch.Tensor, rows: RowInputs, mode: str, offsets: list[int]) -> None:
     with torch.no_grad():
-        dppo_loss_forward_vocab_parallel(logits, *rows, mode=mode, vocab_offsets=offsets)
+        dppo_loss_per_row(
+            logits, **rows._asdict(), mode=mode, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
+        )
 
 
 def rank_main(args: argparse.Namespace) -> None:

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import torch
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo.*)
+from dppo_ext.contract import TOPK_MODES
 
 log = logging.getLogger("gpu_bandwidth")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -201,7 +202,7 @@ def make_inputs(n: int, v: int, dtype: torch.dtype, device: torch.device, k: int
 
 
 def forward_call(x: dict, mode: str, entropy: bool) -> Callable[[], object]:
-    topk = mode.startswith("topk")
+    topk = mode in TOPK_MODES
     return lambda: torch.ops.dppo.dppo_loss_forward(
         x["logits"], x["tokens"], x["rollout"], x["adv"], x["topk_ids"] if topk else None,
         x["topk_lp"] if topk else None, None, mode, 1.0, 0.2, 0.2, 10.0, entropy)

@@ -34,18 +34,15 @@ _LAZY = {
     "cuda_compiled": "_native",
     "DPPOLoss": "loss",
     "dppo_loss": "loss",
+    "dppo_loss_per_row": "loss",
     "FusedLinearDPPOLoss": "fused_linear",
     "fused_linear_dppo_loss": "fused_linear",
     "fused_linear_dppo_loss_per_row": "fused_linear",
-    "dppo_loss_forward": "ops",
-    "dppo_loss_forward_vocab_parallel": "vocab_parallel",
 }
 if TYPE_CHECKING:
     from ._native import cuda_compiled
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-    from .loss import DPPOLoss, dppo_loss
-    from .ops import dppo_loss_forward
-    from .vocab_parallel import dppo_loss_forward_vocab_parallel
+    from .loss import DPPOLoss, dppo_loss, dppo_loss_per_row
 
 __all__ = sorted(
     [

@@ -14,7 +14,7 @@ import torch
 
 from . import ops  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
 from ._autograd import grad_args, input_grads, refuse_double_backward
-from ._chunking import FusedLinearPlan, head_backward, logits_tiles, plan_chunks
+from ._lm_head_tiles import FusedLinearPlan, head_backward, logits_tiles, plan_chunks
 from ._rows import LossSettings, RowInputs
 from .aggregation import aggregate_with
 from .contract import IGNORE_INDEX, accumulation_dtype

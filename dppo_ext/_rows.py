@@ -95,8 +95,8 @@ class LossSettings:
         return self.mode in TOPK_MODES
 
     def op_args(self) -> tuple[str, float, float, float, float, bool]:
-        """The settings in ``dppo_loss_forward``'s schema order and types (``str mode, float temperature, float
-        delta_low, float delta_high, float ratio_cap, bool compute_entropy``)."""
+        """The settings in ``torch.ops.dppo.dppo_loss_forward``'s schema order and types (``str mode, float
+        temperature, float delta_low, float delta_high, float ratio_cap, bool compute_entropy``)."""
         return (
             self.mode,
             float(self.temperature),

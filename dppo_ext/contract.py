@@ -1,6 +1,6 @@
 """The constants, defaults and setting rules of docs/contract.md (and the mode names of docs/names.md), in one place.
 
-Every entry point that computes the loss (``ops.dppo_loss_forward``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
+Every entry point that computes the loss (``dppo_loss_per_row``, ``dppo_loss``, ``DPPOLoss``, the fused-linear
 and vocabulary-parallel functions, the TRL integration) and the readable reference take their modes, the ignore
 index, the per-mode default thresholds and the numeric constants of the contract from here, so a threshold left at
 ``None`` means the same thing everywhere. Pure Python: no compiled code is imported.
@@ -23,6 +23,7 @@ __all__ = [
     "LOGITS_DTYPES",
     "LOG_RATIO_CLAMP",
     "MASS_FLOOR",
+    "MODEL_DTYPES",
     "MODES",
     "MODE_ALIASES",
     "NORM_AGG_MODES",
@@ -63,7 +64,8 @@ AGG_MODES = (
 NORM_AGG_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 # Modes that add up over a split of the batch (no mean over tokens or sequences).
 SUM_AGG_MODES = ("token-sum", "token-sum-norm")
-# A token id of -100 marks a padding row (torch.nn.functional.cross_entropy's ignore_index).
+# A token id (or label) of -100 marks a padding row: the op skips it (every output and its gradient are 0), as
+# torch.nn.functional.cross_entropy skips its ignore_index; response_mask == 0 becomes this token.
 IGNORE_INDEX = -100
 # (delta_low, delta_high) when a threshold is None. TV thresholds bound a probability difference, KL ones a
 # divergence in nats (the paper's Binary-TV 0.15 / Binary-KL 0.05 scale), ratio ones the PPO/DAPO clip.
@@ -79,12 +81,17 @@ DEFAULT_DELTAS = {
 DEFAULT_MODE = "binary_tv"
 DEFAULT_RATIO_CAP = 10.0  # cap C of the importance weight min(pi / mu, C)
 DEFAULT_AGG_MODE = "token-mean"
-# Log-ratios are clamped here before exp (verl / Stable-RL convention; csrc/dppo_math.h's log_ratio_clamp).
+# Log-ratios log(pi / mu) are clamped here before exp, so that a ratio never overflows: the importance weight
+# min(exp(min(logp - m, 20)), C), the ratio_max metric, and (on both sides) verl's ppo_kl metric. The verl /
+# Stable-RL convention; csrc/dppo_math.h's log_ratio_clamp.
 LOG_RATIO_CLAMP = 20.0
 # Probability masses are floored here before a log (Stable-RL's top-K clamp; csrc/dppo_math.h's mass_floor).
 MASS_FLOOR = 1e-12
 # The logits dtypes the ops take. Every per-row float input and output is in the accumulation dtype.
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The model and rollout dtypes, by the name a setting gives (the trainer's --dtype / --rollout-dtype, the rollout
+# engines' dtype, TRL's dppo_vllm_dtype, which also takes vLLM's "auto").
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

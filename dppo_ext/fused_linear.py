@@ -28,7 +28,8 @@ Design: two paths, both three LM-head products per training step where they can 
   without storing the [N, V] gradient. So the forward only keeps the per-row ``lse`` and ``entropy`` ([N] each) and
   the backward recomputes the logits tile by tile: one extra LM-head product (4 N*V*H multiply-adds per step).
 
-  Every pass iterates ``dppo_ext._chunking.logits_tiles``, which computes each tile's logits into one reused buffer.
+  Every pass iterates ``dppo_ext._lm_head_tiles.logits_tiles``, which computes each tile's logits into one reused
+  buffer.
   Recompute forward: row chunks of ``chunk_rows`` rows: ``buf[:rows] = h_c @ W^T (+ b)`` into a ``[chunk_rows, V]``
   buffer, then the logits op on it (the op needs whole rows for the log-sum-exp and the top-K divergence).
   Recompute backward: tiles of ``tile_rows`` x ``vocab_block``, vocabulary blocks outermost. Per tile, the logits are
@@ -60,22 +61,23 @@ from . import (
     ops,  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
     vocab_parallel,
 )
+from ._agreement import Rendezvous, vocab_parallel_call
 from ._autograd import check_no_functorch
-from ._chunking import (
-    check_accum_dtype,
-    check_chunk_settings,
-    check_fused_inputs,
-    plan_chunks,
-    resolve_accum_dtype,
-)
 from ._fused_autograd import (
     FusedLinearGradsInForward,
     FusedLinearRecompute,
     aggregation_coefficients,
     grads_will_be_needed,
 )
+from ._lm_head_tiles import (
+    check_accum_dtype,
+    check_chunk_settings,
+    check_fused_inputs,
+    plan_chunks,
+    resolve_accum_dtype,
+)
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
-from ._vocab_shards import Rendezvous, agreed_failures, check_split_args
+from ._vocab_split import check_split_args
 from .aggregation import aggregate_with, dppo_metrics
 from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
 
@@ -98,9 +100,10 @@ def _per_row(
     weight_context: Optional[Callable[[], ContextManager]],
     rendezvous: Optional[Rendezvous],
     vocab_offsets: Optional[Sequence[int]],
+    reduce_hidden_grad: bool = True,
 ) -> DPPOOutputs:
     """The per-row outputs on flat rows with resolved settings: the single-device fused function, or its
-    vocab-parallel form inside ``agreed_failures(vocab_parallel_group)`` (``rendezvous``)."""
+    vocab-parallel form inside ``vocab_parallel_call(vocab_parallel_group)`` (``rendezvous``)."""
     if rendezvous is not None:
         if vocab_chunk_size is not None or weight_context is not None:
             raise ValueError(
@@ -117,6 +120,7 @@ def _per_row(
             memory_budget_bytes=memory_budget_bytes,
             rendezvous=rendezvous,
             vocab_offsets=vocab_offsets,
+            reduce_hidden_grad=reduce_hidden_grad,
         )
     check_fused_inputs(hidden, weight, bias, rows)
     (n, hidden_size), vocab = hidden.shape, weight.shape[0]
@@ -137,10 +141,10 @@ def fused_linear_dppo_loss_per_row(
     advantages: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
+    mode: str = DEFAULT_MODE,
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
-    mode: str = DEFAULT_MODE,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -152,23 +156,25 @@ def fused_linear_dppo_loss_per_row(
     weight_context: Optional[Callable[[], ContextManager]] = None,
     vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     vocab_offsets: Optional[Sequence[int]] = None,
+    reduce_hidden_grad: bool = True,
 ) -> DPPOOutputs:
     """DPPO per-row outputs of ``hidden @ weight^T (+ bias)`` without materialising the logits (lower level).
 
     Most callers want :func:`fused_linear_dppo_loss` (any leading shape, ``response_mask``, aggregation, metrics).
 
-    Same contract and outputs as ``dppo_ext.ops.dppo_loss_forward`` applied to ``hidden @ weight.T + bias``
-    (docs/contract.md), with exact gradients for ``hidden``, ``weight`` and ``bias`` through ``loss``, ``logp``
-    and ``entropy``.
+    Same contract, argument names, per-mode defaults and outputs as :func:`dppo_ext.dppo_loss_per_row` applied to
+    ``hidden @ weight.T + bias`` (docs/contract.md), with exact gradients for ``hidden``, ``weight`` and ``bias``
+    through ``loss``, ``logp`` and ``entropy``.
 
     Args:
         hidden: [N, H] last hidden states (float32/float16/bfloat16/float64).
         weight: [V, H] LM-head weight (same dtype/device as ``hidden``; may be a tied input embedding).
-        tokens: [N] int64 sampled token ids; -100 marks padding rows (all outputs 0, no gradient).
+        tokens: [N] int64 sampled token ids; ``IGNORE_INDEX`` (-100) marks padding rows (all outputs 0, no
+            gradient).
         rollout_logprobs: [N] rollout log-probs of ``tokens``; advantages: [N].
         bias: optional [V] LM-head bias.
         topk_ids, topk_logprobs: [N, K] rollout top-K (top-K modes); anchor_logprobs: optional [N].
-        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as ``dppo_ext.ops.dppo_loss_forward``
+        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as :func:`dppo_ext.dppo_loss_per_row`
             (mode aliases such as verl's ``dppo_tv`` are accepted; ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``).
         chunk_size: rows per chunk (forward and backward); None chooses it from N, V, H and dtype.
         vocab_chunk_size: vocabulary columns per backward tile; None: automatic (all of V with ``chunk_size``).
@@ -177,16 +183,22 @@ def fused_linear_dppo_loss_per_row(
             ``weight``/``bias`` in forward and backward (e.g. a DeepSpeed ZeRO-3 gather).
         vocab_parallel_group: the tensor-parallel group when ``weight`` is this rank's ``[V_local, H]`` slice of
             a vocabulary-sharded LM head (``bias`` its ``[V_local]``); ``hidden`` and the per-row inputs are
-            replicated, ids global. See ``dppo_ext.vocab_parallel.fused_linear_dppo_loss_vocab_parallel``
-            (``vocab_chunk_size`` and ``weight_context`` do not apply there).
+            replicated, ids global (``dppo_ext.vocab_parallel``, docs/distributed.md). Neither the logits nor the
+            whole head exist on any rank: row chunks of ``hidden @ weight.T`` go through the statistics op, one
+            all-gather merges them, the backward recomputes each chunk (``vocab_chunk_size`` and ``weight_context``
+            do not apply there).
         vocab_offsets: ``[W + 1]`` global offsets of the ranks' slices; None derives them from the ranks' widths.
+        reduce_hidden_grad: with ``vocab_parallel_group``, all-reduce the hidden-state gradient over the group (the
+            sum of every slice's contribution), as Megatron's column-parallel linear does; pass False when the
+            framework reduces it itself (e.g. a reduce-scatter under sequence parallelism). No effect without a
+            group.
 
     Returns:
         ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each [N] in float32 (float64 for
         float64 inputs).
     """
     check_split_args(vocab_parallel_group, vocab_offsets)
-    with _agreement(vocab_parallel_group) as rendezvous:
+    with vocab_parallel_call(vocab_parallel_group) as rendezvous:
         settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
         check_tensors(hidden=hidden, weight=weight, bias=bias)
         check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
@@ -203,13 +215,8 @@ def fused_linear_dppo_loss_per_row(
             weight_context,
             rendezvous,
             vocab_offsets,
+            reduce_hidden_grad,
         )
-
-
-def _agreement(group: Optional[torch.distributed.ProcessGroup]) -> ContextManager[Optional[Rendezvous]]:
-    """``agreed_failures(group)`` for a vocab-parallel call (an error of this rank alone still reaches the other
-    ranks), nothing for a single-device one."""
-    return contextlib.nullcontext() if group is None else agreed_failures(group)
 
 
 def fused_linear_dppo_loss(
@@ -276,7 +283,7 @@ def fused_linear_dppo_loss(
         ``(loss, metrics)``: the scalar loss and the dict of 0-d metric tensors of :func:`dppo_ext.dppo_metrics`.
     """
     check_split_args(vocab_parallel_group, vocab_offsets)
-    with _agreement(vocab_parallel_group) as rendezvous:
+    with vocab_parallel_call(vocab_parallel_group) as rendezvous:
         settings = LossSettings.resolve(
             mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
         )

@@ -1,4 +1,5 @@
-"""The user-facing DPPO loss: ``dppo_loss`` and the ``DPPOLoss`` module.
+"""The user-facing DPPO loss on logits: ``dppo_loss``, the ``DPPOLoss`` module, and ``dppo_loss_per_row`` (the
+per-row outputs below them, without aggregation).
 
 Takes the policy's logits for the response tokens in any leading layout (``[N, V]``, ``[B, T, V]``)
 plus what the rollout engine returned, runs the fused op (``dppo_ext.ops``; ``dppo_ext.vocab_parallel`` for
@@ -15,13 +16,21 @@ import torch
 from torch import Tensor
 
 from . import ops, vocab_parallel
+from ._agreement import Rendezvous, vocab_parallel_call
 from ._autograd import check_no_functorch, inplace_applies
-from ._rows import LossModule, LossSettings, check_tensors, prepare_rows
-from ._vocab_shards import Rendezvous, agreed_failures, check_split_args, is_dtensor, replicated_local, vocab_shard
+from ._dtensor import replicated_local, vocab_shard
+from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
+from ._vocab_split import check_split_args
 from .aggregation import aggregate_with, dppo_metrics
-from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
+from .contract import (
+    DEFAULT_AGG_MODE,
+    DEFAULT_MODE,
+    DEFAULT_RATIO_CAP,
+    accumulation_dtype,
+)
 
-__all__ = ["DPPOLoss", "dppo_loss"]
+# dppo_loss, dppo_loss_per_row and DPPOLoss, and the names other modules define that this one has always offered.
+__all__ = ["DPPOLoss", "dppo_loss", "dppo_loss_per_row"]
 
 
 def dppo_loss(
@@ -83,51 +92,137 @@ def dppo_loss(
         ``(loss, metrics)``: the scalar loss and a dict of 0-d metric tensors (see
         :func:`dppo_metrics`).
     """
-    named = dict(
-        tokens=tokens,
-        rollout_logprobs=rollout_logprobs,
-        advantages=advantages,
-        response_mask=response_mask,
-        topk_ids=topk_ids,
-        topk_logprobs=topk_logprobs,
-        anchor_logprobs=anchor_logprobs,
-    )
-    settings = (mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor)
     check_split_args(vocab_parallel_group, vocab_offsets)
-    if vocab_parallel_group is None and not is_dtensor(logits):
-        return _dppo_loss(logits, named, settings, inplace_backward, None, None)
     shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
-    with agreed_failures(shard.group) as rendezvous:  # an error of this rank alone still reaches the other ranks
-        named = {name: replicated_local(t, name) for name, t in named.items()}
-        return _dppo_loss(shard.logits, named, settings, inplace_backward, rendezvous, shard.vocab_offsets)
+    with vocab_parallel_call(shard.group) as rendezvous:
+        settings = LossSettings.resolve(
+            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+        )
+        logits = shard.logits
+        check_tensors(logits=logits)
+        if logits.dim() < 2:
+            raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
+        named = _local_inputs(
+            rendezvous,
+            tokens=tokens,
+            rollout_logprobs=rollout_logprobs,
+            advantages=advantages,
+            response_mask=response_mask,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            anchor_logprobs=anchor_logprobs,
+        )
+        lead, vocab = logits.shape[:-1], logits.shape[-1]
+        valid, rows = prepare_rows(lead, "logits", accumulation_dtype(logits.dtype), logits.device, **named)
+        flat = logits.reshape(lead.numel(), vocab)
+        offsets = shard.vocab_offsets
+        out = _forward_rows("dppo_loss", logits, flat, rows, settings, inplace_backward, rendezvous, offsets)
+        loss = aggregate_with(out.loss.reshape(lead), valid, settings)
+        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
 
 
-def _dppo_loss(
+def dppo_loss_per_row(
     logits: Tensor,
-    named: dict[str, Optional[Tensor]],
-    settings: tuple,
+    tokens: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    mode: str = DEFAULT_MODE,
+    topk_ids: Optional[Tensor] = None,
+    topk_logprobs: Optional[Tensor] = None,
+    anchor_logprobs: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    delta_low: Optional[float] = None,
+    delta_high: Optional[float] = None,
+    ratio_cap: float = DEFAULT_RATIO_CAP,
+    compute_entropy: bool = True,
+    inplace_backward: bool = False,
+    vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+    vocab_offsets: Optional[Sequence[int]] = None,
+) -> DPPOOutputs:
+    """The DPPO op's per-row outputs on flat rows, without aggregation (lower level; see ``docs/contract.md``).
+
+    Most callers want :func:`dppo_loss` (any leading shape, ``response_mask``, aggregation, metrics). The same
+    argument names and per-mode defaults as :func:`dppo_loss`, with no ``response_mask`` (a padding row has the
+    token ``IGNORE_INDEX``) and no aggregation.
+
+    Args:
+        logits: ``[N, V]`` float32/float16/bfloat16/float64; stride(1) must be 1 (row views are fine). With
+            ``vocab_parallel_group``: ``[N, V_local]``, this rank's contiguous slice of the vocabulary; a
+            ``DTensor`` sharded on its last dim needs neither ``vocab_parallel_group`` nor ``vocab_offsets``.
+        tokens: ``[N]`` int64 sampled token ids (global ids when sharded); ``IGNORE_INDEX`` (-100) marks a padding
+            row (zero outputs and gradient).
+        rollout_logprobs: ``[N]`` rollout (behaviour) log-prob of each token, float32 (float64 for float64
+            logits). ``-inf`` is allowed.
+        advantages: ``[N]`` same dtype as ``rollout_logprobs``.
+        mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
+        topk_ids, topk_logprobs: ``[N, K]`` the rollout's top-K ids and log-probs (top-K modes).
+        anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
+        temperature: logits are divided by it (must match the rollout's temperature).
+        delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides); ``None`` takes
+            ``DEFAULT_DELTAS[mode]`` (``dppo_ext.contract``), as every other entry point does.
+        ratio_cap: cap C of the importance weight.
+        compute_entropy: also compute the entropy of softmax(logits / T) (else zeros).
+        inplace_backward: write the gradient into ``logits`` during backward (consumes the logits; see
+            ``dppo_ext.ops`` for the uses it refuses).
+        vocab_parallel_group, vocab_offsets: as :func:`dppo_loss`: the tensor-parallel group when ``logits`` is
+            this rank's vocabulary slice (every other input replicated), and the ``[W + 1]`` global offsets of
+            the ranks' slices (None: derived from the slice widths). The backward writes only this slice, with no
+            communication (``dppo_ext.vocab_parallel``, docs/distributed.md).
+
+    Returns:
+        ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]`` (identical on every rank
+        when sharded); ``loss``, ``logp`` and ``entropy`` are differentiable w.r.t. the logits. A row whose scaled
+        logits hold a NaN or +inf or are all -inf has NaN outputs (docs/contract.md).
+    """
+    check_split_args(vocab_parallel_group, vocab_offsets)
+    shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
+    with vocab_parallel_call(shard.group) as rendezvous:
+        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+        logits = shard.logits
+        check_tensors(logits=logits)
+        if logits.dim() != 2:
+            width = "V" if rendezvous is None else "V_local"
+            raise ValueError(f"logits must be 2-D [N, {width}], got shape {tuple(logits.shape)}")
+        named = _local_inputs(
+            rendezvous,
+            tokens=tokens,
+            rollout_logprobs=rollout_logprobs,
+            advantages=advantages,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            anchor_logprobs=anchor_logprobs,
+        )
+        rows = RowInputs.of(**named)
+        return _forward_rows(
+            "dppo_loss_per_row", logits, logits, rows, settings, inplace_backward, rendezvous, shard.vocab_offsets
+        )
+
+
+def _local_inputs(rendezvous: Optional[Rendezvous], **tensors: Optional[Tensor]) -> dict[str, Optional[Tensor]]:
+    """The inputs besides the logits, as given (single device) or each replicated DTensor as its local tensor."""
+    if rendezvous is None:
+        return tensors
+    return {name: replicated_local(t, name) for name, t in tensors.items()}
+
+
+def _forward_rows(
+    api: str,
+    logits: Tensor,
+    flat: Tensor,
+    rows: RowInputs,
+    settings: LossSettings,
     inplace_backward: bool,
     rendezvous: Optional[Rendezvous],
     vocab_offsets: Optional[Sequence[int]],
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`dppo_loss` on single-device logits (``rendezvous`` None) or on this rank's vocabulary slice."""
-    settings = LossSettings.resolve(*settings)
-    check_tensors(logits=logits)
-    if logits.dim() < 2:
-        raise ValueError(f"logits must be [..., V] with at least 2 dims, got shape {tuple(logits.shape)}")
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
-    valid, rows = prepare_rows(lead, "logits", accumulation_dtype(logits.dtype), logits.device, **named)
-    flat = logits.reshape(lead.numel(), vocab)
-    if rendezvous is not None:
-        check_no_functorch("dppo_loss_forward_vocab_parallel", flat)
-        inplace = inplace_applies(inplace_backward, logits)
-        out = vocab_parallel.forward_rows(flat, rows, settings, inplace, rendezvous, vocab_offsets)
-    else:
-        check_no_functorch("dppo_loss_forward", flat)
-        inplace = inplace_applies(inplace_backward, logits)
-        out = ops.forward_rows(flat, rows, settings, inplace)
-    loss = aggregate_with(out.loss.reshape(lead), valid, settings)
-    return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
+) -> DPPOOutputs:
+    """The op on ``flat`` (``[N, V]`` rows of ``logits``, the tensor the in-place rule is checked on): on one device
+    (``rendezvous`` None) or on this rank's vocabulary slice."""
+    check_no_functorch(api, flat)
+    inplace = inplace_applies(inplace_backward, logits)
+    if rendezvous is None:
+        return ops.forward_rows(flat, rows, settings, inplace)
+    return vocab_parallel.forward_rows(flat, rows, settings, inplace, rendezvous, vocab_offsets)
 
 
 class DPPOLoss(LossModule):

@@ -1,4 +1,6 @@
-"""Typed wrappers of ``torch.ops.dppo.*``, and every fake (meta) kernel and autograd formula of the ops.
+"""The Python side of ``torch.ops.dppo.*``: every fake (meta) kernel and autograd formula of the ops, and
+``forward_rows``, the forward op's one call for the entry points (the public per-row function on logits is
+``dppo_ext.dppo_loss_per_row``).
 
 The op math is specified in ``docs/contract.md``; schemas live in ``csrc/op_schemas.h``. This module
 adds what the C++ side cannot: ``register_fake`` (so the ops trace under ``torch.compile`` and
@@ -21,8 +23,6 @@ differentiation of the gradient) and ``torch.func`` transforms (``grad``, ``vmap
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -30,16 +30,14 @@ from . import _native  # noqa: F401  (loads dppo_ext._C, which registers torch.o
 from ._autograd import (
     BACKWARD_CONSUMED,
     NO_DOUBLE_BACKWARD,
-    check_no_functorch,
     grad_args,
-    inplace_applies,
     input_grads,
     refuse_double_backward,
 )
-from ._rows import DPPOOutputs, LossSettings, RowInputs, check_tensors
-from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
+from ._rows import DPPOOutputs, LossSettings, RowInputs
+from .contract import accumulation_dtype
 
-__all__ = ["dppo_loss_forward"]
+__all__: list[str] = []  # the ops register themselves; forward_rows is the entry points' one call
 
 # The forward op's argument names in schema order: its autograd context reads its inputs by name.
 _FORWARD_ARGS = tuple(a.name for a in torch.ops.dppo.dppo_loss_forward.default._schema.arguments)
@@ -142,7 +140,7 @@ torch.library.register_autograd("dppo::dppo_loss_forward", _backward, setup_cont
 
 
 def _backward_not_differentiable(ctx, *grads):
-    raise RuntimeError(NO_DOUBLE_BACKWARD.format(what="dppo_loss_forward"))
+    raise RuntimeError(NO_DOUBLE_BACKWARD.format(what="the DPPO loss op (torch.ops.dppo.dppo_loss_forward)"))
 
 
 # The backward op runs under autograd only when its caller asked for create_graph=True; its output then
@@ -166,7 +164,7 @@ class _DPPOInplace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, _g_div, _g_mask, _g_weight, grad_entropy, _g_lse):
-        refuse_double_backward("dppo_loss_forward(inplace_backward=True)")
+        refuse_double_backward("the DPPO loss with inplace_backward=True")
         if ctx.consumed:
             raise RuntimeError(BACKWARD_CONSUMED)
         logits, args = _backward_args(ctx, grad_loss, grad_logp, grad_entropy)
@@ -183,54 +181,9 @@ class _DPPOInplace(torch.autograd.Function):
 
 def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplace: bool) -> DPPOOutputs:
     """The op on ``logits [N, V]`` and ``rows`` with resolved ``settings``; ``inplace``: through the in-place
-    backward (the caller decided it with ``inplace_applies``). No check of its own: for the entry points, which
-    checked everything already."""
+    backward (the caller decided it with ``inplace_applies``). No check of its own: for the entry points
+    (``dppo_ext.loss``: ``dppo_loss``, ``dppo_loss_per_row``), which checked everything already."""
     if inplace:
         return DPPOOutputs(*_DPPOInplace.apply(logits, rows, settings))
     return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args()))
 
-
-def dppo_loss_forward(
-    logits: Tensor,
-    tokens: Tensor,
-    rollout_logprobs: Tensor,
-    advantages: Tensor,
-    topk_ids: Optional[Tensor] = None,
-    topk_logprobs: Optional[Tensor] = None,
-    anchor_logprobs: Optional[Tensor] = None,
-    mode: str = DEFAULT_MODE,
-    temperature: float = 1.0,
-    delta_low: Optional[float] = None,
-    delta_high: Optional[float] = None,
-    ratio_cap: float = DEFAULT_RATIO_CAP,
-    compute_entropy: bool = True,
-    inplace_backward: bool = False,
-) -> DPPOOutputs:
-    """The fused DPPO op on flat rows (see ``docs/contract.md``).
-
-    Args:
-        logits: ``[N, V]`` float32/float16/bfloat16/float64; stride(1) must be 1 (row views are fine).
-        tokens: ``[N]`` int64 sampled token ids; ``-100`` marks a padding row (zero outputs and grad).
-        rollout_logprobs: ``[N]`` rollout (behaviour) log-prob of each token, float32
-            (float64 for float64 logits). ``-inf`` is allowed.
-        advantages: ``[N]`` same dtype as ``rollout_logprobs``.
-        topk_ids, topk_logprobs: ``[N, K]`` the rollout's top-K ids and log-probs (top-K modes).
-        anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
-        mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
-        temperature: logits are divided by it (must match the rollout's temperature).
-        delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides); ``None`` takes
-            ``DEFAULT_DELTAS[mode]`` (``dppo_ext.contract``), as every other entry point does.
-        ratio_cap: cap C of the importance weight.
-        compute_entropy: also compute the entropy of softmax(logits / T) (else zeros).
-        inplace_backward: write the gradient into ``logits`` during backward (consumes the logits;
-            see the module docstring for the uses it refuses).
-
-    Returns:
-        ``DPPOOutputs(loss, logp, divergence, mask, weight, entropy, lse)``, each ``[N]``. A row whose
-        scaled logits hold a NaN or +inf or are all -inf has NaN outputs (docs/contract.md).
-    """
-    settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-    check_tensors(logits=logits)
-    check_no_functorch("dppo_loss_forward", logits)
-    rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-    return forward_rows(logits, rows, settings, inplace_applies(inplace_backward, logits))

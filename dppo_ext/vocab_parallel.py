@@ -1,12 +1,14 @@
 """The DPPO loss over a vocabulary sharded across a tensor-parallel group (Megatron-style or DTensor TP).
 
-Each rank of ``group`` holds the logits (or the LM-head rows) of one contiguous slice of the vocabulary,
-``[vocab_offsets[r], vocab_offsets[r + 1])`` on rank ``r``; tokens, rollout log-probs, advantages and the
+The entry points are the loss functions' own (``dppo_loss``, ``dppo_loss_per_row``, ``fused_linear_dppo_loss``,
+``fused_linear_dppo_loss_per_row``, the modules), given ``vocab_parallel_group`` or a DTensor; this module is the
+work below them. Each rank of the group holds the logits (or the LM-head rows) of one contiguous slice of the
+vocabulary, ``[vocab_offsets[r], vocab_offsets[r + 1])`` on rank ``r``; tokens, rollout log-probs, advantages and the
 rollout's top-K are global ids/values, identical on every rank. The result on every rank is bit-for-bit the
 same and equals the single-device op on the gathered logits (to rounding: sums are merged in another order).
 
 Forward, per call (``docs/distributed.md``):
-  1. The call header (``dppo_ext._vocab_shards.Rendezvous``): every rank all-gathers 16 int64 words (row count,
+  1. The call header (``dppo_ext._agreement.Rendezvous``): every rank all-gathers 16 int64 words (row count,
      K, slice width, statistics dtype, hashes of the split and the settings, a bitwise fingerprint of each
      per-row input, a failure flag) and checks every rank's; ranks whose calls differ all raise the same error,
      and a rank whose own checks failed (``agreed_failures``) still joins it, so no rank waits in a collective.
@@ -14,7 +16,7 @@ Forward, per call (``docs/distributed.md``):
   2. ``torch.ops.dppo.dppo_vocab_parallel_stats`` reads the local slice once and keeps, per row, the
      single-device kernel's state: max, non-target exp-sum, entropy moment, and the sampled token's and the
      top-K ids' logits where this rank owns them -- ``4 + K`` numbers.
-  3. An all-gather of those ``[N, 4 + K]`` statistics over ``group``.
+  3. An all-gather of those ``[N, 4 + K]`` statistics over the group.
   4. ``torch.ops.dppo.dppo_vocab_parallel_epilogue`` merges the ranks' states and runs the per-row epilogue
      (divergence, mask, weight, loss, entropy, lse) -- the same code on every rank, on the same bytes.
 Backward: no communication. Each rank writes only its slice's gradient with the single-device backward op
@@ -26,7 +28,7 @@ Bytes per row gathered by each rank: ``W * (4 + K) * 4`` (float32 statistics; 8 
 96 B for W = 4 binary modes, 384 B for W = 4, K = 20 -- against ``V * 2`` bytes to all-gather bf16 logits; plus
 ``W * 128`` B per call for the headers.
 The fused-linear form (``fused_linear_dppo_loss(..., vocab_parallel_group=)``) runs the stats op on row chunks
-of ``hidden @ weight.T`` (``dppo_ext._chunking``'s tile loop) and additionally all-reduces the ``[N, H]``
+of ``hidden @ weight.T`` (``dppo_ext._lm_head_tiles``'s tile loop) and additionally all-reduces the ``[N, H]``
 hidden-state gradient in backward, as Megatron's column-parallel LM head does.
 """
 
@@ -39,21 +41,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops  # noqa: F401  (loads dppo_ext._C and registers the ops' fake kernels)
+from ._agreement import Rendezvous, call_header, check_agreement
 from ._autograd import (
     BACKWARD_CONSUMED,
-    check_no_functorch,
     grad_args,
-    inplace_applies,
     input_grads,
     refuse_double_backward,
 )
-from ._chunking import check_fused_inputs, head_backward, logits_tiles, plan_chunks
-from ._rows import DPPOOutputs, LossSettings, RowInputs, check_row_counts, check_tensors
-from ._vocab_shards import (
-    Rendezvous,
-    agreed_failures,
-    call_header,
-    check_agreement,
+from ._lm_head_tiles import check_fused_inputs, head_backward, logits_tiles, plan_chunks
+from ._rows import DPPOOutputs, LossSettings, RowInputs, check_row_counts
+from ._vocab_split import (
     check_offsets,
     comm_device,
     even_vocab_offsets,
@@ -62,14 +59,13 @@ from ._vocab_shards import (
     group_rank,
     vocab_parallel_offsets,
 )
-from .contract import DEFAULT_MODE, DEFAULT_RATIO_CAP, IGNORE_INDEX, accumulation_dtype
+from .contract import IGNORE_INDEX, accumulation_dtype
 
-# The two entry points, and the vocabulary split's helpers that docs/distributed.md names here (their code is in
-# dppo_ext._vocab_shards).
+# The vocabulary split's public helpers that docs/distributed.md names here (their code: dppo_ext._vocab_split); the entry
+# points are dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss and fused_linear_dppo_loss_per_row with
+# vocab_parallel_group=.
 __all__ = [
-    "dppo_loss_forward_vocab_parallel",
     "even_vocab_offsets",
-    "fused_linear_dppo_loss_vocab_parallel",
     "gathered_bytes_per_row",
     "vocab_parallel_offsets",
 ]
@@ -200,60 +196,14 @@ def forward_rows(
     rendezvous: Rendezvous,
     vocab_offsets: Optional[Sequence[int]],
 ) -> DPPOOutputs:
-    """:func:`dppo_loss_forward_vocab_parallel` on ``logits [N, V_local]`` and ``rows`` with resolved ``settings``
-    (``inplace`` decided by ``inplace_applies``), inside ``agreed_failures(group)`` (``rendezvous``): for the entry
-    points, which checked the rest already."""
+    """``dppo_loss_per_row(..., vocab_parallel_group=)`` on ``logits [N, V_local]`` and ``rows`` with resolved
+    ``settings`` (``inplace`` decided by ``inplace_applies``), inside ``agreed_failures(group)`` (``rendezvous``): for
+    the entry points (``dppo_ext.loss``), which checked the rest already."""
     world, _rank = group_rank(rendezvous.group)
     offsets = None if vocab_offsets is None else check_offsets(vocab_offsets, world)
     rows = _topk_only(rows, settings)
     _check_local(logits.shape[0], logits.shape[1], logits.dtype, logits.device, rows, settings)
     return DPPOOutputs(*_VocabParallelDPPO.apply(logits, rows, settings, rendezvous, offsets, bool(inplace)))
-
-
-def dppo_loss_forward_vocab_parallel(
-    logits: Tensor,
-    tokens: Tensor,
-    rollout_logprobs: Tensor,
-    advantages: Tensor,
-    topk_ids: Optional[Tensor] = None,
-    topk_logprobs: Optional[Tensor] = None,
-    anchor_logprobs: Optional[Tensor] = None,
-    mode: str = DEFAULT_MODE,
-    temperature: float = 1.0,
-    delta_low: Optional[float] = None,
-    delta_high: Optional[float] = None,
-    ratio_cap: float = DEFAULT_RATIO_CAP,
-    compute_entropy: bool = True,
-    inplace_backward: bool = False,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    vocab_offsets: Optional[Sequence[int]] = None,
-) -> DPPOOutputs:
-    """``dppo_loss_forward`` (per-row outputs) with the vocabulary sharded over ``group``.
-
-    Args:
-        logits: ``[N, V_local]`` this rank's contiguous vocabulary slice (stride(1) == 1).
-        tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs: as
-            ``dppo_loss_forward``, with GLOBAL vocabulary ids, identical on every rank.
-        group: the tensor-parallel process group (None: the default group).
-        vocab_offsets: ``[W + 1]`` global column offsets of the ranks' slices, in group-rank order. None
-            derives them from the slice widths in the call header (no extra collective; see
-            :func:`even_vocab_offsets`, :func:`vocab_parallel_offsets`).
-        Everything else: as ``dppo_loss_forward``.
-
-    Returns:
-        ``DPPOOutputs``, each ``[N]``, identical on every rank; ``loss``, ``logp`` and ``entropy`` are
-        differentiable w.r.t. the local logits (the backward writes only this slice, no communication).
-    """
-    with agreed_failures(group) as rendezvous:  # an error of this rank alone still reaches the other ranks
-        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-        check_tensors(logits=logits)
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
-        check_no_functorch("dppo_loss_forward_vocab_parallel", logits)
-        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-        inplace = inplace_applies(inplace_backward, logits)
-        return forward_rows(logits, rows, settings, inplace, rendezvous, vocab_offsets)
 
 
 # ---- fused linear: LM-head rows sharded over the group -----------------------------------------------
@@ -339,8 +289,13 @@ def fused_linear_rows(
     vocab_offsets: Optional[Sequence[int]],
     reduce_hidden_grad: bool = True,
 ) -> DPPOOutputs:
-    """:func:`fused_linear_dppo_loss_vocab_parallel` on ``rows`` with resolved ``settings``, inside
-    ``agreed_failures(group)`` (``rendezvous``): for the entry points, which resolved the settings already."""
+    """``fused_linear_dppo_loss_per_row(..., vocab_parallel_group=)`` on ``rows`` with resolved ``settings``, inside
+    ``agreed_failures(group)`` (``rendezvous``): for the entry points (``dppo_ext.fused_linear``), which resolved the
+    settings already. ``weight`` is this rank's ``[V_local, H]`` slice (``bias`` its ``[V_local]``), ``hidden
+    [N, H]`` is replicated. Neither the logits nor the whole head exist on any rank: row chunks of ``hidden @
+    weight.T`` go through the stats op, one all-gather merges them, the backward recomputes each chunk and writes
+    its gradient in place. ``reduce_hidden_grad``: all-reduce the hidden-state gradient over the group (the sum of
+    every slice's contribution), as Megatron's column-parallel linear does."""
     check_fused_inputs(hidden, weight, bias, rows)
     world, _rank = group_rank(rendezvous.group)
     offsets = None if vocab_offsets is None else check_offsets(vocab_offsets, world)
@@ -359,54 +314,3 @@ def fused_linear_rows(
             hidden, weight, bias, rows, settings, plan.chunk_rows, rendezvous, offsets, bool(reduce_hidden_grad)
         )
     )
-
-
-def fused_linear_dppo_loss_vocab_parallel(
-    hidden: Tensor,
-    weight: Tensor,
-    tokens: Tensor,
-    rollout_logprobs: Tensor,
-    advantages: Tensor,
-    *,
-    bias: Optional[Tensor] = None,
-    topk_ids: Optional[Tensor] = None,
-    topk_logprobs: Optional[Tensor] = None,
-    anchor_logprobs: Optional[Tensor] = None,
-    mode: str = DEFAULT_MODE,
-    temperature: float = 1.0,
-    delta_low: Optional[float] = None,
-    delta_high: Optional[float] = None,
-    ratio_cap: float = DEFAULT_RATIO_CAP,
-    compute_entropy: bool = True,
-    chunk_size: Optional[int] = None,
-    memory_budget_bytes: Optional[int] = None,
-    group: Optional[dist.ProcessGroup] = None,
-    vocab_offsets: Optional[Sequence[int]] = None,
-    reduce_hidden_grad: bool = True,
-) -> DPPOOutputs:
-    """``fused_linear_dppo_loss_per_row`` with the LM head's rows sharded over ``group``: ``weight`` is this rank's
-    ``[V_local, H]`` slice (``bias`` its ``[V_local]``), ``hidden`` ``[N, H]`` is replicated. Neither the logits
-    nor the whole head exist on any rank: row chunks of ``hidden @ weight.T`` go through the stats op, one
-    all-gather merges them, the backward recomputes each chunk and writes its gradient in place.
-
-    ``reduce_hidden_grad``: all-reduce the hidden-state gradient over ``group`` (the sum of every slice's
-    contribution), as Megatron's column-parallel linear does; pass False when the framework reduces it itself
-    (e.g. a reduce-scatter under sequence parallelism).
-    """
-    with agreed_failures(group) as rendezvous:  # an error of this rank alone still reaches the other ranks
-        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-        check_tensors(hidden=hidden, weight=weight, bias=bias)
-        check_no_functorch("fused_linear_dppo_loss_vocab_parallel", hidden, weight, bias)
-        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
-        return fused_linear_rows(
-            hidden,
-            weight,
-            bias,
-            rows,
-            settings,
-            chunk_size=chunk_size,
-            memory_budget_bytes=memory_budget_bytes,
-            rendezvous=rendezvous,
-            vocab_offsets=vocab_offsets,
-            reduce_hidden_grad=reduce_hidden_grad,
-        )

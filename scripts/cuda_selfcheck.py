@@ -21,6 +21,7 @@ import sys
 import torch
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo.*)
+from dppo_ext.contract import TOPK_MODES
 from dppo_ext.reference import dppo_loss_reference
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
@@ -72,7 +73,7 @@ def on(c, dev):
 
 
 def forward(c, mode, entropy, anchor, temperature):
-    topk = mode.startswith("topk")
+    topk = mode in TOPK_MODES
     return torch.ops.dppo.dppo_loss_forward(
         logits_of(c),
         c["tokens"],
@@ -92,7 +93,7 @@ def forward(c, mode, entropy, anchor, temperature):
 
 def reference(c, mode, entropy, anchor, temperature):
     """The forward outputs in float64 (tuple in the op's order), from the readable reference."""
-    topk = mode.startswith("topk")
+    topk = mode in TOPK_MODES
     out = dppo_loss_reference(
         logits_of(c).double().cpu(),
         c["tokens"].cpu(),
@@ -290,7 +291,7 @@ def run(args, dev):
         for dtype in dtypes:
             c = make_case(n, v, dtype, min(k, v), col_off, row_pad, seed=n * 31 + v, extreme=extreme)
             for mode in modes:
-                if v == 1 and mode.startswith("topk"):
+                if v == 1 and mode in TOPK_MODES:
                     # K = V = 1: q_rest = 1 - q_1 cancels in the accumulation dtype (the contract's
                     # 1e-12 floor sits far below fp32's ~1e-7 resolution), so there is nothing to compare.
                     continue

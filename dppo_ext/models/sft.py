@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dppo_ext.contract import IGNORE_INDEX
 from dppo_ext.tasks.base import Problem
 
 logger = logging.getLogger(__name__)
@@ -50,18 +51,18 @@ def encode_sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, 
 
     Returns:
         input_ids [B, L] int64, attention_mask [B, L] int64, labels [B, L] int64 where labels
-        are the input ids on answer/EOS positions and -100 elsewhere (prompt and padding).
+        are the input ids on answer/EOS positions and ``IGNORE_INDEX`` (-100) elsewhere (prompt and padding).
     """
     rows, label_rows = [], []
     for problem in problems:
         prompt_ids = tokenizer(problem.prompt)["input_ids"]
         answer_ids = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt_ids + answer_ids)
-        label_rows.append([-100] * len(prompt_ids) + answer_ids)
+        label_rows.append([IGNORE_INDEX] * len(prompt_ids) + answer_ids)
     length = max(len(row) for row in rows)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([row + [pad] * (length - len(row)) for row in rows], dtype=torch.long)
-    labels = torch.tensor([row + [-100] * (length - len(row)) for row in label_rows], dtype=torch.long)
+    labels = torch.tensor([row + [IGNORE_INDEX] * (length - len(row)) for row in label_rows], dtype=torch.long)
     attention_mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows], dtype=torch.long)
     return input_ids, attention_mask, labels
 
@@ -98,7 +99,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, problems: list[Prob
         del order[: config.batch_size]
         input_ids, attention_mask, labels = encode_sft_batch(tokenizer, batch)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
                                label_smoothing=config.label_smoothing)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout.base import (
     RolloutEngine,
     RolloutSample,
@@ -27,8 +28,6 @@ from dppo_ext.rollout.base import (
 from dppo_ext.rollout.noise import add_logit_noise
 
 logger = logging.getLogger(__name__)
-
-HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def topk_with_sampled(
@@ -94,12 +93,12 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if dtype not in HF_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(HF_DTYPES)}, got {dtype!r}")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(MODEL_DTYPES)}, got {dtype!r}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = HF_DTYPES[dtype]
+        self.dtype = MODEL_DTYPES[dtype]
         self.seed = seed
         self.max_model_len = max_model_len
         self._calls = 0

@@ -43,13 +43,12 @@ from typing import Any
 
 import torch
 
+from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample, check_generate_args
 from dppo_ext.rollout.vllm_logging import install_benign_warning_filters
 from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
 
 logger = logging.getLogger(__name__)
-
-VLLM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -106,8 +105,8 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.4,
         **llm_kwargs: Any,
     ) -> None:
-        if dtype not in VLLM_DTYPES:
-            raise ValueError(f"dtype must be one of {VLLM_DTYPES}, got {dtype!r}")
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(MODEL_DTYPES)}, got {dtype!r}")
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             logger.warning(
                 "overriding VLLM_ENABLE_V1_MULTIPROCESSING=%s with 0: the rollout engine must run "

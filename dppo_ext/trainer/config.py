@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES
+from dppo_ext.contract import AGG_MODES, MODEL_DTYPES
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
@@ -25,7 +25,6 @@ from dppo_ext.trainer.losses import LOSSES, canonical_loss
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
 LOSS_MODES = {name: spec.mode for name, spec in LOSSES.items()}
 TOPK_LOSSES = tuple(name for name, spec in LOSSES.items() if spec.uses_topk)
-DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "plain", "chat")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -97,8 +96,8 @@ class TrainConfig:
     eval_temperature: float = _opt(1.0, "held-out sampling temperature")
     # engines and devices
     engine: str = _opt("auto", "rollout engine: vllm when installed (auto), vllm, or transformers (hf)", ENGINE_KINDS)
-    rollout_dtype: str = _opt("float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", DTYPES)
-    dtype: str = _opt("float32", "trainer parameter dtype", DTYPES)
+    rollout_dtype: str = _opt("float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", tuple(MODEL_DTYPES))
+    dtype: str = _opt("float32", "trainer parameter dtype", tuple(MODEL_DTYPES))
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout import RolloutEngine
 from dppo_ext.tasks import Task
 from dppo_ext.trainer.checkpoint import MODEL_DIR, load_trainer_state
@@ -38,8 +39,6 @@ from dppo_ext.trainer.run_folder.files import (
 from dppo_ext.trainer.summary import write_summary
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def run_locked(
@@ -103,7 +102,7 @@ def run_locked(
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
-        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=TORCH_DTYPES[config.dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=MODEL_DTYPES[config.dtype]).to(device).eval()
         if not own_engine:
             engine.sync_weights(model)
         trainer = Trainer(config, model, tokenizer, task, engine, out_dir)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from dppo_ext.contract import MODE_ALIASES
+from dppo_ext.contract import MODE_ALIASES, TOPK_MODES
 
 __all__ = ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
 
@@ -51,7 +51,7 @@ class LossSpec:
     @property
     def uses_topk(self) -> bool:
         """True when the mode needs the rollout's top-K log-probs."""
-        return self.mode.startswith("topk")
+        return self.mode in TOPK_MODES
 
 
 LOSSES: dict[str, LossSpec] = {

@@ -1,7 +1,7 @@
 """Per-step metrics that show the trust-region mechanism at work (docs/sanity.md, "Metrics").
 
-The trainer fills one :class:`MechanismStats` per RL step from two kinds of no-grad passes of the
-``dppo_loss_forward`` op over each micro-batch:
+The trainer fills one :class:`MechanismStats` per RL step from two kinds of no-grad passes of
+``dppo_loss_per_row`` (the op's per-row outputs) over each micro-batch:
 
 - the loss's own inputs, before the mini-batch's optimizer step: the mask the loss applied, split
   into the first mini-batch of the step (before any update of the step: masking caused by the
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dppo_ext.contract import IGNORE_INDEX
 from dppo_ext.trainer.batch import RolloutBatch
 
 __all__ = ["BAD_UPDATE_DELTA", "HIGH_MU", "MU_BIN_EDGES", "MechanismStats", "op_rows"]
@@ -44,10 +45,10 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
 
     ``logits``: ``[b, T, V]`` response logits of ``micro``. The rows and settings are the loss's.
     """
-    from dppo_ext.ops import dppo_loss_forward
+    from dppo_ext import dppo_loss_per_row
 
     valid = micro.response_mask.reshape(-1)
-    tokens = torch.where(micro.response_mask, micro.tokens, torch.full_like(micro.tokens, -100)).reshape(-1)
+    tokens = torch.where(micro.response_mask, micro.tokens, torch.full_like(micro.tokens, IGNORE_INDEX)).reshape(-1)
     rows = valid.numel()
     advantages = micro.advantages.float()[:, None].expand(micro.tokens.shape).reshape(-1)
 
@@ -55,7 +56,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
         return None if t is None else t.reshape(rows, *t.shape[2:])
 
     with torch.no_grad():
-        out = dppo_loss_forward(
+        out = dppo_loss_per_row(
             logits.detach().reshape(rows, logits.shape[-1]),
             tokens,
             flat(micro.rollout_logprobs).float(),

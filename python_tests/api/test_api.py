@@ -276,8 +276,8 @@ def test_mode_aliases(alias, mode):
                  topk_ids=None if kw["topk_ids"] is None else kw["topk_ids"].reshape(B * T, -1),
                  topk_logprobs=None if kw["topk_logprobs"] is None else kw["topk_logprobs"].reshape(B * T, -1))
     logits = kw["logits"].reshape(B * T, v)
-    torch.testing.assert_close(dppo_ext.dppo_loss_forward(logits, mode=alias, **op_kw).divergence,
-                               dppo_ext.dppo_loss_forward(logits, mode=mode, **op_kw).divergence, rtol=0, atol=0)
+    torch.testing.assert_close(dppo_ext.dppo_loss_per_row(logits, mode=alias, **op_kw).divergence,
+                               dppo_ext.dppo_loss_per_row(logits, mode=mode, **op_kw).divergence, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"mode must be one of .*or an alias.*got 'dppo'"):
         dppo_loss(**dict(kw, mode="dppo"))
 

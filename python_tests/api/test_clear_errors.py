@@ -1,11 +1,11 @@
 """Inputs held wrong get an error that names the argument, what it got and what to do, at every entry point.
 
 The entry points: ``dppo_loss``, ``DPPOLoss``, ``fused_linear_dppo_loss`` (and ``_per_row``),
-``FusedLinearDPPOLoss``, ``ops.dppo_loss_forward`` and both vocab-parallel functions (their checks run before any
-collective, so no process group is needed to see them). The cases: a ``temperature`` tensor that requires grad
-(the op treats it as a constant: its ``.grad`` would silently stay None), a per-row ``temperature`` tensor, a
-Python list where a tensor belongs, ``torch.func`` transforms with ``inplace_backward=True``, and a vLLM output
-whose sampled token has no log-prob.
+``FusedLinearDPPOLoss``, ``dppo_loss_per_row``, and both per-row functions given a ``vocab_parallel_group``
+(their checks run before any collective, so no process group is needed to see them). The cases: a
+``temperature`` tensor that requires grad (the op treats it as a constant: its ``.grad`` would silently stay
+None), a per-row ``temperature`` tensor, a Python list where a tensor belongs, ``torch.func`` transforms with
+``inplace_backward=True``, and a vLLM output whose sampled token has no log-prob.
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext.ops import dppo_loss_forward
+from dppo_ext import (
+    DPPOLoss,
+    FusedLinearDPPOLoss,
+    dppo_loss,
+    dppo_loss_per_row,
+    fused_linear_dppo_loss,
+    fused_linear_dppo_loss_per_row,
+)
 from dppo_ext.rollout import vllm_rollout_tensors
-from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, fused_linear_dppo_loss_vocab_parallel
 
 N, V, H = 6, 11, 5
 
@@ -39,6 +44,9 @@ def _inputs() -> dict:
 
 
 ROWS = ("tokens", "rollout_logprobs", "advantages")
+# Stands for a tensor-parallel group: the checks tested here run before a vocab-parallel call's first collective,
+# so that no rank waits for one that fails them; no process group is needed to see them.
+GROUP = object()
 
 
 def _call(entry: str, inputs: dict, temperature=1.0):
@@ -55,12 +63,14 @@ def _call(entry: str, inputs: dict, temperature=1.0):
         return fused_linear_dppo_loss_per_row(hidden, weight, **rows, temperature=temperature)
     if entry == "FusedLinearDPPOLoss":
         return FusedLinearDPPOLoss(temperature=temperature)(hidden, weight, **rows)
-    if entry == "ops.dppo_loss_forward":
-        return dppo_loss_forward(logits, **rows, temperature=temperature)
-    if entry == "dppo_loss_forward_vocab_parallel":
-        return dppo_loss_forward_vocab_parallel(logits, **rows, temperature=temperature)
-    if entry == "fused_linear_dppo_loss_vocab_parallel":
-        return fused_linear_dppo_loss_vocab_parallel(hidden, weight, **rows, temperature=temperature)
+    if entry == "dppo_loss_per_row":
+        return dppo_loss_per_row(logits, **rows, temperature=temperature)
+    if entry == "dppo_loss_per_row, vocab-parallel":
+        return dppo_loss_per_row(logits, **rows, temperature=temperature, vocab_parallel_group=GROUP)
+    if entry == "fused_linear_dppo_loss_per_row, vocab-parallel":
+        return fused_linear_dppo_loss_per_row(
+            hidden, weight, **rows, temperature=temperature, vocab_parallel_group=GROUP
+        )
     raise AssertionError(entry)
 
 
@@ -70,9 +80,9 @@ ENTRIES = (
     "fused_linear_dppo_loss",
     "fused_linear_dppo_loss_per_row",
     "FusedLinearDPPOLoss",
-    "ops.dppo_loss_forward",
-    "dppo_loss_forward_vocab_parallel",
-    "fused_linear_dppo_loss_vocab_parallel",
+    "dppo_loss_per_row",
+    "dppo_loss_per_row, vocab-parallel",
+    "fused_linear_dppo_loss_per_row, vocab-parallel",
 )
 
 
@@ -126,11 +136,11 @@ _FUNC = "does not support torch.func transforms"
     (
         lambda x, i: dppo_loss(x, i["tokens"], i["rollout_logprobs"], i["advantages"], inplace_backward=True)[0],
         lambda x, i: DPPOLoss(inplace_backward=True)(x, i["tokens"], i["rollout_logprobs"], i["advantages"])[0],
-        lambda x, i: dppo_loss_forward(
+        lambda x, i: dppo_loss_per_row(
             x, i["tokens"], i["rollout_logprobs"], i["advantages"], inplace_backward=True
         ).loss.sum(),
     ),
-    ids=("dppo_loss", "DPPOLoss", "ops.dppo_loss_forward"),
+    ids=("dppo_loss", "DPPOLoss", "dppo_loss_per_row"),
 )
 def test_torch_func_with_inplace_backward_names_torch_func(loss, transform):
     """The transformed input looks like a leaf to the in-place rule: the message must say torch.func."""

@@ -1,4 +1,4 @@
-"""dppo_ext.fused_linear against the logits path (LM-head matmul + dppo_ext.ops.dppo_loss_forward / dppo_loss).
+"""dppo_ext.fused_linear against the logits path (LM-head matmul + dppo_ext.dppo_loss_per_row / dppo_loss).
 
 Checks: (1) every forward output and (2) the gradients of hidden, weight and bias under a random upstream
 gradient on loss, logp and entropy, for every mode, in float64, float32 and bfloat16, with chunk plans that split
@@ -30,10 +30,16 @@ from dppo_testing import TOL, ambiguous_rows, child_env
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dppo_ext
-from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext._chunking import FusedLinearPlan, plan_chunks
+from dppo_ext import (
+    DPPOLoss,
+    FusedLinearDPPOLoss,
+    dppo_loss,
+    dppo_loss_per_row,
+    fused_linear_dppo_loss,
+    fused_linear_dppo_loss_per_row,
+)
+from dppo_ext._lm_head_tiles import FusedLinearPlan, plan_chunks
 from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import dppo_loss_reference
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
@@ -105,7 +111,7 @@ def _op_kwargs(inputs: dict) -> dict:
 
 def logits_path(hidden, weight, bias, inputs: dict) -> dict:
     logits = hidden @ weight.t() + (bias if bias is not None else 0)
-    return dppo_loss_forward(logits, **_op_kwargs(inputs))._asdict()
+    return dppo_loss_per_row(logits, **_op_kwargs(inputs))._asdict()
 
 
 def reference_path(hidden, weight, bias, inputs: dict) -> dict:
@@ -234,7 +240,7 @@ def test_noncontiguous_hidden_and_expanded_upstream_grads():
         weight = inputs["weight"].clone().requires_grad_(True)
         hidden = wide[:, 3:27]
         out = (fused_linear_dppo_loss_per_row(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw) if fused
-               else dppo_loss_forward(hidden @ weight.t(), **kw))
+               else dppo_loss_per_row(hidden @ weight.t(), **kw))
         (out.loss.sum() + out.entropy.sum() - out.logp.sum()).backward()
         return wide.grad, weight.grad
 
@@ -260,7 +266,7 @@ def test_tied_embeddings(dtype):
         if fused:
             out = fused_linear_dppo_loss_per_row(hidden, emb, chunk_size=8, vocab_chunk_size=100, **kw)
         else:
-            out = dppo_loss_forward(hidden @ emb.t(), **kw)
+            out = dppo_loss_per_row(hidden @ emb.t(), **kw)
         (out.loss.sum() + 0.5 * out.entropy.sum() + out.logp.to(acc).sum()).backward()
         return emb.grad, proj.grad
 
@@ -419,6 +425,29 @@ def test_same_signature_as_dppo_loss():
     assert fused_mod == logits_mod
     assert set(params(DPPOLoss.forward, ("self", "logits"))) | {"bias", "weight", "weight_context"} == set(
         params(FusedLinearDPPOLoss.forward, ("self", "hidden")))
+
+
+def test_per_row_family_signatures():
+    """One API family (docs/names.md): each _per_row variant takes its aggregating function's tensors positionally,
+    every setting keyword-only, with the same names and defaults, less the aggregation's."""
+    import inspect
+
+    def split(fn):
+        params = inspect.signature(fn).parameters.values()
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        return positional, {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+
+    aggregation = {"response_mask", "loss_agg_mode", "loss_scale_factor"}
+    for per_row, aggregating, only_there in (
+        (dppo_loss_per_row, dppo_loss, {}),
+        (fused_linear_dppo_loss_per_row, fused_linear_dppo_loss, {"reduce_hidden_grad": True}),
+    ):
+        rows_pos, rows_kw = split(per_row)
+        agg_pos, agg_kw = split(aggregating)
+        assert rows_pos == agg_pos, per_row.__name__
+        want = {k: v for k, v in agg_kw.items() if k not in aggregation and k != "accum_dtype"}
+        assert rows_kw == {**want, **only_there}, per_row.__name__
+    assert split(dppo_loss_per_row)[0] == ["logits", "tokens", "rollout_logprobs", "advantages"]
 
 
 def test_module_form():

@@ -1,6 +1,6 @@
 """Misuse and non-finite input: every way to hold the API wrong gives a correct result or a clear error.
 
-Covers, for every entry point that offers it (``dppo_ext.ops.dppo_loss_forward``, ``dppo_loss``, ``DPPOLoss``, the
+Covers, for every entry point that offers it (``dppo_ext.dppo_loss_per_row``, ``dppo_loss``, ``DPPOLoss``, the
 fused-linear functions):
 - non-finite logits (NaN / +inf entries or rows, all -inf rows, a temperature so small that z / T overflows, a NaN
   row of the LM-head weight): the row's outputs are NaN, so the loss and the metrics are NaN like the gradient
@@ -33,8 +33,8 @@ from dppo_ext import (
     fused_linear_dppo_loss,
     fused_linear_dppo_loss_per_row,
 )
+from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import MODES, accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_full_reference, dppo_loss_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,8 +103,8 @@ def test_nonfinite_logits_make_the_row_nan(device, mode, dtype, kind):
     assert clean["tokens"][BAD_ROW] != -100
     bad = dict(clean, logits=_poison(clean["logits"], int(clean["tokens"][BAD_ROW]), kind))
     g = _upstream(clean["tokens"].shape[0], accumulation_dtype(dtype), device)
-    out_clean, grad_clean = _grad_of(dppo_loss_forward, clean, g)
-    out_bad, grad_bad = _grad_of(dppo_loss_forward, bad, g)
+    out_clean, grad_clean = _grad_of(dppo_loss_per_row, clean, g)
+    out_bad, grad_bad = _grad_of(dppo_loss_per_row, bad, g)
     with torch.no_grad():
         ref = dppo_loss_reference(**bad)
     keep = torch.ones_like(clean["tokens"], dtype=torch.bool)
@@ -125,7 +125,7 @@ def test_temperature_overflow_makes_the_loss_nan(device, mode, dtype):
     """A temperature so small that z / T overflows: no row has a distribution, the loss is NaN (not 0)."""
     kw = dict(sample_inputs(device, dtype, mode, "v129", seed=21), temperature=5e-324)
     valid = kw["tokens"] != -100
-    out = dppo_loss_forward(**kw)
+    out = dppo_loss_per_row(**kw)
     ref = dppo_loss_reference(**kw)
     for key in OUTPUT_KEYS:
         assert torch.isnan(out[OUTPUT_KEYS.index(key)][valid]).all(), key
@@ -142,8 +142,8 @@ def test_one_row_overflowing_under_the_temperature(dtype):
     z = clean["logits"].clone()
     z[BAD_ROW, 3] = 1e307 if dtype == torch.float64 else 1e37
     assert torch.isfinite(z).all()
-    out_bad = dppo_loss_forward(**dict(clean, logits=z))
-    out_clean = dppo_loss_forward(**clean)
+    out_bad = dppo_loss_per_row(**dict(clean, logits=z))
+    out_clean = dppo_loss_per_row(**clean)
     assert torch.isnan(out_bad.loss[BAD_ROW]) and torch.isnan(out_bad.lse[BAD_ROW])
     keep = torch.arange(z.shape[0]) != BAD_ROW
     torch.testing.assert_close(out_bad.loss[keep], out_clean.loss[keep], rtol=0, atol=0)
@@ -167,7 +167,7 @@ def test_neginf_entries_are_ordinary(mode, dtype):
         kw["tokens"] = tokens.clone()
         kw["tokens"][5] = 0
     g = _upstream(tokens.shape[0], accumulation_dtype(dtype), "cpu")
-    out, grad = _grad_of(dppo_loss_forward, kw, g)
+    out, grad = _grad_of(dppo_loss_per_row, kw, g)
     with torch.no_grad():
         ref = dppo_loss_reference(**kw)
     for key in OUTPUT_KEYS:
@@ -244,7 +244,7 @@ def test_fused_linear_nan_weight_row_makes_the_loss_nan(vocab_chunk_size):
 # ---- inplace_backward -------------------------------------------------------------------------
 
 def _op_entry(logits, kw, **extra):
-    return dppo_loss_forward(**dict(kw, logits=logits), **extra).loss.sum()
+    return dppo_loss_per_row(**dict(kw, logits=logits), **extra).loss.sum()
 
 
 def _api_entry(logits, kw, **extra):
@@ -258,7 +258,7 @@ def _module_entry(logits, kw, inplace_backward=False):
     return crit(logits, **tensors, topk_ids=kw["topk_ids"], topk_logprobs=kw["topk_logprobs"])[0]
 
 
-ENTRIES = {"ops.dppo_loss_forward": _op_entry, "dppo_loss": _api_entry, "DPPOLoss": _module_entry}
+ENTRIES = {"dppo_loss_per_row": _op_entry, "dppo_loss": _api_entry, "DPPOLoss": _module_entry}
 
 
 def _inplace_inputs() -> dict:
@@ -349,11 +349,11 @@ def test_inplace_backward_valid_use_is_exact_and_bumps_the_version(entry):
 def test_double_backward_is_a_clear_error_and_first_order_stays_exact():
     kw = sample_inputs("cpu", torch.float64, "binary_kl", "v129", seed=31)
     logits = kw["logits"].detach().clone().requires_grad_(True)
-    out = dppo_loss_forward(**dict(kw, logits=logits))
+    out = dppo_loss_per_row(**dict(kw, logits=logits))
     (g,) = torch.autograd.grad(out.loss.sum() + out.entropy.sum(), logits, create_graph=True)
-    (want,) = torch.autograd.grad((lambda o: o.loss.sum() + o.entropy.sum())(dppo_loss_forward(**dict(kw, logits=logits))), logits)
+    (want,) = torch.autograd.grad((lambda o: o.loss.sum() + o.entropy.sum())(dppo_loss_per_row(**dict(kw, logits=logits))), logits)
     torch.testing.assert_close(g.detach(), want, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"dppo_loss_forward does not support double backward"):
+    with pytest.raises(RuntimeError, match=r"DPPO loss op \(torch.ops.dppo.dppo_loss_forward\) does not support double backward"):
         torch.autograd.grad(g.pow(2).sum(), logits)
     loss, _ = dppo_loss(**dict(kw, logits=logits))
     (g,) = torch.autograd.grad(loss, logits, create_graph=True)
@@ -364,8 +364,8 @@ def test_double_backward_is_a_clear_error_and_first_order_stays_exact():
 def test_double_backward_inplace_and_fused_linear():
     kw = _inplace_inputs()
     x = kw["logits"].detach().clone().requires_grad_(True)
-    loss = dppo_loss_forward(**dict(kw, logits=x * 1.0), inplace_backward=True).loss.sum()
-    with pytest.raises(RuntimeError, match=r"dppo_loss_forward\(inplace_backward=True\) does not support double"):
+    loss = dppo_loss_per_row(**dict(kw, logits=x * 1.0), inplace_backward=True).loss.sum()
+    with pytest.raises(RuntimeError, match=r"DPPO loss with inplace_backward=True does not support double"):
         torch.autograd.grad(loss, x, create_graph=True)
     fk = _fused_inputs()
     hidden = fk["hidden"].clone().requires_grad_(True)
@@ -378,12 +378,12 @@ def test_torch_func_transforms_are_refused_plainly():
     kw = sample_inputs("cpu", torch.float64, "binary_tv", "v129", seed=32)
     z = kw["logits"].detach()
     rest = {k: v for k, v in kw.items() if k != "logits"}
-    with pytest.raises(RuntimeError, match=r"dppo_loss_forward does not support torch.func transforms"):
-        torch.func.grad(lambda t: dppo_loss_forward(t, **rest).loss.sum())(z)
+    with pytest.raises(RuntimeError, match=r"dppo_loss_per_row does not support torch.func transforms"):
+        torch.func.grad(lambda t: dppo_loss_per_row(t, **rest).loss.sum())(z)
     with pytest.raises(RuntimeError, match=r"does not support torch.func transforms"):
         torch.func.grad(lambda t: dppo_loss(t, **rest)[0])(z)
     with pytest.raises(RuntimeError, match=r"does not support torch.func transforms"):
-        torch.vmap(lambda t: dppo_loss_forward(t, **{k: v[:1] if isinstance(v, torch.Tensor) else v
+        torch.vmap(lambda t: dppo_loss_per_row(t, **{k: v[:1] if isinstance(v, torch.Tensor) else v
                                                      for k, v in rest.items()}).loss)(z[:, None])
     fk = _fused_inputs()
     with pytest.raises(RuntimeError, match=r"fused_linear_dppo_loss does not support torch.func transforms"):
@@ -404,7 +404,7 @@ def test_fractional_float_tokens_are_refused():
     with pytest.raises(TypeError, match=r"tokens must hold integer token ids"):
         dppo_loss(**dict(kw, tokens=kw["tokens"] > 3))
     with pytest.raises(TypeError, match=r"tokens must have dtype Long"):
-        dppo_loss_forward(**dict(kw, tokens=tokens))
+        dppo_loss_per_row(**dict(kw, tokens=tokens))
     fk = _fused_inputs()
     with pytest.raises(TypeError, match=r"tokens must hold integer token ids"):
         fused_linear_dppo_loss(**dict(fk, tokens=fk["tokens"].double()))
@@ -431,13 +431,13 @@ def test_every_entry_point_uses_the_mode_defaults(mode):
     low, high = DEFAULT_DELTAS[mode]
     implicit = {k: v for k, v in kw.items() if k not in ("delta_low", "delta_high")}
     explicit = dict(implicit, delta_low=low, delta_high=high)
-    for key, value in dppo_loss_forward(**implicit)._asdict().items():
-        torch.testing.assert_close(value, getattr(dppo_loss_forward(**explicit), key), rtol=0, atol=0)
+    for key, value in dppo_loss_per_row(**implicit)._asdict().items():
+        torch.testing.assert_close(value, getattr(dppo_loss_per_row(**explicit), key), rtol=0, atol=0)
     ref = dppo_loss_reference(**implicit)
     torch.testing.assert_close(ref["mask"], dppo_loss_reference(**explicit)["mask"], rtol=0, atol=0)
     if mode == "binary_kl":  # the masks the old 0.2 / 0.2 default gave differ here
-        old = dppo_loss_forward(**dict(implicit, delta_low=0.2, delta_high=0.2))
-        assert not torch.equal(old.mask, dppo_loss_forward(**implicit).mask)
+        old = dppo_loss_per_row(**dict(implicit, delta_low=0.2, delta_high=0.2))
+        assert not torch.equal(old.mask, dppo_loss_per_row(**implicit).mask)
     gen = torch.Generator().manual_seed(35)
     n, v = kw["logits"].shape
     hidden = torch.randn(n, 6, generator=gen, dtype=torch.float64)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from dppo_ext._autograd import grad_args
+from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import child_env, sample_inputs
 from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
@@ -107,14 +107,14 @@ def test_a_direction_tie_may_go_either_way(mode):
     row masked: both outcomes are correct. Either way the row holds one of exactly two values (kept: the
     single-device loss; masked: 0) and no other row moves."""
     inputs = sample_inputs("cpu", torch.float64, mode, "v129", seed=3)
-    first = dppo_loss_forward(**inputs)
+    first = dppo_loss_per_row(**inputs)
     valid = inputs["tokens"] != -100
     row = int(((first.divergence > inputs["delta_low"] * 2) & valid).nonzero()[0])
     inputs["rollout_logprobs"] = inputs["rollout_logprobs"].clone()
     inputs["advantages"] = inputs["advantages"].clone()
     inputs["rollout_logprobs"][row] = first.logp[row]
     inputs["advantages"][row] = -1.0
-    want = dppo_loss_forward(**inputs)._asdict()
+    want = dppo_loss_per_row(**inputs)._asdict()
     assert want["mask"][row] == 1 and want["divergence"][row] > inputs["delta_low"], "the strict tie rule"
     others = torch.ones_like(valid)
     others[row] = False

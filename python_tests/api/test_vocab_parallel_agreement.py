@@ -24,7 +24,7 @@ import torch
 from dppo_testing import sample_inputs
 
 from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext._vocab_shards import fingerprint
+from dppo_ext._agreement import fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "dist_scripts" / "vocab_parallel_agreement_worker.py"

@@ -49,6 +49,7 @@ import pytest
 import torch
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo, the CPU ops compared with)
+from dppo_ext.contract import TOPK_MODES
 from dppo_ext.reference import dppo_loss_reference
 from dppo_testing.vocab_parallel import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
 
@@ -148,7 +149,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        topk = f"-k{self.k}" if self.mode.startswith("topk") else ""
+        topk = f"-k{self.k}" if self.mode in TOPK_MODES else ""
         return (f"{str(self.dtype)[6:]}-v{self.v}-{'strided' if self.strided else 'contig'}-{self.mode}{topk}"
                 f"-ent{int(self.entropy)}-anc{int(self.anchor)}-split{self.split or 'auto'}"
                 f"{'-huge' if self.extreme else ''}")
@@ -169,7 +170,7 @@ DIMS = {
 
 def _valid(row: dict) -> bool:
     """Top-K needs K <= V and V >= 2 (at K = V = 1 the rest mass cancels in float, nothing to compare)."""
-    if "mode" in row and row["mode"].startswith("topk") and "v" in row:
+    if "mode" in row and row["mode"] in TOPK_MODES and "v" in row:
         if row["v"] < 2 or ("k" in row and row["k"] > row["v"]):
             return False
     return True
@@ -177,7 +178,7 @@ def _valid(row: dict) -> bool:
 
 def _counts(a: str, b: str, row: dict) -> bool:
     """Whether a row's values of dimensions a and b count as a covered pair (K only in top-K rows)."""
-    return "k" not in (a, b) or row["mode"].startswith("topk")
+    return "k" not in (a, b) or row["mode"] in TOPK_MODES
 
 
 def pairwise_grid(seed: int = 0) -> list[Case]:
@@ -317,14 +318,14 @@ def logits_of(x: dict, buf: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def op_args(x: dict, c: Case) -> tuple:
-    topk = c.mode.startswith("topk")
+    topk = c.mode in TOPK_MODES
     return (logits_of(x), x["tokens"], x["rollout"], x["adv"], x["topk_ids"] if topk else None,
             x["topk_lp"] if topk else None, x["anchor"] if c.anchor else None, c.mode, TEMPERATURE, DELTA_LOW,
             DELTA_HIGH, RATIO_CAP, c.entropy)
 
 
 def reference_forward(x: dict, c: Case) -> tuple:
-    topk = c.mode.startswith("topk")
+    topk = c.mode in TOPK_MODES
     out = dppo_loss_reference(
         logits_of(x).double(), x["tokens"], x["rollout"].double(), x["adv"].double(),
         topk_ids=x["topk_ids"] if topk else None, topk_logprobs=x["topk_lp"].double() if topk else None,
@@ -613,7 +614,7 @@ class VpCase:
     @property
     def id(self) -> str:
         return (f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
-                f"{f'-k{self.k}' if self.mode.startswith('topk') else ''}")
+                f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}")
 
 
 VP_ROWS = 10
@@ -674,7 +675,7 @@ def vp_slices(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
 def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
     """Stats of every rank through `ops` (the emulator's or torch.ops.dppo), stacked [W, N, 4 + K], then the
     epilogue: (stats, the seven outputs)."""
-    topk = c.mode.startswith("topk")
+    topk = c.mode in TOPK_MODES
     ids = x["topk_ids"] if topk else None
     offsets = x["offsets"]
     stats = torch.stack([ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy)
@@ -686,7 +687,7 @@ def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
 
 
 def vp_reference(x: dict, c: VpCase) -> tuple:
-    topk = c.mode.startswith("topk")
+    topk = c.mode in TOPK_MODES
     out = dppo_loss_reference(
         x["logits"].double(), x["tokens"], x["rollout"].double(), x["adv"].double(),
         topk_ids=x["topk_ids"] if topk else None, topk_logprobs=x["topk_lp"].double() if topk else None,
@@ -720,7 +721,7 @@ def check_vp(emu, x: dict, case: VpCase) -> None:
     stats, out = vp_run(emu, x, case)
     assert same_bits(x["logits"], untouched), "the stats kernel wrote into its logits"
     acc = acc_of(case.dtype)
-    assert stats.shape == (case.world, n, 4 + (case.k if case.mode.startswith("topk") else 0))
+    assert stats.shape == (case.world, n, 4 + (case.k if case.mode in TOPK_MODES else 0))
     assert stats.dtype == acc and all(o.dtype == acc and o.shape == (n,) for o in out)
     mu = x["anchor"] if case.anchor else x["rollout"]
     check_forward("vocab-parallel forward vs reference", out, vp_reference(x, case), mu, vp_tol(x), x["tokens"])
@@ -866,7 +867,7 @@ def test_traffic_forward_reads_each_logit_once(emu, split_env, dtype, mode, spli
     n, v, e = N_ROWS, TRAFFIC_V, torch.empty((), dtype=dtype).element_size()
     a = torch.empty((), dtype=acc_of(dtype)).element_size()
     valid = int((x["tokens"] != -100).sum())
-    k = TRAFFIC_K if mode.startswith("topk") else 0
+    k = TRAFFIC_K if mode in TOPK_MODES else 0
     emu.traffic(True)
     out = emu.dppo_loss_forward(*op_args(x, case))
     named = dict(logits=x["buf"], tokens=x["tokens"], rollout=x["rollout"], adv=x["adv"], anchor=x["anchor"],

@@ -26,8 +26,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from clean_exit import exit_after
-from dppo_ext.fused_linear import fused_linear_dppo_loss_per_row
-from dppo_ext.ops import dppo_loss_forward
+from dppo_ext import dppo_loss_per_row, fused_linear_dppo_loss_per_row
 
 logger = logging.getLogger("dp_train")
 
@@ -59,7 +58,7 @@ class PolicyWithDPPO(nn.Module):
         if self.path == "fused":
             out = fused_linear_dppo_loss_per_row(hidden, weight, *args, mode="binary_tv", chunk_size=5)
         else:
-            out = dppo_loss_forward(hidden @ weight.t(), *args, mode="binary_tv")
+            out = dppo_loss_per_row(hidden @ weight.t(), *args, mode="binary_tv")
         return out.loss.view(tokens.shape)
 
 

@@ -20,8 +20,7 @@ from clean_exit import exit_after
 from dppo_testing import sample_inputs
 from dppo_testing.vocab_parallel import place_tokens, split_offsets
 
-from dppo_ext import dppo_loss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel
+from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
 
 ODD = 1  # the rank whose call differs
 
@@ -57,7 +56,8 @@ def per_row_call(mode: str, derive: bool = False, anchor: bool = False, **change
     local, kw, offsets = _inputs(mode, anchor)
     for name, fn in change.items():
         kw[name] = fn(kw[name])
-    out = dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=None if derive else offsets)
+    out = dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
+                            vocab_offsets=None if derive else offsets)
     return out.loss.sum()
 
 
@@ -65,14 +65,15 @@ def scenario_rows():
     local, kw, offsets = _inputs("binary_tv")
     if _odd():
         local, kw = local[:-1], {k: (v[:-1] if torch.is_tensor(v) else v) for k, v in kw.items()}
-    return dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=offsets).loss.sum()
+    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
+                             vocab_offsets=offsets).loss.sum()
 
 
 def scenario_rows_derived_offsets():
     local, kw, _offsets = _inputs("binary_tv")
     if _odd():
         local, kw = local[:-1], {k: (v[:-1] if torch.is_tensor(v) else v) for k, v in kw.items()}
-    return dppo_loss_forward_vocab_parallel(local, **kw).loss.sum()
+    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD).loss.sum()
 
 
 def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, over: dict | None = None):
@@ -120,7 +121,8 @@ def scenario_empty_slice():
     local, kw, offsets = _inputs("binary_tv")
     if _odd():
         local = local[:, :0]
-    return dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=offsets).loss.sum()
+    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
+                             vocab_offsets=offsets).loss.sum()
 
 
 def _bad_advantages_shape(t: torch.Tensor) -> torch.Tensor:

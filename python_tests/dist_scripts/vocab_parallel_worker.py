@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from clean_exit import exit_after
-from dppo_ext import dppo_loss, fused_linear_dppo_loss
+from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
 from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, accumulation_dtype
-from dppo_ext.vocab_parallel import dppo_loss_forward_vocab_parallel, even_vocab_offsets
+from dppo_ext.vocab_parallel import even_vocab_offsets
 from dppo_testing import TOL, assert_decisive, sample_inputs
 from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
                                           split_offsets, tie_rows, upstream, weighted_sum)
@@ -46,8 +46,8 @@ def check_rowwise(mode: str, dtype: torch.dtype, inplace: bool, derive_offsets: 
     leaf = inputs["logits"][:, offsets[rank]:offsets[rank + 1]].detach().clone().requires_grad_(True)
     local = leaf * 1  # a non-leaf, as a model's logits are (the in-place backward consumes them)
     kw = {k: v for k, v in inputs.items() if k != "logits"}
-    out = dppo_loss_forward_vocab_parallel(local, **kw, inplace_backward=inplace,
-                                           vocab_offsets=None if derive_offsets else offsets)
+    out = dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD, inplace_backward=inplace,
+                            vocab_offsets=None if derive_offsets else offsets)
     weighted_sum(out._asdict(), g).backward()
     assert leaf.grad.shape == (inputs["logits"].shape[0], offsets[rank + 1] - offsets[rank])
     gathered = gather_columns(leaf.grad, offsets)  # collectives first: a failed comparison must not skip one
@@ -169,6 +169,55 @@ def check_dtensor(mode: str) -> None:
     torch.testing.assert_close(grad, full.grad, rtol=1e-9, atol=1e-12)
 
 
+def check_dtensor_per_row(mode: str) -> None:
+    """dppo_loss_per_row on DTensor logits sharded on V: the per-row outputs and gradient of the whole logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    inputs = sample_inputs("cpu", torch.float64, mode, "v129", seed=4)
+    kw = {k: v for k, v in inputs.items() if k != "logits"}
+    full = inputs["logits"].detach().clone().requires_grad_(True)
+    want = dppo_loss_per_row(full, **kw)
+    (want.loss.sum() + 0.5 * want.entropy.sum()).backward()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dt = distribute_tensor(inputs["logits"].detach().clone(), mesh, [Shard(1)]).requires_grad_(True)
+    got = dppo_loss_per_row(dt, **kw)
+    (got.loss.sum() + 0.5 * got.entropy.sum()).backward()
+    for key, value in got._asdict().items():
+        torch.testing.assert_close(value, getattr(want, key), rtol=1e-9, atol=1e-10, msg=lambda m, k=key: f"{k}: {m}")
+    torch.testing.assert_close(dt.grad.full_tensor(), full.grad, rtol=1e-9, atol=1e-12)
+
+
+def check_fused_per_row_unreduced_hidden_grad() -> None:
+    """fused_linear_dppo_loss_per_row(reduce_hidden_grad=False) leaves each rank its slice's part of the hidden-state
+    gradient (as under sequence parallelism); the parts sum to the reduced and to the single-device gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = sample_inputs("cpu", torch.float64, "binary_kl", "v129", seed=7)
+    n, v, h = inputs["tokens"].shape[0], inputs["logits"].shape[1], 8
+    gen = torch.Generator().manual_seed(11)
+    hidden0 = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    weight0 = torch.randn(v, h, generator=gen, dtype=torch.float64) * 0.5
+    offsets = split_offsets(v, world)
+    kw = {k: inputs[k] for k in ("tokens", "rollout_logprobs", "advantages", "mode")}
+
+    def hidden_grad(weight: torch.Tensor, **extra) -> torch.Tensor:
+        hidden = hidden0.clone().requires_grad_(True)
+        out = fused_linear_dppo_loss_per_row(hidden, weight, **kw, **extra)
+        (out.loss.sum() + out.logp.sum()).backward()
+        return hidden.grad
+
+    want = hidden_grad(weight0)
+    local = weight0[offsets[rank]:offsets[rank + 1]]
+    sharded = dict(vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets)
+    reduced = hidden_grad(local, **sharded)
+    part = hidden_grad(local, **sharded, reduce_hidden_grad=False)
+    summed = part.clone()
+    dist.all_reduce(summed)
+    torch.testing.assert_close(reduced, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(summed, want, rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(part, want), "reduce_hidden_grad=False still returned the reduced gradient"
+
+
 def check_wrong_offsets_raise_everywhere() -> None:
     """Offsets that do not match the slices raise the same error on every rank (no rank left in a collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -177,7 +226,8 @@ def check_wrong_offsets_raise_everywhere() -> None:
     local = inputs["logits"][:, offsets[rank]:offsets[rank + 1]]
     kw = {k: v for k, v in inputs.items() if k != "logits"}
     try:
-        dppo_loss_forward_vocab_parallel(local, **kw, vocab_offsets=even_vocab_offsets(129, world))
+        dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
+                          vocab_offsets=even_vocab_offsets(129, world))
     except ValueError as exc:
         assert "vocab-parallel split mismatch" in str(exc), str(exc)
     else:
@@ -211,6 +261,8 @@ def main() -> None:
     plan.append(("fused_linear/ratio/float64/auto", lambda: check_fused_linear("ratio", torch.float64, None)))
     for mode in ("binary_tv", "topk_tv"):
         plan.append((f"dtensor/{mode}", lambda m=mode: check_dtensor(m)))
+    plan.append(("dtensor/per_row/topk_kl", lambda: check_dtensor_per_row("topk_kl")))
+    plan.append(("fused_linear/per_row/reduce_hidden_grad=False", check_fused_per_row_unreduced_hidden_grad))
     plan.append(("wrong_offsets_raise_everywhere", check_wrong_offsets_raise_everywhere))
 
     checks = []

@@ -132,7 +132,7 @@ def sample_inputs(
     anchor: bool = False,
     requires_grad: bool = False,
 ) -> dict:
-    """Keyword arguments of ``dppo_ext.ops.dppo_loss_forward`` / ``dppo_loss_reference``.
+    """Keyword arguments of ``dppo_ext.dppo_loss_per_row`` / ``dppo_loss_reference``.
 
     The rollout distribution is the trainer's logits plus noise (so masks are mixed); the
     sampled tokens' rollout log-probs and the top-K come from it. Edge rows (when N >= 8): row 0

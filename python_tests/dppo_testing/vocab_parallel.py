@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 from dppo_testing import TOL, ambiguous_rows, as_dtype, assert_no_worse, lse_rounding_allowance
 
@@ -82,7 +82,7 @@ def weighted_sum(out: dict[str, torch.Tensor], g: dict[str, torch.Tensor]) -> to
 def single_device(inputs: dict, g: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The single-device op on the whole logits: per-row outputs and d(weighted_sum)/d logits."""
     logits = inputs["logits"].detach().clone().requires_grad_(True)
-    out = dppo_loss_forward(**dict(inputs, logits=logits))._asdict()
+    out = dppo_loss_per_row(**dict(inputs, logits=logits))._asdict()
     weighted_sum(out, g).backward()
     return {k: v.detach() for k, v in out.items()}, logits.grad
 

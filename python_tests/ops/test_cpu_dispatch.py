@@ -67,12 +67,12 @@ import json, sys, torch
 sys.path.insert(0, "python_tests")
 from dppo_ext import _native
 from dppo_testing import sample_inputs
-from dppo_ext.ops import dppo_loss_forward
+from dppo_ext import dppo_loss_per_row
 res = {"level": _native.library.cpu_capability, "compiled": _native.library.cpu_capabilities}
 for dtype in (torch.float32, torch.bfloat16):
     inputs = sample_inputs("cpu", dtype, "topk_tv", "v4099", seed=5)
     logits = inputs["logits"].detach().clone().requires_grad_(True)
-    out = dppo_loss_forward(**dict(inputs, logits=logits))
+    out = dppo_loss_per_row(**dict(inputs, logits=logits))
     (out.loss.sum() + out.entropy.sum()).backward()
     res[str(dtype)] = {"loss": out.loss.double().tolist(), "lse": out.lse.double().tolist(),
                        "entropy": out.entropy.double().tolist(), "grad": logits.grad.double().flatten().tolist()}

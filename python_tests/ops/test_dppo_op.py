@@ -32,8 +32,8 @@ from dppo_testing import (
     tie_rows_for,
 )
 
+from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import DEFAULT_DELTAS, MODES, TOPK_MODES, accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 
 DIFFERENTIABLE = ("loss", "logp", "entropy")
@@ -44,7 +44,7 @@ def _dtype_id(dtype: torch.dtype) -> str:
 
 
 def _op_outputs(inputs: dict, **kw) -> dict[str, torch.Tensor]:
-    return dppo_loss_forward(**inputs, **kw)._asdict()
+    return dppo_loss_per_row(**inputs, **kw)._asdict()
 
 
 def check_forward(inputs: dict, dtype: torch.dtype, out: dict[str, torch.Tensor]) -> None:
@@ -154,7 +154,7 @@ def test_backward_matches_reference_autograd(device, case, dtype, mode):
         _weighted_sum(out, g).backward()
         return logits.grad
 
-    grad_op = grad_of(dppo_loss_forward, inputs)
+    grad_op = grad_of(dppo_loss_per_row, inputs)
     grad64 = grad_of(dppo_loss_reference, inputs64)
     grad_same = grad_of(dppo_loss_reference, inputs)
     assert grad_op.dtype == dtype and grad_op.shape == inputs["logits"].shape
@@ -172,7 +172,7 @@ def test_backward_matches_reference_autograd(device, case, dtype, mode):
 def test_compute_entropy_false(device, dtype, mode):
     inputs = sample_inputs(device, dtype, mode, "v129", seed=3)
     logits = inputs["logits"].detach().clone().requires_grad_(True)
-    out = dppo_loss_forward(**dict(inputs, logits=logits), compute_entropy=False)
+    out = dppo_loss_per_row(**dict(inputs, logits=logits), compute_entropy=False)
     assert (out.entropy == 0).all()
     (out.loss.sum() + out.entropy.sum()).backward()
     ref_logits = inputs["logits"].detach().clone().requires_grad_(True)
@@ -218,7 +218,7 @@ def test_gradcheck_float64(mode, anchor):
     logits = inputs.pop("logits").detach().clone().requires_grad_(True)
 
     def fn(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = dppo_loss_forward(z, **inputs)
+        out = dppo_loss_per_row(z, **inputs)
         return out.loss, out.logp, out.entropy
 
     assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -248,7 +248,7 @@ def test_opcheck_forward(device, mode, dtype, case):
 def test_opcheck_backward(device, dtype):
     inputs = sample_inputs(device, dtype, "topk_tv", "v129")
     with torch.no_grad():
-        out = dppo_loss_forward(**inputs)
+        out = dppo_loss_per_row(**inputs)
     n = out.loss.shape[0]
     acc = accumulation_dtype(dtype)
     gen = torch.Generator().manual_seed(6)
@@ -264,7 +264,7 @@ def test_opcheck_backward(device, dtype):
 def test_backward_op_direct_formula():
     """dppo_loss_backward against the contract's closed form, in float64."""
     inputs = sample_inputs("cpu", torch.float64, "none", "v129", seed=7)
-    out = dppo_loss_forward(**inputs)
+    out = dppo_loss_per_row(**inputs)
     n = out.loss.shape[0]
     gen = torch.Generator().manual_seed(8)
     gt, gh = torch.randn(n, generator=gen, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64)
@@ -360,12 +360,12 @@ def test_error_messages(device, name):
     cases = {c[0]: c[1:] for c in _error_cases(kw, topk_kw)}
     bad_kw, exc, pattern = cases[name]
     with pytest.raises(exc, match=pattern):
-        dppo_loss_forward(**bad_kw)
+        dppo_loss_per_row(**bad_kw)
 
 
 def test_backward_op_error_messages():
     kw = sample_inputs("cpu", torch.float32, "binary_tv", "v7_k1")
-    out = dppo_loss_forward(**kw)
+    out = dppo_loss_per_row(**kw)
     logits, tokens = kw["logits"], kw["tokens"]
     gt = torch.ones_like(out.loss)
     with pytest.raises(ValueError, match=r"grad_target must be 1-D with N=9"):
@@ -389,7 +389,7 @@ def test_inplace_backward(device, dtype, mode, layout):
     g = _upstream(inputs["tokens"].shape[0], accumulation_dtype(dtype), device, torch.zeros_like(inputs["tokens"], dtype=torch.bool))
 
     ref_logits = inputs["logits"].detach().clone().requires_grad_(True)
-    _weighted_sum(dppo_loss_forward(**dict(inputs, logits=ref_logits))._asdict(), g).backward()
+    _weighted_sum(dppo_loss_per_row(**dict(inputs, logits=ref_logits))._asdict(), g).backward()
 
     # The logits are a non-leaf (as a model's output is: inplace_backward refuses leaves) computed
     # from the leaf `source`; column_slice: a [:, 2:V+2] view of a wider buffer, only that window is
@@ -406,7 +406,7 @@ def test_inplace_backward(device, dtype, mode, layout):
     assert logits.is_contiguous() == (layout == "contiguous")
     seen = []
     logits.register_hook(seen.append)
-    out = dppo_loss_forward(**dict(inputs, logits=logits), inplace_backward=True)
+    out = dppo_loss_per_row(**dict(inputs, logits=logits), inplace_backward=True)
     _weighted_sum(out._asdict(), g).backward()
     assert len(seen) == 1
     grad = seen[0]
@@ -427,8 +427,8 @@ def test_torch_compile_fullgraph(device):
     inputs = sample_inputs(device, torch.float32, "topk_kl", "v129", seed=10)
 
     def step(logits, tokens, rollout, adv, ids, lps):
-        out = dppo_loss_forward(logits, tokens, rollout, adv, ids, lps, mode="topk_kl", temperature=1.0,
-                                delta_low=0.2, delta_high=0.3)
+        out = dppo_loss_per_row(logits, tokens, rollout, adv, topk_ids=ids, topk_logprobs=lps, mode="topk_kl",
+                                temperature=1.0, delta_low=0.2, delta_high=0.3)
         return out.loss.sum() + 0.1 * out.entropy.sum() + out.logp.sum(), out.mask
 
     args = [inputs[k] for k in ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs")]
@@ -450,7 +450,7 @@ def test_extreme_inputs_stay_finite(device, dtype, mode):
     """Huge (+-1e30; +-1e4 for float16), flat and tiny logits with -inf rollout log-probs."""
     inputs = sample_inputs(device, dtype, mode, "extreme", seed=11, requires_grad=True)
     assert torch.isinf(inputs["rollout_logprobs"]).any()
-    out = dppo_loss_forward(**inputs)
+    out = dppo_loss_per_row(**inputs)
     for key, value in out._asdict().items():
         assert torch.isfinite(value).all(), f"{key} not finite: {value.tolist()}"
     (out.loss.sum() + out.logp.sum() + out.entropy.sum()).backward()
@@ -536,7 +536,7 @@ def test_topk_kl_rest_mass_precision(device, dtype):
         rollout_logprobs=torch.log(p[torch.arange(2), tokens]).float().to(device),
         advantages=torch.tensor([1.0, -1.0]).to(device), topk_ids=ids.to(device),
         topk_logprobs=torch.log(p).float().to(device), mode="topk_kl", temperature=1.0)
-    got = dppo_loss_forward(**args).divergence.double().cpu()
+    got = dppo_loss_per_row(**args).divergence.double().cpu()
     want = dppo_loss_reference(
         z.to(dtype).double(), tokens, torch.log(p[torch.arange(2), tokens]), torch.tensor([1.0, -1.0]),
         topk_ids=ids, topk_logprobs=torch.log(p), mode="topk_kl")["divergence"]

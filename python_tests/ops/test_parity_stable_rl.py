@@ -23,9 +23,8 @@ import pytest
 import torch
 from dppo_testing import ambiguous_rows, reference_outputs
 
-from dppo_ext import dppo_loss
-from dppo_ext.contract import AGG_MODES
-from dppo_ext.ops import dppo_loss_forward
+from dppo_ext import dppo_loss, dppo_loss_per_row
+from dppo_ext.contract import AGG_MODES, TOPK_MODES
 
 # Stable-RL loss mode -> (our mode, uses the recomputed old-policy log-probs as mask anchor).
 MODE_MAP = {
@@ -180,8 +179,8 @@ def _ours(loss_mode: str, d: dict):
         "tokens": tokens,
         "rollout_logprobs": d["rollout_lp"].reshape(-1).to(acc),
         "advantages": d["adv"][:, None].expand_as(d["rollout_lp"]).reshape(-1).to(acc),
-        "topk_ids": d["topk_ids"].reshape(-1, d["topk_ids"].shape[-1]) if mode.startswith("topk") else None,
-        "topk_logprobs": d["topk_lp"].reshape(-1, d["topk_lp"].shape[-1]).to(acc) if mode.startswith("topk") else None,
+        "topk_ids": d["topk_ids"].reshape(-1, d["topk_ids"].shape[-1]) if mode in TOPK_MODES else None,
+        "topk_logprobs": d["topk_lp"].reshape(-1, d["topk_lp"].shape[-1]).to(acc) if mode in TOPK_MODES else None,
         "anchor_logprobs": d["old_lp"].reshape(-1).to(acc) if recompute else None,
         "mode": mode,
         "temperature": d["temperature"],
@@ -190,7 +189,7 @@ def _ours(loss_mode: str, d: dict):
         "ratio_cap": CLIP_RATIO_C,
     }
     with torch.no_grad():
-        out = dppo_loss_forward(**kwargs)
+        out = dppo_loss_per_row(**kwargs)
     return out, kwargs
 
 
@@ -242,8 +241,8 @@ def test_aggregated_loss_parity(loss_mode, source, agg, ours):
     mode, recompute = MODE_MAP[loss_mode]
     got, _ = dppo_loss(
         d["logits"], d["tokens"], d["rollout_lp"], d["adv"], response_mask=d["mask"], mode=mode,
-        topk_ids=d["topk_ids"] if mode.startswith("topk") else None,
-        topk_logprobs=d["topk_lp"] if mode.startswith("topk") else None,
+        topk_ids=d["topk_ids"] if mode in TOPK_MODES else None,
+        topk_logprobs=d["topk_lp"] if mode in TOPK_MODES else None,
         anchor_logprobs=d["old_lp"] if recompute else None, temperature=d["temperature"],
         delta_low=CLIP_LOW, delta_high=CLIP_HIGH, ratio_cap=CLIP_RATIO_C, loss_agg_mode=ours)
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-10)

@@ -24,8 +24,8 @@ from dppo_testing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
-from dppo_ext.ops import dppo_loss_forward
 from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -88,7 +88,7 @@ def op_inputs(draw) -> dict:
 def test_forward_finite_and_matches_reference(inputs):
     dtype = inputs["logits"].dtype
     with torch.no_grad():
-        out = dppo_loss_forward(**inputs)._asdict()
+        out = dppo_loss_per_row(**inputs)._asdict()
     valid = inputs["tokens"] != -100
     for key in OUTPUT_KEYS:
         assert torch.isfinite(out[key]).all(), f"{key} not finite: {out[key].tolist()}"
@@ -122,7 +122,7 @@ def test_backward_finite_and_matches_reference(inputs):
         total.backward()
         return logits.grad
 
-    grad_op = grad_of(dppo_loss_forward, inputs)
+    grad_op = grad_of(dppo_loss_per_row, inputs)
     assert torch.isfinite(grad_op).all()
     assert (grad_op[inputs["tokens"] == -100] == 0).all()
     grad64 = grad_of(dppo_loss_reference, inputs64)

@@ -3,9 +3,10 @@
 - no import circle between dppo_ext's modules (module-level imports);
 - no private name (``_x``) imported from, or read off, another dppo_ext module; a private MODULE (``_rows``) is
   fine, its names are the package's own;
-- the library layer imports strictly downward (contract <- _autograd <- _rows <- aggregation <- _chunking; none
-  of them, nor ops or _vocab_shards, imports a front end: loss, fused_linear, vocab_parallel), and none of its
-  modules imports a dppo_ext module inside a function (an import there would hide a circle).
+- the library layer imports strictly downward (contract <- _autograd <- _rows <- aggregation <- _lm_head_tiles, and
+  contract <- _vocab_split <- _agreement / _dtensor; none of them, nor ops, imports a front end: loss, fused_linear,
+  vocab_parallel), and none of its modules imports a dppo_ext module inside a function (an import there would
+  hide a circle).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ LIBRARY = (
     "_autograd",
     "_rows",
     "aggregation",
-    "_chunking",
-    "_vocab_shards",
+    "_lm_head_tiles",
+    "_vocab_split",
+    "_agreement",
+    "_dtensor",
     "ops",
     "_fused_autograd",
     "loss",
@@ -125,11 +128,15 @@ def test_no_import_circle():
         if module not in state:
             visit(module)
     # the library layer imports strictly downward, in this order
-    order = ["dppo_ext." + m for m in ("contract", "_autograd", "_rows", "aggregation", "_chunking")]
+    order = ["dppo_ext." + m for m in ("contract", "_autograd", "_rows", "aggregation", "_lm_head_tiles")]
     for i, module in enumerate(order):
         assert not graph[module] & set(order[i + 1 :]), f"{module} imports a module above it: {graph[module]}"
+    split = ["dppo_ext." + m for m in ("_vocab_split", "_agreement", "_dtensor")]
+    assert not graph[split[0]] & set(split[1:]), f"{split[0]} imports a module above it: {graph[split[0]]}"
+    agreement, dtensor = split[1:]
+    assert dtensor not in graph[agreement] and agreement not in graph[dtensor], "two separate jobs import each other"
     front_ends = {"dppo_ext.loss", "dppo_ext.fused_linear", "dppo_ext.vocab_parallel"}
-    for module in order + ["dppo_ext.ops", "dppo_ext._vocab_shards", "dppo_ext._fused_autograd"]:
+    for module in order + split + ["dppo_ext.ops", "dppo_ext._fused_autograd"]:
         assert not graph[module] & front_ends, f"{module} imports a front end: {graph[module] & front_ends}"
 
 

@@ -16,6 +16,7 @@ from ...contract import (
     AGG_MODES,
     DEFAULT_DELTAS,
     MODE_ALIASES,
+    MODEL_DTYPES,
     MODES,
     NORM_AGG_MODES,
     TOPK_MODES,
@@ -30,8 +31,8 @@ from trl import GRPOConfig  # noqa: E402  (after the version check)
 
 __all__ = ["DPPOGRPOConfig", "VLLM_DTYPES"]
 
-# dtypes the colocated vLLM engine may be asked for (dppo_vllm_dtype).
-VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# dtypes the colocated vLLM engine may be asked for (dppo_vllm_dtype): vLLM's "auto" or a model dtype.
+VLLM_DTYPES = ("auto", *MODEL_DTYPES)
 # TRL's loss_type -> our loss_agg_mode, for the loss types that are an aggregation (docs/aggregation.md).
 _TRL_DEFAULT_LOSS_TYPE = "dapo"
 _TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}

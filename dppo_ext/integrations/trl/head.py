@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ...fused_linear import fused_linear_dppo_loss_per_row
-from ...ops import dppo_loss_forward
+from ...loss import dppo_loss_per_row
 from .config import DPPOGRPOConfig
 from .versions import import_trl
 
@@ -129,7 +129,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
                 )
         else:
             logits = head(hidden)
-            out = dppo_loss_forward(logits.reshape(batch * length, -1), flat_tokens, rollout, advantages, **op_kwargs)
+            out = dppo_loss_per_row(logits.reshape(batch * length, -1), flat_tokens, rollout, advantages, **op_kwargs)
         return DPPOForwardOutput(*(t.view(batch, length) for t in out))
 
     model.forward = types.MethodType(_forward, model)

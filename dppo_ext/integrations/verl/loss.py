@@ -11,7 +11,7 @@ verl's engine calls the actor's loss function twice per micro-batch when the mic
 
 :func:`ppo_loss` (installed as the actor's loss by :mod:`dppo_ext.integrations.verl.plugin`) does both for the
 loss modes of :data:`VERL_MODES` and hands every other mode to verl's own ``ppo_loss``. Step 1 runs the fused
-op (``dppo_ext.dppo_loss_forward``) on the logits: no ``[N, V]`` float32 temporary, the gradient written into the
+op (``dppo_ext.dppo_loss_per_row``) on the logits: no ``[N, V]`` float32 temporary, the gradient written into the
 logits' buffer in backward (``inplace_backward``), prompt and padding rows skipped (token ``-100``). Step 2
 aggregates the per-token loss with verl's ``agg_loss`` and the global batch info verl's engine sets, and reports
 verl's metric names, as verl's ``ppo_loss`` with its ``dppo_tv`` / ``dppo_kl`` losses does.
@@ -38,7 +38,7 @@ from torch import Tensor
 
 import dppo_ext
 from dppo_ext._autograd import check_inplace_backward
-from dppo_ext.contract import IGNORE_INDEX
+from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 from ._status import check_installed
 from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, RolloutTopK
@@ -222,10 +222,10 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
         ids, lps = _topk_rows(data, responses, valid)
         topk_ids, topk_logprobs = scatter(ids, 0, torch.long), scatter(lps, 0.0, acc)
     compute_entropy = bool(tu.get_non_tensor_data(data=data, key=ENTROPY_FLAG, default=False))
-    out = dppo_ext.dppo_loss_forward(
-        logits, tokens, mu, advantages, topk_ids, topk_logprobs, None, mode=s.spec.mode, temperature=1.0,
-        delta_low=s.delta_low, delta_high=s.delta_high, ratio_cap=s.ratio_cap, compute_entropy=compute_entropy,
-        inplace_backward=_can_write_grad_into(logits))
+    out = dppo_ext.dppo_loss_per_row(
+        logits, tokens, mu, advantages, topk_ids=topk_ids, topk_logprobs=topk_logprobs, mode=s.spec.mode,
+        temperature=1.0, delta_low=s.delta_low, delta_high=s.delta_high, ratio_cap=s.ratio_cap,
+        compute_entropy=compute_entropy, inplace_backward=_can_write_grad_into(logits))
     return {"dppo_loss": out.loss[None], "dppo_logp": out.logp[None], "dppo_mask": out.mask[None],
             "dppo_entropy": out.entropy[None]}
 
@@ -261,7 +261,7 @@ def policy_loss(config: Any, model_output: dict, data: TensorDict) -> tuple[Tens
                        **config.global_batch_info)
 
     with torch.no_grad():
-        log_ratio = (log_prob.detach() - anchor).clamp(min=-20.0, max=20.0)
+        log_ratio = (log_prob.detach() - anchor).clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
         kept = per_token["dppo_mask"]
         pg_metrics = {
             "actor/pg_clipfrac": masked_mean(1.0 - kept, response_mask).item(),
