@@ -485,6 +485,9 @@ def test_aggregated_error_messages():
         FusedLinearDPPOLoss(loss_agg_mode="mean")
     with pytest.raises(ValueError, match=r"loss_scale_factor is only used by"):
         fused_linear_dppo_loss(*args, loss_scale_factor=3.0)
+    for grad in (False, True):  # both forwards: the per-row one (no grad) and the one computing gradients
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"loss_agg_mode must be one of .*got None"):
+            fused_linear_dppo_loss(args[0].requires_grad_(grad), *args[1:], loss_agg_mode=None)
 
 
 # gradients in the forward (the aggregated entry point when autograd will differentiate it) -----------------------
