@@ -4,7 +4,9 @@ One step = forward + backward of the token-mean loss from ``hidden [N, H]`` and 
 require grad), the LM-head matmul included:
 
   fused            dppo_ext.fused_linear_dppo_loss(hidden, weight, ...) as a trainer calls it: the hidden and
-                   weight gradients computed in the forward, chunk by chunk (three LM-head products)
+                   weight gradients computed in the forward, chunk by chunk (three LM-head products); in float16
+                   the backward recomputes the logits (four products) and applies the upstream gradient, e.g.
+                   AMP's loss scale, before its products, as the logits path does
   fused_f32sums    the same with accum_dtype=torch.float32: in 16-bit dtypes the weight gradient is summed over
                    the chunks in a float32 accumulator (by default: in the 16-bit gradient itself); in float32 the
                    same as fused

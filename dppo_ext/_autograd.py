@@ -88,6 +88,14 @@ def check_inplace_backward(logits: Tensor, name: str = "logits") -> None:
         return
     # under torch.func a wrapped tensor looks like a leaf: name the transform, not the leaf rule
     check_no_functorch(f"inplace_backward=True on {name}", logits)
+    if torch._debug_has_internal_overlap(logits) != 0:  # 1: overlaps (a stride-0 dim), 2: too complex to tell
+        raise ValueError(
+            f"inplace_backward=True would write the gradient over {name}, whose elements share memory (shape "
+            f"{tuple(logits.shape)}, strides {logits.stride()}: a stride-0 dimension from expand() or broadcasting, "
+            f"or another overlapping view), so one memory location would have to hold the gradients of several "
+            f"elements. Pass {name}.contiguous(): a copy with one location per element, which the backward may "
+            f"overwrite (the op reads overlapping rows with or without inplace_backward)."
+        )
     if logits.is_leaf or (logits._base is not None and logits._base.is_leaf):
         raise ValueError(
             f"inplace_backward=True would overwrite {name}, a leaf tensor that requires grad (or a view of one), "

@@ -3,7 +3,8 @@
 * :class:`FusedLinearRecompute`: per-row outputs, any upstream gradient; the backward recomputes the logits tile by
   tile (four LM-head products per training step).
 * :class:`FusedLinearGradsInForward`: the aggregated loss, with the LM head's gradients computed in the forward
-  chunk by chunk (three products, as the logits path), for :func:`dppo_ext.fused_linear_dppo_loss` in training.
+  chunk by chunk (three products, as the logits path), for :func:`dppo_ext.fused_linear_dppo_loss` in training
+  (float32, bfloat16, float64: ``GRADS_IN_FORWARD_DTYPES``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ __all__ = [
     "FusedLinearRecompute",
     "add_weight_grad",
     "aggregation_coefficients",
+    "grads_in_forward_dtype",
     "grads_will_be_needed",
     "recompute_backward",
 ]
 
+# dtypes whose LM-head gradients FusedLinearGradsInForward computes at an upstream gradient of 1 and scales by the
+# real one in the backward. The logits path applies the upstream gradient to the logits gradient before its matmuls,
+# in the dtype; scaling afterwards rounds the same way (exactly for a power of two such as AMP's loss scales, within
+# one rounding otherwise) wherever every intermediate stays inside the dtype's exponent range. float32's and
+# bfloat16's (and float64's) ranges, 1e-38..3e38, hold the gradients at every upstream scale a loss meets. float16's,
+# 6e-8..65504, does not: the upstream scale decides which logits gradients underflow (AMP's GradScaler multiplies the
+# loss by 2^16 so that they do not), so float16 keeps the recompute path, whose backward applies the upstream
+# gradient before its products as the logits path does (one more LM-head product per step; docs/benchmarks.md).
+GRADS_IN_FORWARD_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 # Bytes of each block of the 16-bit product g^T @ h on its way into float32 partial sums (add_weight_grad).
 SUM_BLOCK_BYTES = 1024 * 1024
 # Gap, in units of the temperature-scaled logits, between a row's lse and the padding column of a vocabulary block.
@@ -184,6 +195,12 @@ def add_weight_grad(weight_acc: Optional[torch.Tensor], g: torch.Tensor, h: torc
         else:
             weight_acc[v0:v1] += widened[: v1 - v0].copy_(out)
     return weight_acc
+
+
+def grads_in_forward_dtype(dtype: torch.dtype) -> bool:
+    """Whether the gradients of ``dtype`` inputs may be computed in the forward (``GRADS_IN_FORWARD_DTYPES``: any
+    upstream gradient then gives the logits path's result); float16 keeps the recompute path."""
+    return dtype in GRADS_IN_FORWARD_DTYPES
 
 
 def grads_will_be_needed(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:

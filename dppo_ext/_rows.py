@@ -71,19 +71,17 @@ class LossSettings:
         delta_high: Optional[float],
         ratio_cap: float,
         compute_entropy: bool,
-        loss_agg_mode: Optional[str] = None,
+        loss_agg_mode: str = DEFAULT_AGG_MODE,
         loss_scale_factor: Optional[float] = None,
     ) -> LossSettings:
-        """The settings of an entry point's call: ``mode`` made canonical, then (for an aggregating entry point, which
-        passes ``loss_agg_mode``) the aggregation checked, then ``None`` thresholds replaced by
-        ``DEFAULT_DELTAS[mode]``; ValueError for an unknown mode or aggregation. The other values are kept as given,
-        so that the entry point's tensor checks run before :meth:`op_args` converts them to the schema's types."""
+        """The settings of an entry point's call: ``mode`` made canonical, then the aggregation checked (a per-row
+        entry point passes none and gets the default, which it never uses; ``None`` from a user is refused, as
+        :func:`~dppo_ext.aggregate_loss` refuses it), then ``None`` thresholds replaced by ``DEFAULT_DELTAS[mode]``;
+        ValueError for an unknown mode or aggregation. The other values are kept as given, so that the entry point's
+        tensor checks run before :meth:`op_args` converts them to the schema's types."""
         mode = canonical_mode(mode)
         temperature = check_temperature(temperature)
-        if loss_agg_mode is None:
-            loss_agg_mode = DEFAULT_AGG_MODE
-        else:
-            check_aggregation(loss_agg_mode, loss_scale_factor)
+        check_aggregation(loss_agg_mode, loss_scale_factor)
         delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
         return cls(
             mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor

@@ -18,15 +18,19 @@ Design: two paths, both three LM-head products per training step where they can 
   aggregation itself). Per row chunk of ``plan_chunks(grads_in_forward=True)``: the chunk's logits, the loss op on
   them, ``torch.ops.dppo.dppo_loss_backward_`` overwriting them with ``d loss / d logits`` for ``coef``, then
   ``grad_hidden[c] = g @ W`` and ``grad_weight += g^T @ h_c`` (into the gradient itself; ``accum_dtype=float32``
-  keeps float32 partial sums for 16-bit inputs), ``grad_bias += g.sum(0)`` (in float32): three
+  keeps float32 partial sums for bfloat16 inputs), ``grad_bias += g.sum(0)`` (in float32): three
   products in all, as the logits path, and no logits kept. The backward scales the forward's gradients by the
   upstream scalar in place and hands them to autograd (a second backward through the same graph recomputes them).
-  Only ``loss`` is differentiable there (the metrics are computed without grad).
-  Recompute (``fused_linear_dppo_loss_per_row``, the vocabulary-parallel form, an explicit ``vocab_chunk_size``, and
-  no gradient in the forward): the per-row outputs may get any upstream gradient (the caller aggregates, may also
-  use ``logp`` or ``entropy``), and ``grad_weight = sum_i g_i^T h_i`` cannot be formed from per-row summaries
-  without storing the [N, V] gradient. So the forward only keeps the per-row ``lse`` and ``entropy`` ([N] each) and
-  the backward recomputes the logits tile by tile: one extra LM-head product (4 N*V*H multiply-adds per step).
+  Only ``loss`` is differentiable there (the metrics are computed without grad). float32, bfloat16 and float64 only:
+  scaling after the products rounds as the logits path does (which scales the logits gradient before them) only
+  where nothing leaves the dtype's exponent range, and float16's 6e-8..65504 is where an upstream scale such as AMP's
+  GradScaler 2^16 decides what underflows (``_fused_autograd.GRADS_IN_FORWARD_DTYPES``).
+  Recompute (``fused_linear_dppo_loss_per_row``, the vocabulary-parallel form, an explicit ``vocab_chunk_size``,
+  float16, and no gradient in the forward): the per-row outputs may get any upstream gradient (the caller
+  aggregates, may also use ``logp`` or ``entropy``), and ``grad_weight = sum_i g_i^T h_i`` cannot be formed from
+  per-row summaries without storing the [N, V] gradient. So the forward only keeps the per-row ``lse`` and
+  ``entropy`` ([N] each) and the backward recomputes the logits tile by tile: one extra LM-head product
+  (4 N*V*H multiply-adds per step).
 
   Every pass iterates ``dppo_ext._lm_head_tiles.logits_tiles``, which computes each tile's logits into one reused
   buffer.
@@ -67,6 +71,7 @@ from ._fused_autograd import (
     FusedLinearGradsInForward,
     FusedLinearRecompute,
     aggregation_coefficients,
+    grads_in_forward_dtype,
     grads_will_be_needed,
 )
 from ._lm_head_tiles import (
@@ -254,7 +259,10 @@ def fused_linear_dppo_loss(
     replaced by ``hidden`` and ``weight`` (+ ``bias``). There is no ``inplace_backward``: no logits buffer
     outlives the call. When grad is enabled and ``hidden``, ``weight`` or ``bias`` requires grad, the forward also
     computes their gradients, chunk by chunk (three LM-head products per training step in all, as the logits path);
-    evaluate under ``torch.no_grad()`` to skip that work.
+    evaluate under ``torch.no_grad()`` to skip that work. Except in float16: there the backward recomputes the
+    logits and applies the upstream gradient (e.g. AMP's loss scale) before its products, as the logits path does,
+    so that what underflows is the same (four products; float32 and bfloat16 give the logits path's gradients for
+    any upstream scale with three).
 
     Args:
         hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
@@ -270,12 +278,13 @@ def fused_linear_dppo_loss(
             per chunk of the forward; an explicit ``vocab_chunk_size`` selects the recompute-in-backward path).
         accum_dtype: the dtype of the weight gradient's partial sums across the training forward's row chunks. None
             (default): ``hidden``'s dtype, i.e. each chunk's product is added into the gradient itself (Liger
-            Kernel's default; in 16-bit dtypes one rounding per chunk, whose measured error is within a few percent
-            of the logits path's own bf16 error, docs/benchmarks.md). ``torch.float32`` for 16-bit inputs: float32
-            partial sums, at the cost of a ``[V, H]`` float32 accumulator beside the gradient (about 2.5x the peak
-            memory, same time). The bias gradient is always summed in float32. No effect where the gradients are
-            not computed in the forward (no grad, an explicit ``vocab_chunk_size``, ``vocab_parallel_group``):
-            the recompute path sums in float32 per vocabulary block.
+            Kernel's default; in bfloat16 one rounding per chunk: measured +2% to +14% of the logits path's own
+            weight-gradient error at H=512 over 8-256 chunks, +34% to +90% at H=64, docs/results.md).
+            ``torch.float32`` for bfloat16 inputs: float32 partial sums, at the cost of a ``[V, H]`` float32
+            accumulator beside the gradient (about 2.5x the peak memory, same time). The bias gradient is always
+            summed in float32. No effect where the gradients are not computed in the forward (no grad, float16, an
+            explicit ``vocab_chunk_size``, ``vocab_parallel_group``): the recompute path sums in float32 per
+            vocabulary block.
         vocab_parallel_group, vocab_offsets: ``weight [V_local, H]`` (``bias [V_local]``) is this rank's slice of a
             vocabulary-sharded LM head (see :func:`fused_linear_dppo_loss_per_row`, docs/distributed.md).
 
@@ -307,7 +316,8 @@ def fused_linear_dppo_loss(
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
         accum = resolve_accum_dtype(accum_dtype, hidden.dtype)
-        if rendezvous is None and vocab_chunk_size is None and grads_will_be_needed(flat, weight, bias):
+        in_forward = rendezvous is None and vocab_chunk_size is None and grads_in_forward_dtype(hidden.dtype)
+        if in_forward and grads_will_be_needed(flat, weight, bias):
             check_fused_inputs(flat, weight, bias, rows)
             chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
             plan = plan_chunks(flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, **chunking)

@@ -515,6 +515,9 @@ def test_aggregated_error_messages():
         FusedLinearDPPOLoss(loss_agg_mode="mean")
     with pytest.raises(ValueError, match=r"loss_scale_factor is only used by"):
         fused_linear_dppo_loss(*args, loss_scale_factor=3.0)
+    for grad in (False, True):  # both forwards: the per-row one (no grad) and the one computing gradients
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"loss_agg_mode must be one of .*got None"):
+            fused_linear_dppo_loss(args[0].requires_grad_(grad), *args[1:], loss_agg_mode=None)
 
 
 # gradients in the forward (the aggregated entry point when autograd will differentiate it) -----------------------
@@ -614,6 +617,106 @@ def test_grads_in_forward_accumulated_in_bfloat16():
     assert err <= bound, f"bf16-accumulated weight gradient error {err:.3e} > {bound:.3e} (logits path {base:.3e})"
 
 
+# Upstream gradients reaching the loss: AMP GradScaler's default 2^16, a plain backward, a scale below 1, a loss
+# summed with another one (whose gradient accumulates into the same leaves) and that sum under 2^16.
+UPSTREAM_SCALES = {"amp_2^16": 2.0**16, "one": 1.0, "1e-4": 1e-4, "summed": "summed", "summed_2^16": "summed_2^16"}
+# Row-wise gradient tolerances (relative to each row's norm) for the loss-scaling tests, per dtype.
+ROW_GRAD_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
+
+
+def _scaled_batch(dtype: torch.dtype) -> dict:
+    """N=384 rows over V=1536 with advantages spread over three decades: with token-mean's 1/N, the logits gradient
+    of a row with a small advantage is ~1e-9 at an upstream gradient of 1 (below float16's smallest subnormal,
+    6e-8) and ~1e-4 under AMP's 2^16 (a normal float16)."""
+    g = torch.Generator().manual_seed(11)
+    n, v, h = 384, 1536, 32
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h)
+    bias = 0.3 * torch.randn(v, generator=g, dtype=torch.float64)
+    logits = hidden.to(dtype).double() @ weight.to(dtype).double().t() + bias.to(dtype).double()
+    logp = torch.log_softmax(logits, -1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
+    rollout = logp.gather(1, tokens[:, None]).squeeze(1) + 0.01 * torch.randn(n, generator=g, dtype=torch.float64)
+    advantages = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** -torch.randint(0, 4, (n,), generator=g)
+    tokens[-3:] = -100
+    return dict(hidden=hidden, weight=weight, bias=bias, tokens=tokens, rollout_logprobs=rollout.float(),
+                advantages=advantages.float())
+
+
+def _scaled_step(d: dict, dtype: torch.dtype, fused: bool, upstream) -> dict:
+    """{name: grad} of ``upstream * loss`` (``"summed"``: ``loss + aux``, aux a second loss on hidden and weight;
+    ``"summed_2^16"``: ``2^16 * (loss + aux)``) through fused_linear_dppo_loss or the logits path, in ``dtype``."""
+    leaves = {k: d[k].detach().to(dtype).requires_grad_(True) for k in ("hidden", "weight", "bias")}
+    args = (d["tokens"], d["rollout_logprobs"], d["advantages"])
+    if fused:
+        loss, _ = fused_linear_dppo_loss(leaves["hidden"], leaves["weight"], *args, bias=leaves["bias"])
+    else:
+        loss, _ = dppo_loss(leaves["hidden"] @ leaves["weight"].t() + leaves["bias"], *args)
+    if isinstance(upstream, str):
+        aux = 1e-3 * (leaves["hidden"].float() ** 2).mean() + 1e-3 * leaves["weight"].float().abs().mean()
+        total = (loss + aux) * (2.0**16 if upstream == "summed_2^16" else 1.0)
+    else:
+        total = upstream * loss
+    total.backward()
+    return {k: t.grad for k, t in leaves.items()}
+
+
+def _unscaled(upstream) -> float:
+    return 2.0**16 if upstream == "summed_2^16" else 1.0 if isinstance(upstream, str) else upstream
+
+
+def _rowwise_close(name: str, got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, tol: float) -> None:
+    """Each row (each hidden state, each vocabulary row of the head; the bias as one row): ``|got - want| <=
+    2 |base - want| + tol |want|`` (norms over the row), so a row whose gradient underflows cannot hide behind the
+    large rows."""
+    got, want, base = (t.double().reshape(t.shape[0], -1) if t.dim() > 1 else t.double()[None]
+                       for t in (got, want, base))
+    assert torch.isfinite(got).all(), f"{name}: non-finite"
+    err = (got - want).norm(dim=1)
+    bound = 2 * (base - want).norm(dim=1) + tol * want.norm(dim=1) + 1e-30
+    bad = err > bound
+    zero_rows = [int((t.abs().sum(1) == 0).sum()) for t in (got, base)]
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} of {bad.numel()} rows beyond the logits path's error, e.g. row "
+        f"{int(bad.nonzero()[0])}: error {err[bad][0]:.3e} > bound {bound[bad][0]:.3e} "
+        f"(rows all zero: fused {zero_rows[0]}, logits path {zero_rows[1]})")
+
+
+@pytest.mark.parametrize("upstream", list(UPSTREAM_SCALES.values()), ids=list(UPSTREAM_SCALES))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=_id)
+def test_training_step_under_any_upstream_scale(dtype, upstream):
+    """AMP's GradScaler backpropagates 2^16 * loss: the fused training step's gradients equal the logits path's row by
+    row (vs float64 on the same rounded inputs: at most twice the same-dtype logits path's error plus the dtype's
+    tolerance), whatever the upstream gradient, in float16 (whose range is where the scale matters), bfloat16 and
+    float32. A design that computed float16 gradients in the forward at an upstream gradient of 1 and scaled them
+    afterwards would flush the small logits gradients (token-mean's 1/N times a small advantage) to 0 first."""
+    d = _scaled_batch(dtype)
+    rounded = {k: (v.to(dtype).double() if k in ("hidden", "weight", "bias") else v) for k, v in d.items()}
+    want = _scaled_step(rounded, torch.float64, False, upstream)
+    base = _scaled_step(d, dtype, False, upstream)
+    got = _scaled_step(d, dtype, True, upstream)
+    scale = _unscaled(upstream)
+    for key in want:
+        assert got[key].dtype == dtype
+        _rowwise_close(f"grad_{key}", got[key].double() / scale, want[key] / scale, base[key].double() / scale,
+                       ROW_GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=_id)
+def test_training_step_upstream_zero_and_nonfinite(dtype):
+    """``0 * loss`` gives exactly zero gradients, as the logits path; an inf or NaN upstream gradient gives
+    non-finite gradients (never finite numbers a trainer would step with) in every leaf, as the logits path."""
+    d = _scaled_batch(dtype)
+    for fused in (False, True):
+        zero = _scaled_step(d, dtype, fused, 0.0)
+        for key, grad in zero.items():
+            assert torch.equal(grad, torch.zeros_like(grad)), (fused, key)
+        for upstream in (math.inf, math.nan):
+            grads = _scaled_step(d, dtype, fused, upstream)
+            for key, grad in grads.items():
+                assert not torch.isfinite(grad).all(), f"fused={fused} {key}: finite gradient from upstream {upstream}"
+
+
 class _Allocations(TorchDispatchMode):
     """Records (dtype, numel) of every tensor an op returns."""
 
@@ -692,6 +795,10 @@ def test_training_step_computes_three_lm_head_products(chunk_size):
     with torch.no_grad(), _Products() as no_grad_count:
         fused_linear_dppo_loss(d["hidden"], d["weight"], d["tokens"], d["rollout_logprobs"], d["advantages"])
     assert no_grad_count.madds == n * v * h
+    # float16 keeps the recompute path (its gradients depend on the upstream scale: test_training_step_under_any_...)
+    with _Products() as fp16_count:
+        _train_step(d, True, torch.float16, chunk_size=chunk_size)
+    assert fp16_count.madds == 4 * n * v * h
 
 
 def test_grads_in_forward_second_backward():

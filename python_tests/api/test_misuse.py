@@ -312,6 +312,52 @@ def test_inplace_backward_refuses_leaf_logits(entry, view):
     assert torch.equal(leaf.detach(), before)
 
 
+@pytest.mark.parametrize("base", ("leaf", "non_leaf"))
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_inplace_backward_refuses_overlapping_logits(entry, base):
+    """Logits whose elements share memory (an expand()ed row: stride 0) cannot hold one gradient per element: the
+    error says so (shape, strides, stride 0) and what to pass instead, whether the view's base is a leaf or not,
+    and nothing is written."""
+    kw = _inplace_inputs()
+    n, v = kw["logits"].shape
+    row = kw["logits"][:1].detach().clone().requires_grad_(True)
+    before = row.detach().clone()
+
+    def expanded():
+        return (row if base == "leaf" else row * 1.0).expand(n, v)
+
+    with pytest.raises(ValueError, match=rf"inplace_backward=True would write the gradient over logits, whose elements "
+                                         rf"share memory \(shape \({n}, {v}\), strides \(0, 1\): a stride-0 "
+                                         rf"dimension .*Pass logits.contiguous\(\)"):
+        ENTRIES[entry](expanded(), kw, inplace_backward=True)
+    assert torch.equal(row.detach(), before)
+    # the remedy the message names gives the gradient of the same expanded logits
+    ENTRIES[entry](expanded().contiguous(), kw).backward()
+    want, row.grad = row.grad.clone(), None
+    ENTRIES[entry](expanded().contiguous(), kw, inplace_backward=True).backward()
+    torch.testing.assert_close(row.grad, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("entry", ("dppo_loss", "DPPOLoss", "aggregate_loss", "fused_linear_dppo_loss",
+                                   "FusedLinearDPPOLoss"))
+def test_loss_agg_mode_none_is_refused_everywhere(entry):
+    """``loss_agg_mode=None`` is not a way to ask for the default: every aggregating entry point refuses it with
+    the same message (it used to mean token-mean in dppo_loss and fused_linear_dppo_loss only)."""
+    kw = _inplace_inputs()
+    rows = {k: kw[k] for k in ("tokens", "rollout_logprobs", "advantages")}
+    hidden = torch.randn(kw["logits"].shape[0], 8, requires_grad=True)
+    weight = torch.randn(kw["logits"].shape[1], 8)
+    calls = {
+        "dppo_loss": lambda: dppo_loss(kw["logits"], **rows, loss_agg_mode=None),
+        "DPPOLoss": lambda: DPPOLoss(loss_agg_mode=None),
+        "aggregate_loss": lambda: aggregate_loss(kw["logits"][:, 0], torch.ones(kw["logits"].shape[0]), None),
+        "fused_linear_dppo_loss": lambda: fused_linear_dppo_loss(hidden, weight, **rows, loss_agg_mode=None),
+        "FusedLinearDPPOLoss": lambda: FusedLinearDPPOLoss(loss_agg_mode=None),
+    }
+    with pytest.raises(ValueError, match=r"loss_agg_mode must be one of \(.*'token-mean'.*\), got None"):
+        calls[entry]()
+
+
 @pytest.mark.parametrize("entry", list(ENTRIES))
 def test_inplace_backward_refuses_a_second_backward(entry):
     kw = _inplace_inputs()

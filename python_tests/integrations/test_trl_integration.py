@@ -177,10 +177,11 @@ def test_aggregation_modes(tiny_model, tmp_path):
 
 
 def test_bf16_autocast_fused_head_matches_logits_head(tiny_model, tmp_path):
-    """Under TRL's default bf16 autocast the fused head runs in bf16 like the autocast LM head does."""
+    """Under TRL's bf16 autocast (bf16=True, TRL's default on a GPU) the fused head runs in bf16 like the autocast
+    LM head does."""
     losses = {}
     for fused in (True, False):
-        trainer = make_trainer(tiny_model, tmp_path, dppo_fused_linear=fused)
+        trainer = make_trainer(tiny_model, tmp_path, dppo_fused_linear=fused, bf16=True)
         assert trainer.accelerator.mixed_precision == "bf16"
         trainer.model.eval()
         losses[fused] = trainer._compute_loss(trainer.model, _fixed_batch(trainer)).item()
@@ -259,7 +260,8 @@ def test_config_errors(tmp_path, tiny_model):
     with pytest.raises(ValueError, match=r"dppo_mode='topk_tv' needs the rollout's top-K log-probs: set "
                                          r"use_vllm=True and dppo_topk=K >= 1 \(got use_vllm=False, dppo_topk=0\)"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="topk_tv", use_cpu=True)
-    with pytest.raises(ValueError, match=r"dppo_topk must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"dppo_topk \(K, the rollout top-K log-probs per token\) must be an int >= 0, "
+                                         r"got -1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_topk=-1, use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_mode must be one of .*got 'tv'"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="tv", use_cpu=True)
@@ -501,6 +503,67 @@ def test_no_vllm_version_warning_for_the_pinned_vllm(tmp_path):
 def test_config_rejects_nonfinite_thresholds(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("dppo_topk", 2.5, r"dppo_topk \(K, the rollout top-K log-probs per token\) must be an int >= 0, got 2.5"),
+        ("dppo_topk", True, r"dppo_topk \(K, .*\) must be an int >= 0, got True"),
+        ("dppo_topk", None, r"dppo_topk \(K, .*\) must be an int >= 0, got None"),
+        ("dppo_chunk_size", 2.5, r"dppo_chunk_size \(rows per fused-linear chunk\) must be an int >= 1 or None "
+                                 r"\(automatic\), got 2.5"),
+        ("dppo_chunk_size", "64", r"dppo_chunk_size \(rows per fused-linear chunk\) must be an int >= 1 .*got '64'"),
+        ("dppo_chunk_size", 64.0, r"dppo_chunk_size .* must be an int >= 1 .*got 64.0"),
+        ("dppo_chunk_size", 0, r"dppo_chunk_size .* must be an int >= 1 .*got 0"),
+        ("dppo_fused_linear", "False", r"dppo_fused_linear must be True or False, got 'False'"),
+        ("dppo_vllm_dtype", "fp32", r"dppo_vllm_dtype must be one of \('auto', 'float32', 'bfloat16', 'float16'\), "
+                                    r"got 'fp32'"),
+        ("dppo_vllm_dtype", ["float32"], r"dppo_vllm_dtype must be one of .*got \['float32'\]"),
+        ("dppo_vllm_kv_cache_gib", 1e-12, r"dppo_vllm_kv_cache_gib=1e-12 is 0.00107\d* bytes, which vLLM's whole-byte "
+                                          r"size rounds down to 0 \(no KV cache at all\)"),
+        ("dppo_mode", 3, r"dppo_mode must be one of .*got 3"),
+        ("dppo_ratio_cap", "10", r"dppo_ratio_cap must be a number > 0, got '10'"),
+        ("dppo_delta_low", "0.1", r"dppo_delta_low must be a finite number >= 0 or None .*got '0.1'"),
+        ("dppo_loss_agg_mode", 1, r"dppo_loss_agg_mode must be one of .*got 1"),
+    ],
+)
+def test_config_refuses_wrong_types_at_construction(tmp_path, field, value, match):
+    """Every dppo_* field is checked when the config is built, naming the field, what it got and what it takes:
+    never truncated (2.5 -> 2), never a KV cache of 0 bytes, never an error only at the first loss call."""
+    with pytest.raises(ValueError, match=match):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+def test_config_kv_cache_bytes(tmp_path):
+    """The KV-cache size the colocated engine gets, in whole bytes; the smallest accepted size is one byte."""
+    assert DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_vllm_kv_cache_gib=0.5).dppo_vllm_kv_cache_bytes \
+        == 2**29
+    assert DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True).dppo_vllm_kv_cache_bytes is None
+    assert DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                          dppo_vllm_kv_cache_gib=2.0**-30).dppo_vllm_kv_cache_bytes == 1
+
+
+def test_bf16_default_is_float32_on_cpu(tmp_path, monkeypatch):
+    """TRL's bf16 default (True unless fp16) would autocast a CPU trainer next to a float32 engine (pi/mu mismatch
+    1e-4..3e-2, docs/trl.md): the DPPO config leaves bf16 off where the trainer runs on the CPU, follows TRL's rule
+    on an accelerator, and keeps an explicit choice."""
+    def config(**kw):
+        return DPPOGRPOConfig(output_dir=str(tmp_path), **kw)
+
+    assert config(use_cpu=True).bf16 is False
+    assert config(use_cpu=True, bf16=True).bf16 is True
+    if not torch.accelerator.is_available():
+        assert config().bf16 is False  # no use_cpu needed on a CPU-only machine (TRL's True would stop here)
+    if torch.cuda.is_available():
+        assert config().bf16 is True and config(fp16=True).bf16 is False
+        return
+    from dppo_ext.integrations.trl import config as config_module
+
+    # as on a GPU machine: TRL's bf16=True reaches transformers, whose own check then refuses it on this one
+    monkeypatch.setattr(config_module, "_trains_on_cpu", lambda use_cpu: use_cpu)
+    with pytest.raises(ValueError, match=r"bf16"):
+        config()
 
 
 def test_config_warns_about_trl_loss_fields_it_ignores(tmp_path):

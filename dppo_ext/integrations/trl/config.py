@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from ...contract import (
     AGG_MODES,
     DEFAULT_DELTAS,
@@ -33,6 +35,8 @@ __all__ = ["DPPOGRPOConfig", "VLLM_DTYPES"]
 
 # dtypes the colocated vLLM engine may be asked for (dppo_vllm_dtype): vLLM's "auto" or a model dtype.
 VLLM_DTYPES = ("auto", *MODEL_DTYPES)
+# Bytes per GiB of dppo_vllm_kv_cache_gib (vLLM takes the KV-cache size as an int number of bytes).
+GIB = 2**30
 # TRL's loss_type -> our loss_agg_mode, for the loss types that are an aggregation (docs/aggregation.md).
 _TRL_DEFAULT_LOSS_TYPE = "dapo"
 _TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
@@ -76,6 +80,10 @@ class DPPOGRPOConfig(GRPOConfig):
         dppo_vllm_kv_cache_gib: KV-cache size of the colocated vLLM engine in GiB; ``None``: vLLM sizes it from
             ``vllm_gpu_memory_utilization``, which on CPU is a share of the machine's RAM (0.3 by TRL's default)
             that must be free when the engine starts, or it refuses to start.
+        bf16: TRL's bf16 autocast of the trainer. ``None`` (default): TRL's rule (``True`` unless ``fp16``) where the
+            trainer runs on an accelerator, ``False`` where it runs on the CPU (``use_cpu=True`` or no accelerator):
+            a bf16 trainer next to a float32 engine makes pi and mu differ by the bf16 rounding (docs/trl.md,
+            "Precision"), and TRL's ``True`` stops a CPU-only machine unless ``use_cpu=True`` is set.
     """
 
     dppo_mode: str = field(
@@ -110,14 +118,22 @@ class DPPOGRPOConfig(GRPOConfig):
                           "(on CPU a share of the RAM that must be free at start)."},
     )
 
+    bf16: Optional[bool] = field(
+        default=None,
+        metadata={"help": "bf16 (mixed) precision autocast of the trainer. None: True on a GPU (TRL's default, unless "
+                          "fp16), False on the CPU (use_cpu=True or no accelerator), where bf16 rounding would show "
+                          "up as pi/mu mismatch."},
+    )
+
     def __post_init__(self) -> None:
+        self._check_dppo_field_types()  # before anything compares or computes with them
         self._warn_ignored_trl_fields()  # before GRPOConfig's own __post_init__ rewrites any of them
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and not _trains_on_cpu(self.use_cpu)
         super().__post_init__()
         check_settings(self.dppo_mode, self.temperature, self.dppo_delta_low, self.dppo_delta_high,
                        self.dppo_ratio_cap, prefix="dppo_")
         self.dppo_mode = canonical_mode(self.dppo_mode)
-        if self.dppo_topk < 0:
-            raise ValueError(f"dppo_topk must be >= 0, got {self.dppo_topk}")
         if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
             raise ValueError(
                 f"dppo_mode={self.dppo_mode!r} needs the rollout's top-K log-probs: set use_vllm=True and "
@@ -130,15 +146,33 @@ class DPPOGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"dppo_loss_agg_mode={self.dppo_loss_agg_mode!r} divides by max_completion_length, which must be a "
                 f"positive int, got {self.max_completion_length!r}")
-        if self.dppo_chunk_size is not None and self.dppo_chunk_size < 1:
-            raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
-        if self.dppo_vllm_dtype not in VLLM_DTYPES:
+
+    def _check_dppo_field_types(self) -> None:
+        """The ``dppo_*`` fields whose type decides their meaning: a float K or chunk size, a string flag (``"False"``
+        is truthy) or a KV-cache size that rounds to no byte would otherwise fail deep in the trainer or mean
+        something else. (Mode, thresholds, cap and aggregation are checked by value in ``__post_init__``.)"""
+        _check_int("dppo_topk", self.dppo_topk, minimum=0, meaning="K, the rollout top-K log-probs per token")
+        _check_int("dppo_chunk_size", self.dppo_chunk_size, minimum=1, meaning="rows per fused-linear chunk",
+                   none="automatic")
+        if not isinstance(self.dppo_fused_linear, bool):
+            raise ValueError(f"dppo_fused_linear must be True or False, got {self.dppo_fused_linear!r}")
+        if not (isinstance(self.dppo_vllm_dtype, str) and self.dppo_vllm_dtype in VLLM_DTYPES):
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
         gib = self.dppo_vllm_kv_cache_gib
         if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
                                 or not (math.isfinite(gib) and gib > 0)):
             raise ValueError(f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), "
                              f"got {gib!r}")
+        if gib is not None and self.dppo_vllm_kv_cache_bytes < 1:
+            raise ValueError(f"dppo_vllm_kv_cache_gib={gib!r} is {gib * GIB!r} bytes, which vLLM's whole-byte size "
+                             f"rounds down to 0 (no KV cache at all); give a size that holds the KV cache of at least "
+                             f"one sequence (e.g. 0.5 GiB) or None (vLLM's sizing)")
+
+    @property
+    def dppo_vllm_kv_cache_bytes(self) -> Optional[int]:
+        """``dppo_vllm_kv_cache_gib`` in whole bytes (vLLM's ``kv_cache_memory_bytes``), or None."""
+        gib = self.dppo_vllm_kv_cache_gib
+        return None if gib is None else int(gib * GIB)
 
     def _check_trl_loss_fields(self) -> None:
         """Resolve ``dppo_loss_agg_mode`` from TRL's ``loss_type``; reject TRL's ratio clips (docs/names.md)."""
@@ -178,3 +212,18 @@ class DPPOGRPOConfig(GRPOConfig):
     def dppo_deltas(self) -> tuple[float, float]:
         """``(delta_low, delta_high)`` with the mode's defaults filled in."""
         return resolve_deltas(self.dppo_mode, self.dppo_delta_low, self.dppo_delta_high)
+
+
+def _check_int(name: str, value: object, *, minimum: int, meaning: str, none: Optional[str] = None) -> None:
+    """``value`` must be an int >= ``minimum`` (a bool or a float such as 2.5 or 64.0 is refused: no silent
+    truncation), or None where ``none`` says what None means."""
+    if value is None and none is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + ("" if none is None else f" or None ({none})")
+        raise ValueError(f"{name} ({meaning}) must be {expected}, got {value!r}")
+
+
+def _trains_on_cpu(use_cpu: bool) -> bool:
+    """Whether the trainer will run on the CPU: ``use_cpu=True``, or no accelerator in this process."""
+    return bool(use_cpu) or not torch.accelerator.is_available()

@@ -104,7 +104,7 @@ class DPPOGRPOTrainer(GRPOTrainer):
         if colocate and args.dppo_vllm_dtype != "auto":
             llm_kwargs["dtype"] = args.dppo_vllm_dtype
         if colocate and args.dppo_vllm_kv_cache_gib is not None:
-            llm_kwargs["kv_cache_memory_bytes"] = int(args.dppo_vllm_kv_cache_gib * 2**30)
+            llm_kwargs["kv_cache_memory_bytes"] = args.dppo_vllm_kv_cache_bytes
         # TRL checks vLLM's version again when it starts the engine.
         with (
             extra_llm_kwargs(trl_vllm_generation, **llm_kwargs),
