@@ -248,3 +248,37 @@ def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path):
     assert result.returncode != 0
     assert "actor_rollout_ref.rollout.custom.dppo_topk must be an int >= 1" in result.stderr, result.stderr[-3000:]
     assert "ray init kwargs" not in result.stdout
+
+
+def test_the_example_command_passes_verls_config_checks(tmp_path):
+    """examples/verl_dppo_topk.py's overrides (CPU and GPU recipes) compose with verl's ppo_trainer config and pass
+    verl's validate_config with the plugin's checks, as main_ppo runs them before Ray starts."""
+    import argparse
+    import importlib.util
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    spec = importlib.util.spec_from_file_location("verl_dppo_topk", ROOT / "examples" / "verl_dppo_topk.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for device in ("cpu", "gpu"):
+        args = argparse.Namespace(device=device, mode="dppo_topk_tv", topk=4, delta=0.15, steps=3, prompts=4,
+                                  samples=4, lr=1e-3, ray_cpus=8, seed=0)
+        config = verl_cpu.compose(example.overrides(tmp_path / "model", tmp_path / "t.parquet",
+                                                    tmp_path / "v.parquet", args))
+        assert getattr(validate_config, "__dppo_ext__", False)
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        assert config.trainer.use_v1 and config.actor_rollout_ref.rollout.custom.dppo_topk == 4
+
+
+def test_example_parses_verls_console_step_lines():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("verl_dppo_topk", ROOT / "examples" / "verl_dppo_topk.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    step, metrics = example.parse_step_line(
+        "(TaskRunnerV1 pid=1) step:2 - actor/pg_loss:-0.125 - actor/dppo_masked_frac:0.0625 - timing_s/gen:1.5")
+    assert step == 2 and metrics == {"actor/pg_loss": -0.125, "actor/dppo_masked_frac": 0.0625, "timing_s/gen": 1.5}
+    assert example.parse_step_line("no step here") is None
