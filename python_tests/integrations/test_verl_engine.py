@@ -10,7 +10,12 @@ different prompt and response lengths, two micro-batches and temperature 0.7:
   model, full float32 log-softmax, the fork's top-K divergence against the rollout's mu and top-K, token-mean over
   the mini-batch;
 * ``dppo_tv`` through the plugin gives verl's own ``dppo_tv`` gradients (the same engine, verl's ``ppo_loss``);
-* ``train_batch`` (forward, in-place backward, optimizer step) runs and reports verl's metric names.
+* ``train_batch`` (forward, in-place backward, optimizer step) runs and reports verl's metric names and the
+  plugin's ``actor/dppo_*`` diagnostics.
+
+The top-K cases run on the batch as each of verl's trainers builds it: the legacy one (``DataProto``, the top-K in
+``non_tensor_batch``) and V1, verl's default (the samples' TransferQueue fields from ``AgentLoopOutput.as_dict()``,
+the top-K as nested per-token tensors).
 
 Skipped when verl is not installed.
 """
@@ -152,17 +157,21 @@ def engine_grads(engine, data, loss_function):
     return grads
 
 
-def batch_for_engine(batch, use_remove_padding: bool):
-    data = verl_cpu.actor_batch(batch, temperature=TEMPERATURE)
+def batch_for_engine(batch, use_remove_padding: bool, trainer: str = "v0"):
+    """The actor's batch as verl's legacy trainer (v0: ``DataProto``, top-K in ``non_tensor_batch``) or its V1
+    trainer (TransferQueue fields of ``AgentLoopOutput.as_dict()``, top-K as nested tensors) builds it."""
+    build = verl_cpu.actor_batch if trainer == "v0" else verl_cpu.v1_actor_batch
+    data = build(batch, temperature=TEMPERATURE)
     return verl_cpu.train_flags(data, use_remove_padding=use_remove_padding, micro_batch_size=2)
 
 
+@pytest.mark.parametrize("trainer", ["v0", "v1"])
 @pytest.mark.parametrize("use_remove_padding", [True, False], ids=["padding-free", "padded"])
 @pytest.mark.parametrize("mode", ["dppo_topk_tv", "dppo_topk_kl"])
-def test_topk_gradients_match_the_reference(model_dir, engines, mode, use_remove_padding):
+def test_topk_gradients_match_the_reference(model_dir, engines, mode, use_remove_padding, trainer):
     batch = rollout_batch(model_dir)
     config = actor_config(model_dir, mode, use_remove_padding)
-    grads = engine_grads(engines[use_remove_padding], batch_for_engine(batch, use_remove_padding),
+    grads = engine_grads(engines[use_remove_padding], batch_for_engine(batch, use_remove_padding, trainer),
                          functools.partial(vloss.ppo_loss, config=config))
     expected = reference_grads(model_dir, batch, mode, 0.05, 0.05, 4.0)
     assert set(grads) == set(expected)
@@ -185,19 +194,22 @@ def test_binary_tv_through_the_plugin_equals_verls_own(model_dir, engines, use_r
     assert any(g.abs().sum() > 0 for g in ours.values())
 
 
-def test_train_batch_steps_and_reports_verls_metrics(model_dir):
+@pytest.mark.parametrize("trainer", ["v0", "v1"])
+def test_train_batch_steps_and_reports_verls_metrics(model_dir, trainer):
     config = verl_cpu.compose(verl_cpu.actor_overrides(model_dir, "dppo_topk_kl", use_remove_padding=True)
                               + SETTINGS + ["actor_rollout_ref.actor.entropy_coeff=0.01"])
     engine, actor_config = verl_cpu.build_actor(config)
     before = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in engine.module.named_parameters()}
-    data = verl_cpu.actor_batch(rollout_batch(model_dir), temperature=TEMPERATURE, calculate_entropy=True)
+    build = verl_cpu.actor_batch if trainer == "v0" else verl_cpu.v1_actor_batch
+    data = build(rollout_batch(model_dir), temperature=TEMPERATURE, calculate_entropy=True)
     data = verl_cpu.train_flags(data, use_remove_padding=True, micro_batch_size=2)
     with engine.train_mode():
         output = engine.train_batch(data, loss_function=functools.partial(vloss.ppo_loss, config=actor_config))
     metrics = output["metrics"]
     assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy_loss",
             "grad_norm"} <= set(metrics)
+    assert set(vloss.DIAGNOSTICS) <= set(metrics)
     assert all(torch.isfinite(torch.tensor(v)) for v in output["loss"])
     moved = [n for n, p in engine.module.named_parameters()
              if not torch.equal((p.full_tensor() if isinstance(p, DTensor) else p).detach(), before[n])]

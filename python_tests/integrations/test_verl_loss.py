@@ -95,6 +95,11 @@ def response_view(data, packed: torch.Tensor) -> torch.Tensor:
 
 def fork_reference(data, logits: torch.Tensor, config, mode: str) -> torch.Tensor:
     """[B, R] per-token loss of the fork's top-K DPPO, written out: full float32 log-softmax, rollout anchor."""
+    return fork_terms(data, logits, config, mode)["loss"]
+
+
+def fork_terms(data, logits: torch.Tensor, config, mode: str) -> dict[str, torch.Tensor]:
+    """The fork's top-K DPPO per token ([B, R] each): loss, masked, log pi, log mu, divergence, entropy."""
     low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     cap = config.clip_ratio_c
@@ -122,7 +127,9 @@ def fork_reference(data, logits: torch.Tensor, config, mode: str) -> torch.Tenso
     pi, mu = logp.exp(), mu_log.exp()
     masked = torch.where(adv > 0, (div > high) & (pi > mu), (div > low) & (pi < mu))
     weight = torch.exp((logp - mu_log).clamp(max=20)).clamp(max=cap)
-    return -adv * weight.detach() * (~masked).float() * logp
+    entropy = -(log_q.exp() * log_q).sum(-1)
+    return {"loss": -adv * weight.detach() * (~masked).float() * logp, "masked": masked, "logp": logp,
+            "mu_log": mu_log, "divergence": div, "entropy": entropy, "advantages": adv}
 
 
 def run_plugin(config, data, logits: torch.Tensor, inplace: bool):
@@ -166,6 +173,34 @@ def test_topk_modes_match_the_fork_formula(mode, agg, inplace):
     clipfrac = metric_value(metrics["actor/pg_clipfrac"])
     assert 0.0 < clipfrac < 1.0
     assert set(metrics) >= {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+
+
+@pytest.mark.parametrize("mode", ["dppo_topk_tv", "dppo_topk_kl"])
+def test_dppo_diagnostics_reach_verls_metrics(mode):
+    """actor/dppo_* against the fork's formula's own per-token terms (masked tokens by advantage sign, |pi - mu|,
+    divergence, entropy), for a batch whose trust region masks tokens of both signs."""
+    config = verl_cpu.actor_config_for(mode, clip_ratio_low=0.1, clip_ratio_high=0.12, clip_ratio_c=5.0)
+    data = micro_batch(make_batch(seed=2), config)
+    logits = packed_logits(data, seed=3)
+    _, metrics, _ = run_plugin(config, data, logits, inplace=False)
+    t = fork_terms(data, logits, config, mode)
+    mask = data.select("response_mask").to_padded_tensor()["response_mask"].bool()
+    pos, neg = mask & (t["advantages"] > 0), mask & (t["advantages"] < 0)
+    mismatch = (t["logp"].exp() - t["mu_log"].exp()).abs()
+    expected = {
+        "actor/dppo_masked_frac": t["masked"][mask].float().mean(),
+        "actor/dppo_masked_frac_pos": t["masked"][pos].float().mean(),
+        "actor/dppo_masked_frac_neg": t["masked"][neg].float().mean(),
+        "actor/dppo_mismatch_mean": mismatch[mask].mean(),
+        "actor/dppo_mismatch_max": mismatch[mask].max(),
+        "actor/dppo_divergence_mean": t["divergence"][mask].mean(),
+        "actor/dppo_entropy_mean": t["entropy"][mask].mean(),
+    }
+    assert set(expected) == set(vloss.DIAGNOSTICS) and set(expected) <= set(metrics)
+    for name, value in expected.items():
+        assert metric_value(metrics[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
+    assert 0 < float(expected["actor/dppo_masked_frac_pos"]) and 0 < float(expected["actor/dppo_masked_frac_neg"])
+    assert metrics["actor/dppo_mismatch_max"].aggregation.value == "max"
 
 
 @pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])

@@ -177,3 +177,108 @@ def test_topk_setting_from_verls_rollout_config():
     assert topk_from_rollout_config(omega_conf_to_dataclass(config.actor_rollout_ref.rollout)) == 7
     plain = verl_cpu.compose([name])
     assert topk_from_rollout_config(omega_conf_to_dataclass(plain.actor_rollout_ref.rollout)) == 0
+
+
+# ---- config-time validation (verl's validate_config, in the driver before Ray starts) ---------------------------
+
+TOPK_RUN = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv", "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.rollout.name=vllm", "+actor_rollout_ref.rollout.custom.dppo_topk=4",
+            "actor_rollout_ref.actor.clip_ratio_low=0.15", "actor_rollout_ref.actor.clip_ratio_high=0.15"]
+
+
+def _with(overrides: list[str], *changes: str) -> list[str]:
+    """``overrides`` with each ``key=value`` of ``changes`` replacing the same key (or added); ``~key`` drops it."""
+    keys = {c.split("=", 1)[0].lstrip("+~") for c in changes}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in keys]
+    return kept + [c for c in changes if not c.startswith("~")]
+
+
+def test_a_valid_topk_config_and_a_config_without_the_plugin_pass():
+    from dppo_ext.integrations.verl.config import validate
+
+    validate(verl_cpu.compose(TOPK_RUN))
+    validate(verl_cpu.compose(["actor_rollout_ref.actor.strategy=fsdp2"]))  # vanilla PPO: nothing to check
+    validate(verl_cpu.compose(_with(TOPK_RUN, "algorithm.rollout_correction.bypass_mode=True")))  # V1 keeps the mode
+
+
+@pytest.mark.parametrize("changes, match", [
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_TV"], r"loss_mode='dppo_topk_TV'.*'dppo_topk_tv'"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk"], r"loss_mode='dppo_topk' is not a DPPO loss mode"),
+    (["+actor_rollout_ref.rollout.custom.dppo_topk=0"], r"custom\.dppo_topk must be an int >= 1.*got 0"),
+    (["+actor_rollout_ref.rollout.custom.dppo_topk=abc"], r"custom\.dppo_topk must be an int >= 1.*got 'abc'"),
+    (["+actor_rollout_ref.rollout.custom.dppo_topk=2.5"], r"custom\.dppo_topk must be an int >= 1.*got 2\.5"),
+    (["+actor_rollout_ref.rollout.custom.dppo_topk=25"], r"dppo_topk=25 is more than vLLM returns \(max_logprobs=20\)"),
+    (["~actor_rollout_ref.rollout.custom.dppo_topk"],
+     r"needs the rollout's top-K log-probs: set \+actor_rollout_ref\.rollout\.custom\.dppo_topk=K"),
+    (["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio=null"],
+     r"clip_ratio_low is None and so is its fallback actor_rollout_ref\.actor\.clip_ratio"),
+    (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], r"clip_ratio_high must be a finite number >= 0.*got -0\.1"),
+    (["actor_rollout_ref.actor.clip_ratio_high=null", "actor_rollout_ref.actor.clip_ratio=nan"],
+     r"actor\.clip_ratio \(the fallback of actor_rollout_ref\.actor\.clip_ratio_high.*got nan"),
+    (["actor_rollout_ref.actor.clip_ratio_c=0"], r"clip_ratio_c must be a number > 0.*got 0"),
+    (["actor_rollout_ref.rollout.name=sglang"], r"needs verl's vLLM rollout.*got name='sglang'"),
+    (["actor_rollout_ref.actor.strategy=megatron"], r"strategy=fsdp or fsdp2\), got strategy='megatron'"),
+    (["actor_rollout_ref.model.use_fused_kernels=True"], r"does not support actor_rollout_ref\.model\.use_fused"),
+    (["algorithm.rollout_correction.bypass_mode=True", "trainer.use_v1=False"],
+     r"bypass_mode=True with the legacy trainer \(trainer\.use_v1=False\) replaces"),
+])
+def test_bad_settings_are_refused_by_name_at_config_time(changes, match):
+    from dppo_ext.integrations.verl.config import validate
+
+    with pytest.raises(ValueError, match=match):
+        validate(verl_cpu.compose(_with(TOPK_RUN, *changes)))
+
+
+def test_the_loss_names_a_missing_threshold():
+    """Issue 29 row 10: clip_ratio_low=None with clip_ratio=None used to raise a TypeError naming no setting."""
+    config = verl_cpu.actor_config_for("dppo_tv", clip_ratio_low="null", clip_ratio="null")
+    with pytest.raises(ValueError, match=r"clip_ratio_low is None and so is its fallback"):
+        vloss.settings(config)
+
+
+def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path):
+    """The documented command: ``python -m verl.trainer.main_ppo`` stops in verl's validate_config, before
+    ``ray.init``, with the plugin's message (verl alone accepts this config and fails at the first update)."""
+    site = installed_as_distribution(tmp_path)
+    environ = child_env()
+    environ["PYTHONPATH"] = f"{site}:{environ['PYTHONPATH']}"
+    overrides = _with(TOPK_RUN, "+actor_rollout_ref.rollout.custom.dppo_topk=0")
+    result = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], capture_output=True,
+                            text=True, env=environ, cwd=tmp_path, timeout=300)
+    assert result.returncode != 0
+    assert "actor_rollout_ref.rollout.custom.dppo_topk must be an int >= 1" in result.stderr, result.stderr[-3000:]
+    assert "ray init kwargs" not in result.stdout
+
+
+def test_the_example_command_passes_verls_config_checks(tmp_path):
+    """examples/verl_dppo_topk.py's overrides (CPU and GPU recipes) compose with verl's ppo_trainer config and pass
+    verl's validate_config with the plugin's checks, as main_ppo runs them before Ray starts."""
+    import argparse
+    import importlib.util
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    spec = importlib.util.spec_from_file_location("verl_dppo_topk", ROOT / "examples" / "verl_dppo_topk.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for device in ("cpu", "gpu"):
+        args = argparse.Namespace(device=device, mode="dppo_topk_tv", topk=4, delta=0.15, steps=3, prompts=4,
+                                  samples=4, lr=1e-3, ray_cpus=8, seed=0)
+        config = verl_cpu.compose(example.overrides(tmp_path / "model", tmp_path / "t.parquet",
+                                                    tmp_path / "v.parquet", args))
+        assert getattr(validate_config, "__dppo_ext__", False)
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        assert config.trainer.use_v1 and config.actor_rollout_ref.rollout.custom.dppo_topk == 4
+
+
+def test_example_parses_verls_console_step_lines():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("verl_dppo_topk", ROOT / "examples" / "verl_dppo_topk.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    step, metrics = example.parse_step_line(
+        "(TaskRunnerV1 pid=1) step:2 - actor/pg_loss:-0.125 - actor/dppo_masked_frac:0.0625 - timing_s/gen:1.5")
+    assert step == 2 and metrics == {"actor/pg_loss": -0.125, "actor/dppo_masked_frac": 0.0625, "timing_s/gen": 1.5}
+    assert example.parse_step_line("no step here") is None

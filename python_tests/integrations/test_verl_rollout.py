@@ -32,7 +32,12 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 
 import dppo_ext.integrations.verl.plugin  # noqa: E402,F401
 from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
-from dppo_ext.integrations.verl.rollout import TOPK_FIELD, RolloutTopK  # noqa: E402
+from dppo_ext.integrations.verl.rollout import (  # noqa: E402
+    TOPK_FIELD,
+    TOPK_IDS_KEY,
+    TOPK_LOGPROBS_KEY,
+    RolloutTopK,
+)
 
 K = 3
 
@@ -70,11 +75,12 @@ def test_topk_rows_refuse_fewer_candidates_than_k():
         RolloutTopK.from_vllm([7], [vllm_position({7: (-0.1, 1), 8: (-2.5, 2)})], K)
 
 
-def _agent_loop_worker(tokenizer, prompt_length: int, response_length: int):
-    """verl's ``AgentLoopWorker`` with the attributes its post-processing reads (no Ray actor, no servers)."""
+def _agent_loop_worker(tokenizer, prompt_length: int, response_length: int, worker_cls=None):
+    """verl's ``AgentLoopWorker`` (or ``worker_cls``, a subclass) with the attributes its post-processing reads (no
+    Ray actor, no servers)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    worker = object.__new__(AgentLoopWorker)
+    worker = object.__new__(worker_cls or AgentLoopWorker)
     worker.rollout_config = types.SimpleNamespace(prompt_length=prompt_length, response_length=response_length)
     worker.tokenizer = tokenizer
     worker.processor = None
@@ -130,6 +136,103 @@ def test_agent_loop_carries_the_topk_into_the_actor_batch(tmp_path):
         assert torch.isfinite(outputs["dppo_loss"]).all()
         kept = outputs["dppo_mask"][0]
         assert kept.shape == (n,)
+
+
+# ---- verl's V1 trainer (its default): AgentLoopOutput.as_dict() into TransferQueue ------------------------------
+
+
+def _v1_outputs(tokenizer, topk_rows: bool = True):
+    """Four single-turn AgentLoopOutputs as SingleTurnAgentLoop builds them from the server's TokenOutput."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    vocab = len(tokenizer)
+    g = torch.Generator().manual_seed(1)
+    outputs = []
+    for n_prompt, n_response in ((4, 5), (6, 2), (3, 4), (5, 5)):
+        prompt = torch.randint(4, vocab, (n_prompt,), generator=g).tolist()
+        response = torch.randint(4, vocab, (n_response,), generator=g).tolist()
+        positions = []
+        for token in response:
+            others = [t for t in torch.randperm(vocab, generator=g).tolist() if t != token][:K]
+            positions.append(vllm_position({o: (-1.0 - r, r + 2) for r, o in enumerate(others)} | {token: (-0.5, 1)}))
+        extra = {TOPK_FIELD: RolloutTopK.from_vllm(response, positions, K)} if topk_rows else {}
+        outputs.append(AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=[1] * n_response,
+                                       response_logprobs=[-0.5] * n_response, num_turns=2,
+                                       metrics=AgentLoopMetrics(), extra_fields={**extra, "global_steps": 0}))
+    return outputs
+
+
+def test_v1_as_dict_moves_the_topk_out_of_extra_fields():
+    """Without the plugin's change pydantic's model_dump leaves a plain dict under extra_fields (the V1 trainer's
+    batch then has no top-K key); with it the top-K becomes two [T, K] tensors, as as_dict does for teacher_ids."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+
+    from dppo_ext.models.tiny import build_char_tokenizer
+
+    assert getattr(AgentLoopOutput.as_dict, "__dppo_ext__", False)
+    output = _v1_outputs(build_char_tokenizer())[0]
+    topk = output.extra_fields[TOPK_FIELD]
+    field = output.as_dict()
+    assert TOPK_FIELD not in field["extra_fields"] and field["extra_fields"]["global_steps"] == 0
+    assert field[TOPK_IDS_KEY].dtype == torch.int64 and field[TOPK_LOGPROBS_KEY].dtype == torch.float32
+    assert field[TOPK_IDS_KEY].tolist() == topk.ids.tolist()
+    assert torch.equal(field[TOPK_LOGPROBS_KEY], torch.from_numpy(topk.logprobs))
+    plain = _v1_outputs(build_char_tokenizer(), topk_rows=False)[0].as_dict()
+    assert TOPK_IDS_KEY not in plain and TOPK_LOGPROBS_KEY not in plain  # unchanged without a top-K
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    """verl's TransferQueue, initialised as the V1 TaskRunner does (``tq.init``, on a local Ray)."""
+    tq = pytest.importorskip("transfer_queue")
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # controller + 2 storage units, 1 CPU each
+    try:
+        tq.init()
+        yield tq
+        tq.close()
+    finally:
+        ray.shutdown()
+
+
+def test_v1_agent_loop_carries_the_topk_through_transfer_queue_into_the_loss(transfer_queue, monkeypatch):
+    """The real V1 path: ``AgentLoopWorkerTQ._agent_loop_postprocess`` puts each sample into a real TransferQueue,
+    ``kv_batch_get`` (what the actor's ``tqbridge`` does for ``update_actor``) reads the batch back, the trainer's
+    per-token fields are added, and the loss on verl's mini-batch iterator finds every sampled token in its row."""
+    from verl.trainer.ppo.v1 import agent_loop_tq
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+
+    from dppo_ext.models.tiny import build_char_tokenizer
+
+    tq = transfer_queue
+    monkeypatch.setattr(agent_loop_tq, "tq", tq)
+    tokenizer = build_char_tokenizer()
+    worker = _agent_loop_worker(tokenizer, prompt_length=6, response_length=5,
+                                worker_cls=AgentLoopWorkerTQ.__ray_actor_class__)  # the class under @ray.remote
+    outputs = _v1_outputs(tokenizer)
+    for i, output in enumerate(outputs):
+        asyncio.run(worker._agent_loop_postprocess(output, validate=False, uid=f"u{i}", session_id=0,
+                                                   global_steps=0))
+    keys = [f"u{i}_0_0" for i in range(len(outputs))]
+    data = tq.kv_batch_get(keys=keys, partition_id="train")
+    assert data[TOPK_IDS_KEY].is_nested  # one [T_i, K] per sample, like responses
+    for row, output in zip(data[TOPK_IDS_KEY].unbind(), outputs):
+        assert row.tolist() == output.extra_fields[TOPK_FIELD].ids.tolist()
+
+    g = torch.Generator().manual_seed(2)
+    lengths = data["responses"].offsets().diff().tolist()
+    data["advantages"] = torch.nested.as_nested_tensor([torch.randn(()).expand(n).clone() for n in lengths],
+                                                       layout=torch.jagged)
+    data["old_log_probs"] = data["rollout_log_probs"].clone()
+    config = verl_cpu.actor_config_for("dppo_topk_tv")
+    vocab = len(tokenizer)
+    for micro in tu.chunk_tensordict(data, 2):
+        tu.assign_non_tensor(micro, dp_size=1, batch_num_tokens=int(micro["loss_mask"].values().sum()),
+                             global_batch_size=2)
+        n = int(micro["input_ids"].offsets()[-1])
+        out = vloss.ppo_loss(config, student_logits=torch.randn(1, n, vocab, generator=g), data=micro)
+        assert torch.isfinite(out["dppo_loss"]).all() and out["dppo_mask"].shape == (1, n)
 
 
 # ---- verl's vLLM server ----------------------------------------------------------------------------------------

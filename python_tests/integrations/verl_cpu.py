@@ -197,3 +197,45 @@ def train_flags(data, *, use_remove_padding: bool, micro_batch_size: int):
                          max_token_len_per_gpu=4096, micro_batch_size_per_gpu=micro_batch_size,
                          use_fused_kernels=False)
     return data
+
+
+def v1_sample_fields(batch: RolloutBatch) -> list[dict]:
+    """Each sample's fields as verl's V1 agent loop stores them in TransferQueue.
+
+    ``AgentLoopWorkerTQ._agent_loop_postprocess`` (verl/trainer/ppo/v1/agent_loop_tq.py): ``output.as_dict()`` of the
+    single-turn ``AgentLoopOutput`` (with the plugin's change, the top-K as ``dppo_topk_ids`` / ``dppo_topk_logprobs``),
+    then ``input_ids``, ``position_ids`` and ``loss_mask``. The V1 trainer later adds ``advantages`` and
+    ``old_log_probs`` per sample.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.utils.model import compute_position_id_with_mask
+
+    fields = []
+    for b in range(len(batch.responses)):
+        prompt = batch.prompts[b][batch.prompt_mask[b].bool()]
+        n = int(batch.response_mask[b].sum())
+        extra = {"dppo_topk": batch.topk[b]} if batch.topk is not None else {}
+        output = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=batch.responses[b, :n].tolist(),
+                                 response_mask=[1] * n, response_logprobs=batch.rollout_log_probs[b, :n].tolist(),
+                                 num_turns=2, metrics=AgentLoopMetrics(), extra_fields=extra)
+        field = output.as_dict()
+        input_ids = torch.cat([field["prompts"], field["responses"]])
+        field["input_ids"] = input_ids
+        field["position_ids"] = compute_position_id_with_mask(torch.ones_like(input_ids)[None])[0]
+        field["loss_mask"] = field["response_mask"]
+        field["advantages"] = batch.advantages[b, :n].clone()
+        field["old_log_probs"] = batch.old_log_probs[b, :n].clone()
+        fields.append(field)
+    return fields
+
+
+def v1_actor_batch(batch: RolloutBatch, *, temperature: float, calculate_entropy: bool = False):
+    """The TensorDict the V1 trainer's ``update_actor`` hands to the actor: the samples' TransferQueue fields stacked
+    by verl's ``list_of_dict_to_tensordict`` (nested per-token tensors), with ``_update_actor``'s flags."""
+    from verl.utils import tensordict_utils as tu
+
+    data = tu.list_of_dict_to_tensordict(v1_sample_fields(batch))
+    tu.assign_non_tensor(data, calculate_entropy=calculate_entropy, distillation_use_topk=False,
+                         distillation_only=False, global_batch_size=len(batch.responses), compute_loss=True,
+                         temperature=temperature)
+    return data

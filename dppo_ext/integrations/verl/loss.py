@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple, Optional
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 from torch import Tensor
@@ -41,7 +40,8 @@ from dppo_ext._autograd import check_inplace_backward
 from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 from ._status import check_installed
-from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, RolloutTopK
+from .config import VERL_MODES, ModeSpec, thresholds
+from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, RolloutTopK
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +49,8 @@ __all__ = ["LOGIT_OUTPUTS", "VERL_MODES", "ModeSpec", "loss_mode", "logits_outpu
            "response_rows", "settings"]
 
 
-class ModeSpec(NamedTuple):
-    """How dppo_ext computes one verl loss mode."""
-
-    mode: str  # dppo_ext's mode (docs/contract.md)
-    anchor: str  # the batch key of the log-probs used as mu (trust region and weight)
-    topk: bool  # needs the rollout's top-K
-
-
-# verl policy_loss.loss_mode -> dppo_ext's computation.
-VERL_MODES = {
-    "dppo_topk_tv": ModeSpec("topk_tv", "rollout_log_probs", True),
-    "dppo_topk_kl": ModeSpec("topk_kl", "rollout_log_probs", True),
-    "dppo_tv": ModeSpec("binary_tv", "old_log_probs", False),
-    "dppo_kl": ModeSpec("binary_kl", "old_log_probs", False),
-}
 # The per-token outputs the logits processor returns (model_output keys), each [1, N] then nested.
-LOGIT_OUTPUTS = ("dppo_loss", "dppo_logp", "dppo_mask", "dppo_entropy")
+LOGIT_OUTPUTS = ("dppo_loss", "dppo_logp", "dppo_mask", "dppo_entropy", "dppo_divergence")
 # Micro-batch flag: the entropy the driver asked for (verl's calculate_entropy is turned off for these modes, the op
 # computes the entropy instead of verl's full-vocabulary float32 one).
 ENTROPY_FLAG = "dppo_calculate_entropy"
@@ -90,16 +75,14 @@ def settings(config: Any) -> Settings:
     """The op settings of a verl actor config whose loss mode is one of :data:`VERL_MODES`."""
     global _warned_cap
     spec = VERL_MODES[loss_mode(config)]
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    cap = config.get("clip_ratio_c", VERL_DEFAULT_RATIO_CAP)
+    low, high, cap = thresholds(config)
     if spec.topk and cap == VERL_DEFAULT_RATIO_CAP and not _warned_cap:
         _warned_cap = True
         logger.warning(
             "%s caps the importance weight min(pi/mu, C) at actor.clip_ratio_c=%s, verl's dual-clip PPO default; "
             "dppo_ext's default cap is 10 (the paper recommends a large cap, section 5.4): set "
             "actor_rollout_ref.actor.clip_ratio_c explicitly", loss_mode(config), cap)
-    return Settings(spec, float(low), float(high), float(cap))
+    return Settings(spec, low, high, cap)
 
 
 def response_rows(data: TensorDict, num_rows: int) -> Tensor:
@@ -119,42 +102,71 @@ def _padded(data: TensorDict, *keys: str) -> TensorDict:
     return data.select(*keys).to_padded_tensor()
 
 
-def _topk_rows(data: TensorDict, responses: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """The rollout's top-K aligned with the response positions: ``([B, R, K] int64, [B, R, K] float32)``."""
-    if TOPK_FIELD not in data.keys():
+def _per_sample(value: Any) -> list[Tensor]:
+    """The per-sample ``[T_i, K]`` rows of a nested (jagged) or dense ``[B, T, K]`` batch tensor."""
+    return list(value.unbind()) if getattr(value, "is_nested", False) else list(value)
+
+
+def _topk_samples(data: TensorDict) -> list[Optional[tuple[Tensor, Tensor]]]:
+    """Each sequence's rollout top-K ``([T, K] ids, [T, K] log-probs)`` (None: the sequence has none).
+
+    From the V1 trainer's tensors (:data:`TOPK_IDS_KEY` / :data:`TOPK_LOGPROBS_KEY`, nested per sample) or the legacy
+    trainer's ``non_tensor_batch`` objects (:data:`TOPK_FIELD`, one :class:`RolloutTopK` per sample).
+    """
+    keys = set(data.keys())
+    if TOPK_IDS_KEY in keys or TOPK_LOGPROBS_KEY in keys:
+        if not {TOPK_IDS_KEY, TOPK_LOGPROBS_KEY} <= keys:
+            raise RuntimeError(f"the actor's batch holds only one of {TOPK_IDS_KEY!r} and {TOPK_LOGPROBS_KEY!r}")
+        return list(zip(_per_sample(data[TOPK_IDS_KEY]), _per_sample(data[TOPK_LOGPROBS_KEY])))
+    if TOPK_FIELD not in keys:
         raise RuntimeError(
             f"the top-K DPPO modes need the rollout's top-K log-probs, which this batch does not carry (no "
-            f"{TOPK_FIELD!r} field): set actor_rollout_ref.rollout.custom.{TOPK_CONFIG_KEY}=K (K >= 1; vLLM's "
-            "max_logprobs, 20 by default, bounds it) with verl's vLLM rollout, and keep dppo_ext installed in every "
-            "process (the rollout servers load it through verl's plugin entry point)")
-    samples = data[TOPK_FIELD]
+            f"{TOPK_IDS_KEY!r} or {TOPK_FIELD!r} field): set actor_rollout_ref.rollout.custom.{TOPK_CONFIG_KEY}=K "
+            "(K >= 1; vLLM's max_logprobs, 20 by default, bounds it) with verl's vLLM rollout, and keep dppo_ext "
+            "installed in every process (the rollout servers load it through verl's plugin entry point)")
+    samples = []
+    for b, sample in enumerate(data[TOPK_FIELD]):
+        if isinstance(sample, RolloutTopK):
+            samples.append((torch.from_numpy(sample.ids), torch.from_numpy(sample.logprobs)))
+        elif sample is None:
+            samples.append(None)
+        else:
+            raise RuntimeError(f"sequence {b}: {TOPK_FIELD} is a {type(sample).__name__}, not the RolloutTopK the "
+                               "plugin's vLLM server returns")
+    return samples
+
+
+def _topk_rows(data: TensorDict, responses: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """The rollout's top-K aligned with the response positions: ``([B, R, K] int64, [B, R, K] float32)``."""
+    samples = _topk_samples(data)
     batch, length = responses.shape
     if len(samples) != batch:
-        raise RuntimeError(f"{TOPK_FIELD} holds {len(samples)} entries for a micro-batch of {batch} sequences")
-    widths = {s.k for s in samples if isinstance(s, RolloutTopK)}
+        raise RuntimeError(f"the rollout's top-K holds {len(samples)} entries for a micro-batch of {batch} sequences")
+    lengths = valid.sum(-1).tolist()
+    last = [int(torch.nonzero(row).max()) + 1 if n else 0 for row, n in zip(valid.cpu(), lengths)]
+    widths = {int(sample[0].shape[-1]) for b, sample in enumerate(samples) if sample is not None and last[b]}
     if len(widths) > 1:
         raise RuntimeError(f"the rollout's top-K rows have different K in one micro-batch: {sorted(widths)}")
     k = widths.pop() if widths else 1
-    ids = np.zeros((batch, length, k), dtype=np.int64)
-    logprobs = np.zeros((batch, length, k), dtype=np.float32)
-    lengths = valid.sum(-1).tolist()
-    last = [int(torch.nonzero(row).max()) + 1 if n else 0 for row, n in zip(valid.cpu(), lengths)]
+    ids = torch.zeros((batch, length, k), dtype=torch.int64)
+    logprobs = torch.zeros((batch, length, k), dtype=torch.float32)
     for b, sample in enumerate(samples):
         if not last[b]:
             continue
-        if not isinstance(sample, RolloutTopK):
-            raise RuntimeError(f"sequence {b} of the micro-batch has response tokens but no rollout top-K "
-                               f"({TOPK_FIELD} is {type(sample).__name__}); was it generated by a patched vLLM server?")
-        if len(sample) < last[b]:
+        if sample is None:
+            raise RuntimeError(f"sequence {b} of the micro-batch has response tokens but no rollout top-K; was it "
+                               "generated by a patched vLLM server?")
+        sample_ids, sample_lps = sample
+        if len(sample_ids) < last[b]:
             raise RuntimeError(
-                f"sequence {b}: the rollout returned top-K rows for {len(sample)} generated tokens, the response has "
-                f"{last[b]} positions: the top-K modes support single-turn rollouts only (a multi-turn agent loop "
+                f"sequence {b}: the rollout returned top-K rows for {len(sample_ids)} generated tokens, the response "
+                f"has {last[b]} positions: the top-K modes support single-turn rollouts only (a multi-turn agent loop "
                 "keeps the first turn's extra fields)")
-        n = min(len(sample), length)
-        ids[b, :n] = sample.ids[:n]
-        logprobs[b, :n] = sample.logprobs[:n]
-    ids_t = torch.from_numpy(ids).to(responses.device)
-    logprobs_t = torch.from_numpy(logprobs).to(responses.device)
+        n = min(len(sample_ids), length)
+        ids[b, :n] = sample_ids[:n].to(torch.int64).cpu()
+        logprobs[b, :n] = sample_lps[:n].to(torch.float32).cpu()
+    ids_t = ids.to(responses.device)
+    logprobs_t = logprobs.to(responses.device)
     member = (ids_t == responses.unsqueeze(-1)).any(-1) | ~valid
     if not bool(member.all()):
         b, t = (int(i) for i in torch.nonzero(~member)[0])
@@ -189,7 +201,6 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
     Returns:
         ``{name: [1, N]}`` for :data:`LOGIT_OUTPUTS`.
     """
-    from verl.utils import tensordict_utils as tu
 
     s = settings(config)
     logits = student_logits.squeeze(0)
@@ -221,13 +232,57 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
     if s.spec.topk:
         ids, lps = _topk_rows(data, responses, valid)
         topk_ids, topk_logprobs = scatter(ids, 0, torch.long), scatter(lps, 0.0, acc)
-    compute_entropy = bool(tu.get_non_tensor_data(data=data, key=ENTROPY_FLAG, default=False))
+    # The entropy is computed in the op's pass over each row whether or not the loss uses it (the metric
+    # actor/dppo_entropy_mean); it enters the loss only when verl asked for it (ENTROPY_FLAG).
     out = dppo_ext.dppo_loss_per_row(
         logits, tokens, mu, advantages, topk_ids=topk_ids, topk_logprobs=topk_logprobs, mode=s.spec.mode,
         temperature=1.0, delta_low=s.delta_low, delta_high=s.delta_high, ratio_cap=s.ratio_cap,
-        compute_entropy=compute_entropy, inplace_backward=_can_write_grad_into(logits))
+        compute_entropy=True, inplace_backward=_can_write_grad_into(logits))
     return {"dppo_loss": out.loss[None], "dppo_logp": out.logp[None], "dppo_mask": out.mask[None],
-            "dppo_entropy": out.entropy[None]}
+            "dppo_entropy": out.entropy[None], "dppo_divergence": out.divergence[None]}
+
+
+# The DPPO diagnostics in verl's actor/ namespace (docs/verl.md, docs/names.md): name -> how verl reduces the
+# micro-batches' values (the TRL integration's dppo/<name> are the same quantities).
+DIAGNOSTICS = {
+    "actor/dppo_masked_frac": "mean",
+    "actor/dppo_masked_frac_pos": "mean",
+    "actor/dppo_masked_frac_neg": "mean",
+    "actor/dppo_mismatch_mean": "mean",
+    "actor/dppo_mismatch_max": "max",
+    "actor/dppo_divergence_mean": "mean",
+    "actor/dppo_entropy_mean": "mean",
+}
+
+
+@torch.no_grad()
+def diagnostics(per_token: dict[str, Tensor], padded: TensorDict, response_mask: Tensor) -> dict[str, Any]:
+    """DPPO's per-micro-batch diagnostics as verl ``Metric`` objects (:data:`DIAGNOSTICS`).
+
+    ``masked_frac``: share of response tokens the trust region masks (all, advantage > 0, advantage < 0; a
+    micro-batch without tokens of that sign counts 0); ``mismatch``: ``|pi - mu|`` against the rollout's
+    ``rollout_log_probs`` (only when the batch carries them), its mean and max; ``divergence_mean``: the mode's
+    divergence (TV or KL; top-K or binary) against its anchor; ``entropy``: the policy's token entropy.
+    """
+    from verl.utils.metric import AggregationType, Metric
+    from verl.utils.torch_functional import masked_mean
+
+    masked = 1.0 - per_token["dppo_mask"]
+    advantages = padded["advantages"]
+    values = {
+        "actor/dppo_masked_frac": masked_mean(masked, response_mask),
+        "actor/dppo_masked_frac_pos": masked_mean(masked, response_mask & (advantages > 0)),
+        "actor/dppo_masked_frac_neg": masked_mean(masked, response_mask & (advantages < 0)),
+        "actor/dppo_divergence_mean": masked_mean(per_token["dppo_divergence"], response_mask),
+        "actor/dppo_entropy_mean": masked_mean(per_token["dppo_entropy"], response_mask),
+    }
+    if "rollout_log_probs" in padded.keys():
+        mismatch = (per_token["dppo_logp"].detach().exp() - padded["rollout_log_probs"].exp()).abs()
+        values["actor/dppo_mismatch_mean"] = masked_mean(mismatch, response_mask)
+        values["actor/dppo_mismatch_max"] = torch.where(response_mask, mismatch, 0.0).amax() if mismatch.numel() \
+            else mismatch.new_zeros(())
+    reduce = {"mean": AggregationType.MEAN, "max": AggregationType.MAX}
+    return {name: Metric(value=value.item(), aggregation=reduce[DIAGNOSTICS[name]]) for name, value in values.items()}
 
 
 def policy_loss(config: Any, model_output: dict, data: TensorDict) -> tuple[Tensor, dict[str, Any]]:
@@ -248,8 +303,9 @@ def policy_loss(config: Any, model_output: dict, data: TensorDict) -> tuple[Tens
                   or config.loss_scale_factor is not None)
     metric_aggregation = AggregationType.SUM if normalised else AggregationType.MEAN
 
-    fields = ["response_mask", s.spec.anchor]
-    fields += [key for key in ("rollout_is_weights", "ref_log_prob") if key in data.keys()]
+    fields = ["response_mask", "advantages", s.spec.anchor]
+    fields += [key for key in ("rollout_is_weights", "ref_log_prob", "rollout_log_probs")
+               if key in data.keys() and key not in fields]
     padded = _padded(data, *fields)
     response_mask = padded["response_mask"].bool()
     anchor = padded[s.spec.anchor]
@@ -270,6 +326,7 @@ def policy_loss(config: Any, model_output: dict, data: TensorDict) -> tuple[Tens
                                                    response_mask).item(),
         }
     metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics.update(diagnostics(per_token, padded, response_mask))
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
     loss = pg_loss
     if tu.get_non_tensor_data(data=data, key=ENTROPY_FLAG, default=False):

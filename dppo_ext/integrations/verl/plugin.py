@@ -4,6 +4,8 @@
 in every process (the driver, the actor workers, the rollout servers). It changes nothing until verl imports the
 module concerned (:mod:`dppo_ext.integrations.verl._import_hooks`), and then:
 
+* ``verl.utils.config``: ``validate_config``, which ``verl.trainer.main_ppo`` calls on the composed config in the
+  driver before Ray starts, also checks the plugin's settings (:func:`dppo_ext.integrations.verl.config.validate`);
 * ``verl.trainer.ppo.core_algos``: registers ``dppo_topk_tv`` / ``dppo_topk_kl`` as policy losses, so verl's
   config checks know the names; these registry entries only raise (with the reason) if verl ever calls them, which
   happens when the engine path below was not taken (verl's distillation loss, a non-FSDP engine);
@@ -13,11 +15,14 @@ module concerned (:mod:`dppo_ext.integrations.verl._import_hooks`), and then:
   those modes so that the engine hands the logits to the loss (verl's top-K distillation path), skips its own
   log-prob and entropy passes over the vocabulary, and refuses the setups the loss does not support;
 * ``verl.workers.rollout.vllm_rollout.vllm_async_server``: the vLLM server returns the top-K log-probs
-  (:mod:`dppo_ext.integrations.verl.rollout`).
+  (:mod:`dppo_ext.integrations.verl.rollout`);
+* ``verl.experimental.agent_loop.agent_loop``: ``AgentLoopOutput.as_dict``, which the V1 trainer's agent loop
+  (``AgentLoopWorkerTQ``) stores into TransferQueue, turns the top-K into two per-token tensors of the sample
+  (:mod:`dppo_ext.integrations.verl.rollout`), where the legacy agent loop carries it in ``non_tensor_batch``.
 
 A change that cannot be installed (a verl release whose internals differ) is logged at ERROR level and makes the
 plugin's loss modes raise that error when a run asks for them; runs with other loss modes are unaffected. This
-module itself imports only the standard library, ``packaging`` and two small modules of this package, so that
+module itself imports only the standard library, ``packaging`` and three small modules of this package, so that
 verl's plugin loader (which reports a failing plugin at debug level only) has nothing to swallow; dppo_ext's
 native library is loaded by the first loss call.
 ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's switch) turns the plugin off.
@@ -36,6 +41,7 @@ from packaging.version import Version
 
 from ._import_hooks import when_imported
 from ._status import SUPPORTED_VERL, check_installed, installed, record
+from .config import validate
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +141,26 @@ def _patch_vllm_server(module: ModuleType) -> None:
     patch_vllm_server(module)
 
 
+def _patch_agent_loop(module: ModuleType) -> None:
+    from .rollout import patch_agent_loop_output
+
+    patch_agent_loop_output(module)
+
+
+def _patch_validate_config(module: ModuleType) -> None:
+    validate_config = module.validate_config
+    if getattr(validate_config, "__dppo_ext__", False):
+        return
+
+    @functools.wraps(validate_config)
+    def validate_with_dppo(config, *args: Any, **kwargs: Any):
+        validate(config)
+        return validate_config(config, *args, **kwargs)
+
+    validate_with_dppo.__dppo_ext__ = True
+    module.validate_config = validate_with_dppo
+
+
 def install() -> None:
     """Register the changes (idempotent; :mod:`dppo_ext.integrations.verl.plugin` calls it on import)."""
     try:
@@ -144,10 +170,12 @@ def install() -> None:
     if verl_version is not None and verl_version not in SpecifierSet(SUPPORTED_VERL):
         logger.warning("dppo_ext's verl plugin is tested with verl %s, this is verl %s", SUPPORTED_VERL, verl_version)
     for name, patch in (
+        ("verl.utils.config", _patch_validate_config),
         ("verl.trainer.ppo.core_algos", _patch_core_algos),
         ("verl.workers.engine_workers", _patch_engine_workers),
         ("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine),
         ("verl.workers.rollout.vllm_rollout.vllm_async_server", _patch_vllm_server),
+        ("verl.experimental.agent_loop.agent_loop", _patch_agent_loop),
     ):
         when_imported(name, _guarded(name, patch))
 

@@ -11,8 +11,11 @@ so other servers and other calls are untouched):
 * ``extract_prompt_logprobs``, which the server calls with the finished ``RequestOutput`` and the dict that becomes
   ``TokenOutput.extra_fields``, also stores a :class:`RolloutTopK` under :data:`TOPK_FIELD`.
 
-verl's agent loop carries ``extra_fields`` of a single-turn request into the batch's ``non_tensor_batch`` (one
-object per sample), and from there into every micro-batch of the actor update, where the loss
+How it reaches the actor depends on verl's trainer. The legacy trainer's agent loop (``trainer.use_v1=False``)
+carries ``extra_fields`` of a single-turn request into the batch's ``non_tensor_batch`` (one object per sample). The
+V1 trainer's agent loop (verl's default) stores ``AgentLoopOutput.as_dict()`` per sample in TransferQueue, where
+:func:`patch_agent_loop_output` turns the top-K into two per-token tensors (:data:`TOPK_IDS_KEY`,
+:data:`TOPK_LOGPROBS_KEY`). Either way it reaches every micro-batch of the actor update, where the loss
 (:mod:`dppo_ext.integrations.verl.loss`) aligns it with the response tokens. The top-K rows are vLLM's K best
 candidates by rank with the sampled token forced in (:func:`dppo_ext.rollout.vllm_outputs.extract_token_logprobs`,
 the same step as the reference trainer and the TRL integration), and the log-probs are vLLM's processed ones when
@@ -31,15 +34,20 @@ from types import ModuleType
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from dppo_ext.rollout.vllm_outputs import extract_token_logprobs
 
-__all__ = ["TOPK_CONFIG_KEY", "TOPK_FIELD", "RolloutTopK", "patch_vllm_server", "topk_from_rollout_config"]
+from .config import TOPK_CONFIG_KEY, check_topk
 
-# actor_rollout_ref.rollout.custom.<TOPK_CONFIG_KEY> = K turns the top-K log-probs on.
-TOPK_CONFIG_KEY = "dppo_topk"
+__all__ = ["TOPK_CONFIG_KEY", "TOPK_FIELD", "TOPK_IDS_KEY", "TOPK_LOGPROBS_KEY", "RolloutTopK",
+           "patch_agent_loop_output", "patch_vllm_server", "topk_from_rollout_config"]
+
 # The extra_fields / non_tensor_batch key that carries one RolloutTopK per sample.
 TOPK_FIELD = "dppo_topk"
+# The V1 trainer's per-sample tensors ([T, K] each; nested [B, j, K] in the actor's micro-batch).
+TOPK_IDS_KEY = "dppo_topk_ids"
+TOPK_LOGPROBS_KEY = "dppo_topk_logprobs"
 # K of the request being served (0: none), set by the patched generate.
 _REQUEST_TOPK: contextvars.ContextVar[int] = contextvars.ContextVar("dppo_ext_verl_topk", default=0)
 
@@ -87,14 +95,7 @@ def topk_from_rollout_config(config: Any) -> int:
     custom = getattr(config, "custom", None) if not isinstance(config, Mapping) else config.get("custom")
     if not custom:
         return 0
-    k = custom.get(TOPK_CONFIG_KEY) if hasattr(custom, "get") else None
-    if k is None:
-        return 0
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.custom.{TOPK_CONFIG_KEY} must be an int >= 1 (the K of the top-K DPPO modes), "
-            f"got {k!r}")
-    return k
+    return check_topk(custom.get(TOPK_CONFIG_KEY) if hasattr(custom, "get") else None)
 
 
 def patch_vllm_server(module: ModuleType) -> None:
@@ -134,3 +135,33 @@ def patch_vllm_server(module: ModuleType) -> None:
     server.generate = generate_with_topk
     module.SamplingParams = sampling_params
     module.extract_prompt_logprobs = extract_with_topk
+
+
+def patch_agent_loop_output(module: ModuleType) -> None:
+    """Make ``module.AgentLoopOutput.as_dict`` carry the top-K as tensors (idempotent).
+
+    verl 0.9.1's V1 agent loop (``verl.trainer.ppo.v1.agent_loop_tq.AgentLoopWorkerTQ._agent_loop_postprocess``)
+    stores ``output.as_dict()`` per sample in TransferQueue: pydantic's ``model_dump`` there turns a
+    :class:`RolloutTopK` in ``extra_fields`` into a plain dict, which stays nested under ``extra_fields`` and never
+    reaches the actor's batch under its own key. The patched ``as_dict`` moves it out, as ``as_dict`` itself moves the
+    distillation teacher's ``teacher_ids`` / ``teacher_logprobs``: :data:`TOPK_IDS_KEY` (``[T, K]`` int64) and
+    :data:`TOPK_LOGPROBS_KEY` (``[T, K]`` float32), which verl's ``list_of_dict_to_tensordict`` stacks into nested
+    per-token tensors like ``responses``, and which TransferQueue then hands to every micro-batch of the update.
+    """
+    output_cls = module.AgentLoopOutput
+    as_dict = output_cls.as_dict
+    if getattr(as_dict, "__dppo_ext__", False):
+        return
+
+    @functools.wraps(as_dict)
+    def as_dict_with_topk(self) -> dict[str, Any]:
+        out = as_dict(self)
+        topk = self.extra_fields.get(TOPK_FIELD)
+        if isinstance(topk, RolloutTopK):
+            out.get("extra_fields", {}).pop(TOPK_FIELD, None)
+            out[TOPK_IDS_KEY] = torch.from_numpy(topk.ids.astype(np.int64))
+            out[TOPK_LOGPROBS_KEY] = torch.from_numpy(topk.logprobs.astype(np.float32))
+        return out
+
+    as_dict_with_topk.__dppo_ext__ = True
+    output_cls.as_dict = as_dict_with_topk

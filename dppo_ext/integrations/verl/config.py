@@ -1,0 +1,181 @@
+"""The plugin's settings checked on verl's whole config, before Ray or any worker starts.
+
+verl's ``main_ppo`` calls ``verl.utils.config.validate_config(config, ...)`` on the composed hydra config in the
+driver, before ``ray.init``; the plugin wraps that function (:mod:`dppo_ext.integrations.verl.plugin`) so that
+:func:`validate` runs there too, for the V1 trainer and the legacy one alike. Without it a mistyped mode, a bad K or
+a missing threshold passed verl's own checks and failed at the first actor update, or inside the rollout server,
+minutes into a run.
+
+Pure Python on purpose (no verl, torch or dppo_ext._C import): the config is read through ``.get`` and attribute
+access, which both an omegaconf ``DictConfig`` and a plain mapping tree answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VERL_MODES", "ModeSpec", "Thresholds", "check_topk", "thresholds", "validate"]
+
+# actor_rollout_ref.rollout.custom.<TOPK_CONFIG_KEY> = K turns the rollout's top-K log-probs on.
+TOPK_CONFIG_KEY = "dppo_topk"
+# vLLM's default max_logprobs: the largest K a server returns unless engine_kwargs.vllm.max_logprobs raises it.
+VLLM_DEFAULT_MAX_LOGPROBS = 20
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+class ModeSpec(NamedTuple):
+    """How dppo_ext computes one verl loss mode."""
+
+    mode: str  # dppo_ext's mode (docs/contract.md)
+    anchor: str  # the batch key of the log-probs used as mu (trust region and weight)
+    topk: bool  # needs the rollout's top-K
+
+
+# verl policy_loss.loss_mode -> dppo_ext's computation.
+VERL_MODES = {
+    "dppo_topk_tv": ModeSpec("topk_tv", "rollout_log_probs", True),
+    "dppo_topk_kl": ModeSpec("topk_kl", "rollout_log_probs", True),
+    "dppo_tv": ModeSpec("binary_tv", "old_log_probs", False),
+    "dppo_kl": ModeSpec("binary_kl", "old_log_probs", False),
+}
+
+
+class Thresholds(NamedTuple):
+    delta_low: float
+    delta_high: float
+    ratio_cap: float
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    if isinstance(node, Mapping) or hasattr(node, "get"):
+        return node.get(key, default)
+    return getattr(node, key, default)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def thresholds(actor: Any) -> Thresholds:
+    """``(delta_low, delta_high, ratio_cap)`` of a verl actor config, each checked, with verl's fallbacks.
+
+    ``clip_ratio_low`` / ``clip_ratio_high`` fall back to ``clip_ratio`` (as verl's DPPO losses read them);
+    ``clip_ratio_c`` is the cap of the weight ``min(pi / mu, C)``. Raises ``ValueError`` naming the setting.
+    """
+    fallback = _get(actor, "clip_ratio")
+    deltas = []
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        value = _get(actor, name)
+        source = f"{ACTOR}.{name}"
+        if value is None:
+            value, source = fallback, f"{ACTOR}.clip_ratio (the fallback of {ACTOR}.{name}, which is None)"
+            if value is None:
+                raise ValueError(
+                    f"{ACTOR}.{name} is None and so is its fallback {ACTOR}.clip_ratio: the DPPO loss modes need a "
+                    f"divergence threshold; set {ACTOR}.{name} (a probability difference for the TV modes, e.g. "
+                    "0.15; nats for the KL modes, e.g. 0.05)")
+        if not _is_number(value) or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{source} must be a finite number >= 0 (a DPPO divergence threshold), got {value!r}")
+        deltas.append(float(value))
+    cap = _get(actor, "clip_ratio_c", 3.0)
+    if not _is_number(cap) or math.isnan(cap) or not cap > 0:
+        raise ValueError(f"{ACTOR}.clip_ratio_c must be a number > 0 (the cap C of the DPPO weight min(pi / mu, C)), "
+                         f"got {cap!r}")
+    return Thresholds(deltas[0], deltas[1], float(cap))
+
+
+def check_topk(value: Any, max_logprobs: Optional[int] = None) -> int:
+    """K of ``rollout.custom.dppo_topk`` (0: not set), checked: an int >= 1 and at most vLLM's ``max_logprobs``."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{ROLLOUT}.custom.{TOPK_CONFIG_KEY} must be an int >= 1 (the K of the top-K DPPO modes), got {value!r}")
+    if max_logprobs is not None and value > max_logprobs:
+        raise ValueError(
+            f"{ROLLOUT}.custom.{TOPK_CONFIG_KEY}={value} is more than vLLM returns (max_logprobs={max_logprobs}): "
+            f"lower K or raise it with +{ROLLOUT}.engine_kwargs.vllm.max_logprobs={value}")
+    return value
+
+
+def _max_logprobs(rollout: Any) -> int:
+    value = _get(_get(_get(rollout, "engine_kwargs"), "vllm"), "max_logprobs")
+    return VLLM_DEFAULT_MAX_LOGPROBS if value is None else int(value)
+
+
+def validate(config: Any) -> None:
+    """Check the plugin's settings in verl's composed ``ppo_trainer`` config; raise ``ValueError`` naming the first
+    wrong one. Configs that use none of the plugin's modes and no ``custom.dppo_topk`` pass untouched."""
+    arr = _get(config, "actor_rollout_ref")
+    actor, rollout = _get(arr, "actor"), _get(arr, "rollout")
+    mode = _get(_get(actor, "policy_loss"), "loss_mode", "vanilla")
+    custom = _get(rollout, "custom")
+    k = check_topk(_get(custom, TOPK_CONFIG_KEY), _max_logprobs(rollout)) if custom else 0
+    if mode not in VERL_MODES:
+        if isinstance(mode, str) and mode.strip().lower().replace("-", "_") in VERL_MODES:
+            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a loss mode (names are case- and "
+                             f"spelling-exact): did you mean {mode.strip().lower().replace('-', '_')!r}?")
+        if isinstance(mode, str) and mode.lower().startswith("dppo") and mode not in _verl_registry():
+            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a DPPO loss mode; dppo_ext's verl plugin "
+                             f"provides {tuple(VERL_MODES)}")
+        if k:
+            logger.warning("%s.custom.%s=%d is set but %s.policy_loss.loss_mode=%r does not read the top-K",
+                           ROLLOUT, TOPK_CONFIG_KEY, k, ACTOR, mode)
+        return
+    spec = VERL_MODES[mode]
+    thresholds(actor)
+    strategy = _get(actor, "strategy")
+    if strategy not in ("fsdp", "fsdp2"):
+        message = (f"{ACTOR}.policy_loss.loss_mode={mode} is computed by dppo_ext inside verl's FSDP engine "
+                   f"({ACTOR}.strategy=fsdp or fsdp2), got strategy={strategy!r}")
+        if spec.topk:
+            raise ValueError(message)
+        logger.warning("%s; verl's own %s runs instead", message, mode)
+    for flag, what in ((_get(_get(arr, "model"), "use_fused_kernels", False),
+                        "actor_rollout_ref.model.use_fused_kernels=True (the fused kernels never form the logits)"),
+                       ((_get(actor, "ulysses_sequence_parallel_size", 1) or 1) > 1,
+                        f"{ACTOR}.ulysses_sequence_parallel_size > 1")):
+        if flag:
+            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode} (dppo_ext) does not support {what}")
+    bypass = bool(_get(_get(_get(config, "algorithm"), "rollout_correction"), "bypass_mode", False))
+    use_v1 = bool(_get(_get(config, "trainer"), "use_v1", True))
+    if bypass and not use_v1:
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=True with the legacy trainer (trainer.use_v1=False) replaces "
+            f"{ACTOR}.policy_loss.loss_mode={mode} by verl's own 'bypass_mode' loss (rollout_corr_helper."
+            "apply_bypass_mode), so the DPPO loss would never run: use the V1 trainer (trainer.use_v1=True, verl's "
+            "default), where bypass mode keeps the loss mode, or turn bypass_mode off")
+    if spec.topk:
+        if not k:
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={mode} needs the rollout's top-K log-probs: set "
+                f"+{ROLLOUT}.custom.{TOPK_CONFIG_KEY}=K (K >= 1, at most vLLM's max_logprobs, "
+                f"{_max_logprobs(rollout)})")
+        name = _get(rollout, "name")
+        if name != "vllm":
+            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode} needs verl's vLLM rollout ({ROLLOUT}.name=vllm), "
+                             f"whose server the plugin makes return the top-K; got name={name!r}")
+        logprobs_mode = _get(rollout, "logprobs_mode", "processed_logprobs")
+        temperature = _get(rollout, "temperature", 1.0)
+        if logprobs_mode != "processed_logprobs" and temperature != 1.0:
+            logger.warning(
+                "%s.logprobs_mode=%r at temperature %s: mu and the top-K are then log-probs of the raw logits, not of "
+                "logits / T, which the actor scores; every token looks mismatched (keep processed_logprobs)",
+                ROLLOUT, logprobs_mode, temperature)
+
+
+def _verl_registry() -> frozenset[str]:
+    """The policy losses verl knows (empty where verl is not importable)."""
+    try:
+        from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    except ImportError:
+        return frozenset()
+    return frozenset(POLICY_LOSS_REGISTRY)

