@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from dppo_ext import dppo_loss, fused_linear_dppo_loss  # noqa: E402
-from dppo_ext._chunking import plan_chunks  # noqa: E402
+from dppo_ext._lm_head_tiles import plan_chunks  # noqa: E402
 
 # float16 is not here: its training step recomputes the logits in the backward (no sums over row chunks, no
 # accum_dtype: dppo_ext._fused_autograd.GRADS_IN_FORWARD_DTYPES).
