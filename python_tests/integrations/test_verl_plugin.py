@@ -61,45 +61,62 @@ def run_python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedPro
     site = installed_as_distribution(tmp_path)
     environ = child_env(**env)
     environ["PYTHONPATH"] = f"{site}:{environ['PYTHONPATH']}"
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=environ, cwd=tmp_path, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def test_import_verl_loads_the_entry_point(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
         import verl.workers.engine_workers as engine_workers
         print("registered", all(name in POLICY_LOSS_REGISTRY for name in ("dppo_topk_tv", "dppo_topk_kl")))
         print("loss", engine_workers.ppo_loss.__module__)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "registered True" in result.stdout
     assert "loss dppo_ext.integrations.verl.loss" in result.stdout
 
 
 def test_without_the_plugin_verl_refuses_the_modes(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
         import verl.workers.engine_workers as engine_workers
         print("loss", engine_workers.ppo_loss.__module__)
         get_policy_loss_fn("dppo_topk_tv")
-    """, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")
+    """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
     assert result.returncode != 0
     assert "loss verl.workers.utils.losses" in result.stdout
     assert "Unsupported loss mode: dppo_topk_tv" in result.stderr
 
 
 def test_a_change_that_cannot_be_installed_is_reported_and_raised(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl  # the entry point is switched off, the plugin is imported below, after the change
         import verl.workers.engine.fsdp.transformer_impl as impl
         del impl.FSDPEngineWithLMHead  # a verl release without this class
         import dppo_ext.integrations.verl.plugin  # its hooks run at once on the modules already imported
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
         get_policy_loss_fn("dppo_topk_kl")()
-    """, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")
+    """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
     assert result.returncode != 0
     assert "ERROR" in result.stderr and "could not change verl.workers.engine.fsdp.transformer_impl" in result.stderr
     assert "RuntimeError: dppo_ext's verl plugin is not fully installed" in result.stderr
@@ -117,11 +134,14 @@ def _engine_stub(pad_to_length=False, use_ulysses_sp=False):
     return types.SimpleNamespace(pad_to_length=pad_to_length, use_ulysses_sp=use_ulysses_sp)
 
 
-@pytest.mark.parametrize("setup, match", [
-    (dict(fused=True), "use_fused_kernels"),
-    (dict(pad_to_length=True), "pad_to_length"),
-    (dict(use_ulysses_sp=True), "ulysses_sequence_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "setup, match",
+    [
+        (dict(fused=True), "use_fused_kernels"),
+        (dict(pad_to_length=True), "pad_to_length"),
+        (dict(use_ulysses_sp=True), "ulysses_sequence_parallel_size"),
+    ],
+)
 def test_engine_hook_refuses_unsupported_setups(setup, match):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -142,8 +162,10 @@ def test_engine_hook_marks_only_the_plugins_micro_batches():
         seen["distillation_use_topk"] = tu.get_non_tensor_data(micro_batch, "distillation_use_topk", None)
         return "ran"
 
-    for loss_fn in (functools.partial(verl_ppo_loss, config=verl_cpu.actor_config_for("dppo_topk_tv")),
-                    functools.partial(vloss.ppo_loss, config=verl_cpu.actor_config_for("vanilla"))):
+    for loss_fn in (
+        functools.partial(verl_ppo_loss, config=verl_cpu.actor_config_for("dppo_topk_tv")),
+        functools.partial(vloss.ppo_loss, config=verl_cpu.actor_config_for("vanilla")),
+    ):
         assert _call_wrapper(forward_step, TensorDict({}, batch_size=[0]), loss_fn) == "ran"
         assert seen["distillation_use_topk"] is None
     micro_batch = TensorDict({}, batch_size=[0])
@@ -181,9 +203,14 @@ def test_topk_setting_from_verls_rollout_config():
 
 # ---- config-time validation (verl's validate_config, in the driver before Ray starts) ---------------------------
 
-TOPK_RUN = ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv", "actor_rollout_ref.actor.strategy=fsdp2",
-            "actor_rollout_ref.rollout.name=vllm", "+actor_rollout_ref.rollout.custom.dppo_topk=4",
-            "actor_rollout_ref.actor.clip_ratio_low=0.15", "actor_rollout_ref.actor.clip_ratio_high=0.15"]
+TOPK_RUN = [
+    "actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_tv",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "+actor_rollout_ref.rollout.custom.dppo_topk=4",
+    "actor_rollout_ref.actor.clip_ratio_low=0.15",
+    "actor_rollout_ref.actor.clip_ratio_high=0.15",
+]
 
 
 def _with(overrides: list[str], *changes: str) -> list[str]:
@@ -201,27 +228,41 @@ def test_a_valid_topk_config_and_a_config_without_the_plugin_pass():
     validate(verl_cpu.compose(_with(TOPK_RUN, "algorithm.rollout_correction.bypass_mode=True")))  # V1 keeps the mode
 
 
-@pytest.mark.parametrize("changes, match", [
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_TV"], r"loss_mode='dppo_topk_TV'.*'dppo_topk_tv'"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk"], r"loss_mode='dppo_topk' is not a DPPO loss mode"),
-    (["+actor_rollout_ref.rollout.custom.dppo_topk=0"], r"custom\.dppo_topk must be an int >= 1.*got 0"),
-    (["+actor_rollout_ref.rollout.custom.dppo_topk=abc"], r"custom\.dppo_topk must be an int >= 1.*got 'abc'"),
-    (["+actor_rollout_ref.rollout.custom.dppo_topk=2.5"], r"custom\.dppo_topk must be an int >= 1.*got 2\.5"),
-    (["+actor_rollout_ref.rollout.custom.dppo_topk=25"], r"dppo_topk=25 is more than vLLM returns \(max_logprobs=20\)"),
-    (["~actor_rollout_ref.rollout.custom.dppo_topk"],
-     r"needs the rollout's top-K log-probs: set \+actor_rollout_ref\.rollout\.custom\.dppo_topk=K"),
-    (["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio=null"],
-     r"clip_ratio_low is None and so is its fallback actor_rollout_ref\.actor\.clip_ratio"),
-    (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], r"clip_ratio_high must be a finite number >= 0.*got -0\.1"),
-    (["actor_rollout_ref.actor.clip_ratio_high=null", "actor_rollout_ref.actor.clip_ratio=nan"],
-     r"actor\.clip_ratio \(the fallback of actor_rollout_ref\.actor\.clip_ratio_high.*got nan"),
-    (["actor_rollout_ref.actor.clip_ratio_c=0"], r"clip_ratio_c must be a number > 0.*got 0"),
-    (["actor_rollout_ref.rollout.name=sglang"], r"needs verl's vLLM rollout.*got name='sglang'"),
-    (["actor_rollout_ref.actor.strategy=megatron"], r"strategy=fsdp or fsdp2\), got strategy='megatron'"),
-    (["actor_rollout_ref.model.use_fused_kernels=True"], r"does not support actor_rollout_ref\.model\.use_fused"),
-    (["algorithm.rollout_correction.bypass_mode=True", "trainer.use_v1=False"],
-     r"bypass_mode=True with the legacy trainer \(trainer\.use_v1=False\) replaces"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk_TV"], r"loss_mode='dppo_topk_TV'.*'dppo_topk_tv'"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_topk"], r"loss_mode='dppo_topk' is not a DPPO loss mode"),
+        (["+actor_rollout_ref.rollout.custom.dppo_topk=0"], r"custom\.dppo_topk must be an int >= 1.*got 0"),
+        (["+actor_rollout_ref.rollout.custom.dppo_topk=abc"], r"custom\.dppo_topk must be an int >= 1.*got 'abc'"),
+        (["+actor_rollout_ref.rollout.custom.dppo_topk=2.5"], r"custom\.dppo_topk must be an int >= 1.*got 2\.5"),
+        (
+            ["+actor_rollout_ref.rollout.custom.dppo_topk=25"],
+            r"dppo_topk=25 is more than vLLM returns \(max_logprobs=20\)",
+        ),
+        (
+            ["~actor_rollout_ref.rollout.custom.dppo_topk"],
+            r"needs the rollout's top-K log-probs: set \+actor_rollout_ref\.rollout\.custom\.dppo_topk=K",
+        ),
+        (
+            ["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio=null"],
+            r"clip_ratio_low is None and so is its fallback actor_rollout_ref\.actor\.clip_ratio",
+        ),
+        (["actor_rollout_ref.actor.clip_ratio_high=-0.1"], r"clip_ratio_high must be a finite number >= 0.*got -0\.1"),
+        (
+            ["actor_rollout_ref.actor.clip_ratio_high=null", "actor_rollout_ref.actor.clip_ratio=nan"],
+            r"actor\.clip_ratio \(the fallback of actor_rollout_ref\.actor\.clip_ratio_high.*got nan",
+        ),
+        (["actor_rollout_ref.actor.clip_ratio_c=0"], r"clip_ratio_c must be a number > 0.*got 0"),
+        (["actor_rollout_ref.rollout.name=sglang"], r"needs verl's vLLM rollout.*got name='sglang'"),
+        (["actor_rollout_ref.actor.strategy=megatron"], r"strategy=fsdp or fsdp2\), got strategy='megatron'"),
+        (["actor_rollout_ref.model.use_fused_kernels=True"], r"does not support actor_rollout_ref\.model\.use_fused"),
+        (
+            ["algorithm.rollout_correction.bypass_mode=True", "trainer.use_v1=False"],
+            r"bypass_mode=True with the legacy trainer \(trainer\.use_v1=False\) replaces",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_by_name_at_config_time(changes, match):
     from dppo_ext.integrations.verl.config import validate
 
@@ -243,8 +284,14 @@ def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path):
     environ = child_env()
     environ["PYTHONPATH"] = f"{site}:{environ['PYTHONPATH']}"
     overrides = _with(TOPK_RUN, "+actor_rollout_ref.rollout.custom.dppo_topk=0")
-    result = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], capture_output=True,
-                            text=True, env=environ, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        capture_output=True,
+        text=True,
+        env=environ,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "actor_rollout_ref.rollout.custom.dppo_topk must be an int >= 1" in result.stderr, result.stderr[-3000:]
     assert "ray init kwargs" not in result.stdout
@@ -263,10 +310,21 @@ def test_the_example_command_passes_verls_config_checks(tmp_path):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     for device in ("cpu", "gpu"):
-        args = argparse.Namespace(device=device, mode="dppo_topk_tv", topk=4, delta=0.15, steps=3, prompts=4,
-                                  samples=4, lr=1e-3, ray_cpus=8, seed=0)
-        config = verl_cpu.compose(example.overrides(tmp_path / "model", tmp_path / "t.parquet",
-                                                    tmp_path / "v.parquet", args))
+        args = argparse.Namespace(
+            device=device,
+            mode="dppo_topk_tv",
+            topk=4,
+            delta=0.15,
+            steps=3,
+            prompts=4,
+            samples=4,
+            lr=1e-3,
+            ray_cpus=8,
+            seed=0,
+        )
+        config = verl_cpu.compose(
+            example.overrides(tmp_path / "model", tmp_path / "t.parquet", tmp_path / "v.parquet", args)
+        )
         assert getattr(validate_config, "__dppo_ext__", False)
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
         assert config.trainer.use_v1 and config.actor_rollout_ref.rollout.custom.dppo_topk == 4
@@ -279,6 +337,7 @@ def test_example_parses_verls_console_step_lines():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     step, metrics = example.parse_step_line(
-        "(TaskRunnerV1 pid=1) step:2 - actor/pg_loss:-0.125 - actor/dppo_masked_frac:0.0625 - timing_s/gen:1.5")
+        "(TaskRunnerV1 pid=1) step:2 - actor/pg_loss:-0.125 - actor/dppo_masked_frac:0.0625 - timing_s/gen:1.5"
+    )
     assert step == 2 and metrics == {"actor/pg_loss": -0.125, "actor/dppo_masked_frac": 0.0625, "timing_s/gen": 1.5}
     assert example.parse_step_line("no step here") is None

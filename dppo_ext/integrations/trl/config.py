@@ -45,9 +45,17 @@ _TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_g
 # one to a non-default value gets a warning. (vllm_importance_sampling_correction is not listed: both of its values
 # give the same DPPO loss, whose weight min(pi / mu, C) already corrects against mu.)
 _IGNORED_TRL_LOSS_FIELDS = (
-    "importance_sampling_level", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-    "vespo_k_neg", "vespo_lambda_neg", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "importance_sampling_level",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_cap",
 )
 
 
@@ -109,20 +117,26 @@ class DPPOGRPOConfig(GRPOConfig):
     )
     dppo_vllm_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
-                          "bfloat16/float16), float32, bfloat16 or float16."},
+        metadata={
+            "help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
+            "bfloat16/float16), float32, bfloat16 or float16."
+        },
     )
     dppo_vllm_kv_cache_gib: Optional[float] = field(
         default=None,
-        metadata={"help": "KV-cache size of the colocated vLLM engine in GiB; None: from vllm_gpu_memory_utilization "
-                          "(on CPU a share of the RAM that must be free at start)."},
+        metadata={
+            "help": "KV-cache size of the colocated vLLM engine in GiB; None: from vllm_gpu_memory_utilization "
+            "(on CPU a share of the RAM that must be free at start)."
+        },
     )
 
     bf16: Optional[bool] = field(
         default=None,
-        metadata={"help": "bf16 (mixed) precision autocast of the trainer. None: True on a GPU (TRL's default, unless "
-                          "fp16), False on the CPU (use_cpu=True or no accelerator), where bf16 rounding would show "
-                          "up as pi/mu mismatch."},
+        metadata={
+            "help": "bf16 (mixed) precision autocast of the trainer. None: True on a GPU (TRL's default, unless "
+            "fp16), False on the CPU (use_cpu=True or no accelerator), where bf16 rounding would show "
+            "up as pi/mu mismatch."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -131,8 +145,14 @@ class DPPOGRPOConfig(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not _trains_on_cpu(self.use_cpu)
         super().__post_init__()
-        check_settings(self.dppo_mode, self.temperature, self.dppo_delta_low, self.dppo_delta_high,
-                       self.dppo_ratio_cap, prefix="dppo_")
+        check_settings(
+            self.dppo_mode,
+            self.temperature,
+            self.dppo_delta_low,
+            self.dppo_delta_high,
+            self.dppo_ratio_cap,
+            prefix="dppo_",
+        )
         self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
             raise ValueError(
@@ -145,28 +165,34 @@ class DPPOGRPOConfig(GRPOConfig):
         if self.dppo_loss_agg_mode in NORM_AGG_MODES and not (self.max_completion_length or 0) > 0:
             raise ValueError(
                 f"dppo_loss_agg_mode={self.dppo_loss_agg_mode!r} divides by max_completion_length, which must be a "
-                f"positive int, got {self.max_completion_length!r}")
+                f"positive int, got {self.max_completion_length!r}"
+            )
 
     def _check_dppo_field_types(self) -> None:
         """The ``dppo_*`` fields whose type decides their meaning: a float K or chunk size, a string flag (``"False"``
         is truthy) or a KV-cache size that rounds to no byte would otherwise fail deep in the trainer or mean
         something else. (Mode, thresholds, cap and aggregation are checked by value in ``__post_init__``.)"""
         _check_int("dppo_topk", self.dppo_topk, minimum=0, meaning="K, the rollout top-K log-probs per token")
-        _check_int("dppo_chunk_size", self.dppo_chunk_size, minimum=1, meaning="rows per fused-linear chunk",
-                   none="automatic")
+        _check_int(
+            "dppo_chunk_size", self.dppo_chunk_size, minimum=1, meaning="rows per fused-linear chunk", none="automatic"
+        )
         if not isinstance(self.dppo_fused_linear, bool):
             raise ValueError(f"dppo_fused_linear must be True or False, got {self.dppo_fused_linear!r}")
         if not (isinstance(self.dppo_vllm_dtype, str) and self.dppo_vllm_dtype in VLLM_DTYPES):
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
         gib = self.dppo_vllm_kv_cache_gib
-        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
-                                or not (math.isfinite(gib) and gib > 0)):
-            raise ValueError(f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), "
-                             f"got {gib!r}")
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, (int, float)) or not (math.isfinite(gib) and gib > 0)
+        ):
+            raise ValueError(
+                f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), got {gib!r}"
+            )
         if gib is not None and self.dppo_vllm_kv_cache_bytes < 1:
-            raise ValueError(f"dppo_vllm_kv_cache_gib={gib!r} is {gib * GIB!r} bytes, which vLLM's whole-byte size "
-                             f"rounds down to 0 (no KV cache at all); give a size that holds the KV cache of at least "
-                             f"one sequence (e.g. 0.5 GiB) or None (vLLM's sizing)")
+            raise ValueError(
+                f"dppo_vllm_kv_cache_gib={gib!r} is {gib * GIB!r} bytes, which vLLM's whole-byte size "
+                f"rounds down to 0 (no KV cache at all); give a size that holds the KV cache of at least "
+                f"one sequence (e.g. 0.5 GiB) or None (vLLM's sizing)"
+            )
 
     @property
     def dppo_vllm_kv_cache_bytes(self) -> Optional[int]:
@@ -179,27 +205,36 @@ class DPPOGRPOConfig(GRPOConfig):
         if self.loss_type != _TRL_DEFAULT_LOSS_TYPE and self.dppo_loss_agg_mode is not None:
             raise ValueError(
                 f"set either loss_type (TRL's name) or dppo_loss_agg_mode, not both: got loss_type={self.loss_type!r} "
-                f"and dppo_loss_agg_mode={self.dppo_loss_agg_mode!r}")
+                f"and dppo_loss_agg_mode={self.dppo_loss_agg_mode!r}"
+            )
         if self.dppo_loss_agg_mode is None:
             if self.loss_type not in _TRL_LOSS_TYPE_AGG:
                 raise ValueError(
                     f"loss_type={self.loss_type!r} is a TRL loss formula of its own, not an aggregation DPPO can use; "
-                    f"set dppo_loss_agg_mode to one of {AGG_MODES} (loss_type maps only {dict(_TRL_LOSS_TYPE_AGG)})")
+                    f"set dppo_loss_agg_mode to one of {AGG_MODES} (loss_type maps only {dict(_TRL_LOSS_TYPE_AGG)})"
+                )
             self.dppo_loss_agg_mode = _TRL_LOSS_TYPE_AGG[self.loss_type]
-        ratio_clips = {"epsilon": (self.epsilon, 0.2), "epsilon_high": (self.epsilon_high, None),
-                       "delta": (self.delta, None)}
+        ratio_clips = {
+            "epsilon": (self.epsilon, 0.2),
+            "epsilon_high": (self.epsilon_high, None),
+            "delta": (self.delta, None),
+        }
         changed = {name: value for name, (value, default) in ratio_clips.items() if value != default}
         if changed:
             raise ValueError(
                 f"DPPOGRPOTrainer does not read TRL's ratio-clip fields {changed}: DPPO's thresholds bound a "
                 f"divergence (binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set "
                 f"dppo_delta_low / dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / "
-                f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
+                f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)"
+            )
 
     def _warn_ignored_trl_fields(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-        changed = {name: getattr(self, name) for name in _IGNORED_TRL_LOSS_FIELDS
-                   if name in defaults and getattr(self, name) != defaults[name]}
+        changed = {
+            name: getattr(self, name)
+            for name in _IGNORED_TRL_LOSS_FIELDS
+            if name in defaults and getattr(self, name) != defaults[name]
+        }
         if changed:
             warnings.warn(
                 f"DPPOGRPOConfig: the DPPO loss ignores TRL's own loss settings {changed}; set the DPPO ones instead "

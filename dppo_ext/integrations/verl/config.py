@@ -81,14 +81,16 @@ def thresholds(actor: Any) -> Thresholds:
                 raise ValueError(
                     f"{ACTOR}.{name} is None and so is its fallback {ACTOR}.clip_ratio: the DPPO loss modes need a "
                     f"divergence threshold; set {ACTOR}.{name} (a probability difference for the TV modes, e.g. "
-                    "0.15; nats for the KL modes, e.g. 0.05)")
+                    "0.15; nats for the KL modes, e.g. 0.05)"
+                )
         if not _is_number(value) or not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{source} must be a finite number >= 0 (a DPPO divergence threshold), got {value!r}")
         deltas.append(float(value))
     cap = _get(actor, "clip_ratio_c", 3.0)
     if not _is_number(cap) or math.isnan(cap) or not cap > 0:
-        raise ValueError(f"{ACTOR}.clip_ratio_c must be a number > 0 (the cap C of the DPPO weight min(pi / mu, C)), "
-                         f"got {cap!r}")
+        raise ValueError(
+            f"{ACTOR}.clip_ratio_c must be a number > 0 (the cap C of the DPPO weight min(pi / mu, C)), got {cap!r}"
+        )
     return Thresholds(deltas[0], deltas[1], float(cap))
 
 
@@ -98,11 +100,13 @@ def check_topk(value: Any, max_logprobs: Optional[int] = None) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"{ROLLOUT}.custom.{TOPK_CONFIG_KEY} must be an int >= 1 (the K of the top-K DPPO modes), got {value!r}")
+            f"{ROLLOUT}.custom.{TOPK_CONFIG_KEY} must be an int >= 1 (the K of the top-K DPPO modes), got {value!r}"
+        )
     if max_logprobs is not None and value > max_logprobs:
         raise ValueError(
             f"{ROLLOUT}.custom.{TOPK_CONFIG_KEY}={value} is more than vLLM returns (max_logprobs={max_logprobs}): "
-            f"lower K or raise it with +{ROLLOUT}.engine_kwargs.vllm.max_logprobs={value}")
+            f"lower K or raise it with +{ROLLOUT}.engine_kwargs.vllm.max_logprobs={value}"
+        )
     return value
 
 
@@ -121,28 +125,43 @@ def validate(config: Any) -> None:
     k = check_topk(_get(custom, TOPK_CONFIG_KEY), _max_logprobs(rollout)) if custom else 0
     if mode not in VERL_MODES:
         if isinstance(mode, str) and mode.strip().lower().replace("-", "_") in VERL_MODES:
-            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a loss mode (names are case- and "
-                             f"spelling-exact): did you mean {mode.strip().lower().replace('-', '_')!r}?")
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a loss mode (names are case- and "
+                f"spelling-exact): did you mean {mode.strip().lower().replace('-', '_')!r}?"
+            )
         if isinstance(mode, str) and mode.lower().startswith("dppo") and mode not in _verl_registry():
-            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a DPPO loss mode; dppo_ext's verl plugin "
-                             f"provides {tuple(VERL_MODES)}")
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a DPPO loss mode; dppo_ext's verl plugin "
+                f"provides {tuple(VERL_MODES)}"
+            )
         if k:
-            logger.warning("%s.custom.%s=%d is set but %s.policy_loss.loss_mode=%r does not read the top-K",
-                           ROLLOUT, TOPK_CONFIG_KEY, k, ACTOR, mode)
+            logger.warning(
+                "%s.custom.%s=%d is set but %s.policy_loss.loss_mode=%r does not read the top-K",
+                ROLLOUT,
+                TOPK_CONFIG_KEY,
+                k,
+                ACTOR,
+                mode,
+            )
         return
     spec = VERL_MODES[mode]
     thresholds(actor)
     strategy = _get(actor, "strategy")
     if strategy not in ("fsdp", "fsdp2"):
-        message = (f"{ACTOR}.policy_loss.loss_mode={mode} is computed by dppo_ext inside verl's FSDP engine "
-                   f"({ACTOR}.strategy=fsdp or fsdp2), got strategy={strategy!r}")
+        message = (
+            f"{ACTOR}.policy_loss.loss_mode={mode} is computed by dppo_ext inside verl's FSDP engine "
+            f"({ACTOR}.strategy=fsdp or fsdp2), got strategy={strategy!r}"
+        )
         if spec.topk:
             raise ValueError(message)
         logger.warning("%s; verl's own %s runs instead", message, mode)
-    for flag, what in ((_get(_get(arr, "model"), "use_fused_kernels", False),
-                        "actor_rollout_ref.model.use_fused_kernels=True (the fused kernels never form the logits)"),
-                       ((_get(actor, "ulysses_sequence_parallel_size", 1) or 1) > 1,
-                        f"{ACTOR}.ulysses_sequence_parallel_size > 1")):
+    for flag, what in (
+        (
+            _get(_get(arr, "model"), "use_fused_kernels", False),
+            "actor_rollout_ref.model.use_fused_kernels=True (the fused kernels never form the logits)",
+        ),
+        ((_get(actor, "ulysses_sequence_parallel_size", 1) or 1) > 1, f"{ACTOR}.ulysses_sequence_parallel_size > 1"),
+    ):
         if flag:
             raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode} (dppo_ext) does not support {what}")
     bypass = bool(_get(_get(_get(config, "algorithm"), "rollout_correction"), "bypass_mode", False))
@@ -152,24 +171,31 @@ def validate(config: Any) -> None:
             f"algorithm.rollout_correction.bypass_mode=True with the legacy trainer (trainer.use_v1=False) replaces "
             f"{ACTOR}.policy_loss.loss_mode={mode} by verl's own 'bypass_mode' loss (rollout_corr_helper."
             "apply_bypass_mode), so the DPPO loss would never run: use the V1 trainer (trainer.use_v1=True, verl's "
-            "default), where bypass mode keeps the loss mode, or turn bypass_mode off")
+            "default), where bypass mode keeps the loss mode, or turn bypass_mode off"
+        )
     if spec.topk:
         if not k:
             raise ValueError(
                 f"{ACTOR}.policy_loss.loss_mode={mode} needs the rollout's top-K log-probs: set "
                 f"+{ROLLOUT}.custom.{TOPK_CONFIG_KEY}=K (K >= 1, at most vLLM's max_logprobs, "
-                f"{_max_logprobs(rollout)})")
+                f"{_max_logprobs(rollout)})"
+            )
         name = _get(rollout, "name")
         if name != "vllm":
-            raise ValueError(f"{ACTOR}.policy_loss.loss_mode={mode} needs verl's vLLM rollout ({ROLLOUT}.name=vllm), "
-                             f"whose server the plugin makes return the top-K; got name={name!r}")
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={mode} needs verl's vLLM rollout ({ROLLOUT}.name=vllm), "
+                f"whose server the plugin makes return the top-K; got name={name!r}"
+            )
         logprobs_mode = _get(rollout, "logprobs_mode", "processed_logprobs")
         temperature = _get(rollout, "temperature", 1.0)
         if logprobs_mode != "processed_logprobs" and temperature != 1.0:
             logger.warning(
                 "%s.logprobs_mode=%r at temperature %s: mu and the top-K are then log-probs of the raw logits, not of "
                 "logits / T, which the actor scores; every token looks mismatched (keep processed_logprobs)",
-                ROLLOUT, logprobs_mode, temperature)
+                ROLLOUT,
+                logprobs_mode,
+                temperature,
+            )
 
 
 def _verl_registry() -> frozenset[str]:

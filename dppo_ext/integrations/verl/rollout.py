@@ -40,8 +40,16 @@ from dppo_ext.rollout.vllm_outputs import extract_token_logprobs
 
 from .config import TOPK_CONFIG_KEY, check_topk
 
-__all__ = ["TOPK_CONFIG_KEY", "TOPK_FIELD", "TOPK_IDS_KEY", "TOPK_LOGPROBS_KEY", "RolloutTopK",
-           "patch_agent_loop_output", "patch_vllm_server", "topk_from_rollout_config"]
+__all__ = [
+    "TOPK_CONFIG_KEY",
+    "TOPK_FIELD",
+    "TOPK_IDS_KEY",
+    "TOPK_LOGPROBS_KEY",
+    "RolloutTopK",
+    "patch_agent_loop_output",
+    "patch_vllm_server",
+    "topk_from_rollout_config",
+]
 
 # The extra_fields / non_tensor_batch key that carries one RolloutTopK per sample.
 TOPK_FIELD = "dppo_topk"
@@ -69,8 +77,10 @@ class RolloutTopK:
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape != self.logprobs.shape:
-            raise ValueError(f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and "
-                             f"{self.logprobs.shape}")
+            raise ValueError(
+                f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and "
+                f"{self.logprobs.shape}"
+            )
 
     @property
     def k(self) -> int:
@@ -83,8 +93,10 @@ class RolloutTopK:
     def from_vllm(cls, token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, Any]], k: int) -> RolloutTopK:
         """From one vLLM ``CompletionOutput`` (``.token_ids``, ``.logprobs``) generated with ``logprobs >= k``."""
         _, ids, logprobs = extract_token_logprobs(list(token_ids), position_logprobs, k)
-        return cls(np.asarray(ids, dtype=np.int32).reshape(len(token_ids), k),
-                   np.asarray(logprobs, dtype=np.float32).reshape(len(token_ids), k))
+        return cls(
+            np.asarray(ids, dtype=np.int32).reshape(len(token_ids), k),
+            np.asarray(logprobs, dtype=np.float32).reshape(len(token_ids), k),
+        )
 
 
 def topk_from_rollout_config(config: Any) -> int:
