@@ -182,7 +182,7 @@ def run_timing(args: argparse.Namespace, cases: list[str]) -> dict:
 def _plan(args: argparse.Namespace, case: str) -> dict | None:
     import torch
 
-    from dppo_ext._chunking import plan_chunks
+    from dppo_ext._lm_head_tiles import plan_chunks
 
     name, chunk = _split_case(case)
     if not name.startswith("fused"):

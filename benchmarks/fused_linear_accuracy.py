@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from dppo_ext import dppo_loss, fused_linear_dppo_loss  # noqa: E402
-from dppo_ext._chunking import plan_chunks  # noqa: E402
+from dppo_ext._lm_head_tiles import plan_chunks  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODE = "binary_tv"

@@ -61,9 +61,9 @@ from ._vocab_split import (
 )
 from .contract import IGNORE_INDEX, accumulation_dtype
 
-# The vocabulary split's public helpers that docs/distributed.md names here (their code: dppo_ext._vocab_split); the entry
-# points are dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss and fused_linear_dppo_loss_per_row with
-# vocab_parallel_group=.
+# The vocabulary split's public helpers that docs/distributed.md names here (their code: dppo_ext._vocab_split);
+# the entry points are dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss and fused_linear_dppo_loss_per_row
+# with vocab_parallel_group=.
 __all__ = [
     "even_vocab_offsets",
     "gathered_bytes_per_row",
