@@ -34,8 +34,10 @@ ROOT = Path(__file__).resolve().parent
 VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "dppo_ext" / "_version.py").read_text(), re.M).group(1)
 DEFAULT_ARCHS = "8.0;9.0+PTX"
 MIN_SETUPTOOLS = (77, 0)  # the SPDX `license = "Apache-2.0"` string in pyproject.toml (PEP 639)
-INSTALL_HINT = ('pip install "setuptools>=77" ninja && pip install --no-build-isolation <the path or URL you gave pip> '
-                "(in a clone: -e .)")
+INSTALL_HINT = (
+    'pip install "setuptools>=77" ninja && pip install --no-build-isolation <the path or URL you gave pip> '
+    "(in a clone: -e .)"
+)
 
 # Compiled once per instruction set (CPU_CAPABILITY), in that order: the baseline build links
 # first, so an inline function that several builds emit resolves to its baseline copy.
@@ -45,8 +47,20 @@ CPU_ISA_BUILDS = [
     ("AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     # (torch's vec512 headers trip GCC's maybe-uninitialized and unknown-pragma warnings by the
     # thousand lines; silenced for that build only.)
-    ("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                "-Wno-maybe-uninitialized", "-Wno-unknown-pragmas"]),
+    (
+        "AVX512",
+        [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-Wno-maybe-uninitialized",
+            "-Wno-unknown-pragmas",
+        ],
+    ),
 ]
 # Commands that compile the library (an sdist, egg_info or dist_info needs no torch).
 BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install", "bdist_egg"}
@@ -65,8 +79,14 @@ def _torch_outside_build_env():
     """The torch version this interpreter sees without pip's build isolation (None if none)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
     try:
-        out = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                             env=env, capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run(
+            [sys.executable, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -76,20 +96,23 @@ def _check_build_environment() -> None:
     """Stop before compiling anything when the build cannot produce a library that imports."""
     have = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
     if have < MIN_SETUPTOOLS:
-        _fail(f"setuptools {setuptools.__version__} is too old to build dppo_ext (need >= 77).\n"
-              f"Run: {INSTALL_HINT}")
+        _fail(f"setuptools {setuptools.__version__} is too old to build dppo_ext (need >= 77).\nRun: {INSTALL_HINT}")
     try:
         import torch  # noqa: F401
     except ImportError:
         outside = _torch_outside_build_env()
         if outside:
-            _fail(f"torch is not visible to this build, but torch {outside} is installed in {sys.prefix}.\n"
-                  "pip is building in an isolated environment (its default); dppo_ext's native library must be\n"
-                  "compiled against the torch you run, so build it with --no-build-isolation:\n"
-                  f"  {INSTALL_HINT}")
-        _fail("torch is not installed. dppo_ext's native library is compiled against the installed torch\n"
-              "(>= 2.11, the CPU or the CUDA build you want): install it first, then build without isolation:\n"
-              f"  pip install torch && {INSTALL_HINT}")
+            _fail(
+                f"torch is not visible to this build, but torch {outside} is installed in {sys.prefix}.\n"
+                "pip is building in an isolated environment (its default); dppo_ext's native library must be\n"
+                "compiled against the torch you run, so build it with --no-build-isolation:\n"
+                f"  {INSTALL_HINT}"
+            )
+        _fail(
+            "torch is not installed. dppo_ext's native library is compiled against the installed torch\n"
+            "(>= 2.11, the CPU or the CUDA build you want): install it first, then build without isolation:\n"
+            f"  pip install torch && {INSTALL_HINT}"
+        )
 
 
 def _find_cuda_home():
@@ -103,8 +126,12 @@ def _find_cuda_home():
         candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     candidates += ["/usr/local/cuda", cpp_extension.CUDA_HOME]
     for cand in candidates:
-        if cand and (Path(cand) / "bin" / "nvcc").exists() and any(
-            (Path(cand) / lib / "libcudart.so").exists() for lib in ("lib64", "lib", "targets/x86_64-linux/lib")
+        if (
+            cand
+            and (Path(cand) / "bin" / "nvcc").exists()
+            and any(
+                (Path(cand) / lib / "libcudart.so").exists() for lib in ("lib64", "lib", "targets/x86_64-linux/lib")
+            )
         ):
             return str(Path(cand).resolve())
     return None
@@ -128,8 +155,14 @@ def build_extensions():
     std = "-std=c++20" if torch_minor >= (2, 14) else "-std=c++17"
     # -ffp-contract=off: z * (1/T) - max must round the product on its own; an FMA keeps the
     # product's residual, which for |z| ~ 1e30 is itself huge and overflows exp().
-    cxx = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", std, "-fopenmp", "-ffp-contract=off",
-           f"-DDPPO_VERSION=\"{VERSION}\"", f"-DDPPO_TORCH_VERSION=\"{torch.__version__}\""]
+    cxx = [
+        "-O3" if not _env_flag("DPPO_DEBUG") else "-O0",
+        std,
+        "-fopenmp",
+        "-ffp-contract=off",
+        f'-DDPPO_VERSION="{VERSION}"',
+        f'-DDPPO_TORCH_VERSION="{torch.__version__}"',
+    ]
     cxx += [f"-DDPPO_CPU_HAVE_{name}" for name in isa_names if name != "DEFAULT"]
     if _env_flag("DPPO_DEBUG"):
         cxx.append("-g")
@@ -160,17 +193,23 @@ def build_extensions():
         _fail(f"DPPO_FORCE_CUDA=1 but the CUDA kernels cannot be built: {reason}")
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
-    nvcc = ["-O3" if not _env_flag("DPPO_DEBUG") else "-O0", std, "--use_fast_math",
-            "--expt-relaxed-constexpr", "-lineinfo", f"-DDPPO_VERSION=\"{VERSION}\""]
-    common = dict(include_dirs=[str(ROOT / "csrc")], extra_link_args=["-fopenmp"],
-                  depends=CPU_ISA_SOURCES + headers)
+    nvcc = [
+        "-O3" if not _env_flag("DPPO_DEBUG") else "-O0",
+        std,
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        f'-DDPPO_VERSION="{VERSION}"',
+    ]
+    common = dict(include_dirs=[str(ROOT / "csrc")], extra_link_args=["-fopenmp"], depends=CPU_ISA_SOURCES + headers)
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         cxx.append("-DDPPO_WITH_CUDA")
         nvcc.append("-DDPPO_WITH_CUDA")
-        cxx.append(f"-DDPPO_CUDA_ARCH_LIST=\"{archs}\"")
-        ext = cpp_extension.CUDAExtension("dppo_ext._C", sources + cuda_sources,
-                                          extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **common)
+        cxx.append(f'-DDPPO_CUDA_ARCH_LIST="{archs}"')
+        ext = cpp_extension.CUDAExtension(
+            "dppo_ext._C", sources + cuda_sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **common
+        )
     else:
         ext = cpp_extension.CppExtension("dppo_ext._C", sources, extra_compile_args={"cxx": cxx}, **common)
 
@@ -186,18 +225,24 @@ def build_extensions():
             objects = []
             for name, flags in isa_builds:
                 objects += self.compiler.compile(
-                    CPU_ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_{name.lower()}"),
+                    CPU_ISA_SOURCES,
+                    output_dir=os.path.join(self.build_temp, f"cpu_{name.lower()}"),
                     macros=list(extension.define_macros) + [("CPU_CAPABILITY", name), (f"CPU_CAPABILITY_{name}", None)],
-                    include_dirs=extension.include_dirs, debug=self.debug,
-                    extra_postargs={"cxx": base_cxx + flags, "nvcc": []}, depends=extension.depends)
+                    include_dirs=extension.include_dirs,
+                    debug=self.debug,
+                    extra_postargs={"cxx": base_cxx + flags, "nvcc": []},
+                    depends=extension.depends,
+                )
             extension.extra_objects = objects
             super().build_extension(extension)
 
     print("=" * 72)
     print(f"dppo_ext {VERSION} build summary")
     print(f"  torch            : {torch.__version__} (CUDA {torch.version.cuda})")
-    print(f"  CPU kernels      : yes, one build per instruction set: {', '.join(n.lower() for n in isa_names)}"
-          " (chosen at run time)")
+    print(
+        f"  CPU kernels      : yes, one build per instruction set: {', '.join(n.lower() for n in isa_names)}"
+        " (chosen at run time)"
+    )
     print(f"  CUDA kernels     : {'yes' if with_cuda else 'no'}" + (f" ({reason})" if reason else ""))
     if with_cuda:
         print(f"  CUDA_HOME        : {os.environ['CUDA_HOME']}")

@@ -111,8 +111,9 @@ class Step:
         args = (self.tokens, self.rollout, self.advantages)
         if name in ("fused", "fused_f32sums"):
             accum = self.torch.float32 if name == "fused_f32sums" else None
-            loss = fused_linear_dppo_loss(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk,
-                                          accum_dtype=accum)[0]
+            loss = fused_linear_dppo_loss(
+                self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk, accum_dtype=accum
+            )[0]
         elif name == "fused_recompute":
             out = fused_linear_dppo_loss_per_row(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)
             loss = out.loss.sum() / self.n
@@ -160,7 +161,7 @@ def run_timing(args: argparse.Namespace, cases: list[str]) -> dict:
     times: dict[str, list[float]] = {c: [] for c in cases}
     cpu_times: dict[str, list[float]] = {c: [] for c in cases}
     for r in range(args.rounds):
-        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        order = cases[r % len(cases) :] + cases[: r % len(cases)]
         for case in order:
             gc.collect()
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -170,8 +171,12 @@ def run_timing(args: argparse.Namespace, cases: list[str]) -> dict:
     out = {}
     for case, values in times.items():
         cpu = cpu_times[case]
-        rec = {"median_s": statistics.median(values), "times_s": values, "median_cpu_s": statistics.median(cpu),
-               "cpu_times_s": cpu}
+        rec = {
+            "median_s": statistics.median(values),
+            "times_s": values,
+            "median_cpu_s": statistics.median(cpu),
+            "cpu_times_s": cpu,
+        }
         if "logits" in times:
             rec["ratio_to_logits"] = statistics.median(t / b for t, b in zip(values, times["logits"]))
             rec["cpu_ratio_to_logits"] = statistics.median(t / b for t, b in zip(cpu, cpu_times["logits"]))
@@ -202,9 +207,24 @@ def _mem_available_bytes() -> int:
 
 
 def _child(args: argparse.Namespace, extra: list[str]) -> dict:
-    passthrough = ["--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--dtype", args.dtype,
-                   "--device", args.device, "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-                   "--rounds", str(args.rounds)]
+    passthrough = [
+        "--n",
+        str(args.n),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--rounds",
+        str(args.rounds),
+    ]
     # the memory children: every freed block of 64 KiB or more leaves the resident set (benchlib/peak_memory.py);
     # the timing child keeps the allocator's defaults, as a trainer has them
     env = dict(os.environ, **MALLOC_ENV) if "--case" in extra else dict(os.environ)
@@ -226,8 +246,9 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", default="", help="comma list: add fused@<rows> cases with that chunk size")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
     parser.add_argument("--no-timing", action="store_true", help="skip the alternating timing process")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per memory process (default 1, "
-                        "0 at the target size)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per memory process (default 1, 0 at the target size)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per memory process (default 1)")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5, 2 at the target size)")
     parser.add_argument("--out-dir", default="artifacts/bench_fused_linear")
@@ -256,17 +277,25 @@ def main() -> None:
     # Only a guard against swapping the machine: logits + their gradient + weight and its gradient.
     rough_need = (2 * args.n * args.vocab + 2 * args.vocab * args.hidden) * element
     if args.device == "cpu" and rough_need > 0.9 * _mem_available_bytes():
-        sys.exit(f"the logits path needs about {rough_need / GIB:.1f} GiB but only "
-                 f"{_mem_available_bytes() / GIB:.1f} GiB are available: use smaller --n/--vocab or --small")
+        sys.exit(
+            f"the logits path needs about {rough_need / GIB:.1f} GiB but only "
+            f"{_mem_available_bytes() / GIB:.1f} GiB are available: use smaller --n/--vocab or --small"
+        )
 
     from benchlib.machine import machine_info  # imports torch: only the parent process needs it here
 
     machine = machine_info(args.device)
-    print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} {args.device} mode={MODE} cases={cases} "
-          f"memory: warmup={args.warmup} repeats={args.repeats}; timing: {args.rounds} rounds", flush=True)
-    print(f"host: {machine['cpu_model']}, {machine['cpu_count']} cores, widest SIMD {machine['cpu_simd']} "
-          f"(dppo_ext CPU kernels: {machine.get('dppo_ext_cpu_capability')}), torch {machine['torch']}, "
-          f"load {machine['loadavg_start'][0]:.1f}", flush=True)
+    print(
+        f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} {args.device} mode={MODE} cases={cases} "
+        f"memory: warmup={args.warmup} repeats={args.repeats}; timing: {args.rounds} rounds",
+        flush=True,
+    )
+    print(
+        f"host: {machine['cpu_model']}, {machine['cpu_count']} cores, widest SIMD {machine['cpu_simd']} "
+        f"(dppo_ext CPU kernels: {machine.get('dppo_ext_cpu_capability')}), torch {machine['torch']}, "
+        f"load {machine['loadavg_start'][0]:.1f}",
+        flush=True,
+    )
     results = {case: {"case": case, "plan": _plan(args, case)} for case in cases}
     if not args.no_memory:
         for case in cases:
@@ -276,25 +305,32 @@ def main() -> None:
         for case, rec in _child(args, ["--timing", ",".join(cases)]).items():
             results[case].update(timing=rec)
     logits_peak = results.get("logits", {}).get("peak_bytes")
-    print(f"{'case':16s} {'peak GiB':>9s} {'x logits':>9s} {'median s':>9s} {'x logits (paired)':>18s} "
-          f"{'CPU s':>8s} {'CPU x logits':>13s}")
+    print(
+        f"{'case':16s} {'peak GiB':>9s} {'x logits':>9s} {'median s':>9s} {'x logits (paired)':>18s} "
+        f"{'CPU s':>8s} {'CPU x logits':>13s}"
+    )
     for case, r in results.items():
         peak = r.get("peak_bytes")
         t = r.get("timing", {})
         if peak is not None and logits_peak:
             r["peak_ratio_to_logits"] = peak / logits_peak
-        print(f"{case:16s} {'-' if peak is None else f'{peak / GIB:9.3f}':>9s} "
-              f"{r.get('peak_ratio_to_logits', float('nan')):9.3f} {t.get('median_s', float('nan')):9.3f} "
-              f"{t.get('ratio_to_logits', float('nan')):18.3f} {t.get('median_cpu_s', float('nan')):8.3f} "
-              f"{t.get('cpu_ratio_to_logits', float('nan')):13.3f}")
+        print(
+            f"{case:16s} {'-' if peak is None else f'{peak / GIB:9.3f}':>9s} "
+            f"{r.get('peak_ratio_to_logits', float('nan')):9.3f} {t.get('median_s', float('nan')):9.3f} "
+            f"{t.get('ratio_to_logits', float('nan')):18.3f} {t.get('median_cpu_s', float('nan')):8.3f} "
+            f"{t.get('cpu_ratio_to_logits', float('nan')):13.3f}"
+        )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "device", "warmup", "repeats", "rounds",
-                                             "chunk_sizes")}
+    config = {
+        k: getattr(args, k)
+        for k in ("n", "hidden", "vocab", "dtype", "device", "warmup", "repeats", "rounds", "chunk_sizes")
+    }
     config["mode"] = MODE
     machine["loadavg_end"] = os.getloadavg()
     (out_dir / "bench_fused_linear.json").write_text(
-        json.dumps({"config": config, "machine": machine, "results": list(results.values())}, indent=2))
+        json.dumps({"config": config, "machine": machine, "results": list(results.values())}, indent=2)
+    )
     _plot(list(results.values()), config, out_dir / "bench_fused_linear.png")
     print(f"wrote {out_dir / 'bench_fused_linear.json'} and .png")
 
@@ -313,8 +349,9 @@ def _plot(results: list[dict], config: dict, path: Path) -> None:
     ax_time.set_ylabel("fwd+bwd step, median (s)")
     for ax in (ax_mem, ax_time):
         ax.tick_params(axis="x", labelrotation=30)
-    fig.suptitle(f"DPPO loss step, N={config['n']} H={config['hidden']} V={config['vocab']} {config['dtype']} "
-                 f"{config['device']}")
+    fig.suptitle(
+        f"DPPO loss step, N={config['n']} H={config['hidden']} V={config['vocab']} {config['dtype']} {config['device']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

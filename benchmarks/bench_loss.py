@@ -64,33 +64,49 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--sections", type=_names, default=list(SECTIONS), help=f"comma list of {SECTIONS}")
-    p.add_argument("--out-dir", default=None,
-                   help="default: benchmarks/results/ (the committed figures); artifacts/bench_loss_quick/ with --quick")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="default: benchmarks/results/ (the committed figures); artifacts/bench_loss_quick/ with --quick",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes and repeats: checks the harness, not the op")
-    p.add_argument("--large", action="store_true",
-                   help="larger scaling sizes (N up to 32768; compile in every scaling point); needs ~40 GiB")
+    p.add_argument(
+        "--large",
+        action="store_true",
+        help="larger scaling sizes (N up to 32768; compile in every scaling point); needs ~40 GiB",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topk", type=int, default=20, help="K of the top-K modes (default 20, vLLM's default)")
-    p.add_argument("--no-entropy", dest="entropy", action="store_false",
-                   help="compute_entropy=False for every contender (default: True, the API's default)")
+    p.add_argument(
+        "--no-entropy",
+        dest="entropy",
+        action="store_false",
+        help="compute_entropy=False for every contender (default: True, the API's default)",
+    )
     g = p.add_argument_group("speed section")
     g.add_argument("--modes", type=_names, default=list(inputs.MODES))
     g.add_argument("--dtypes", type=_names, default=["float32", "bfloat16"])
-    g.add_argument("--contenders", type=_names, default=list(contenders.ALL_CONTENDERS),
-                   help="contenders to run (those that cannot run here are skipped with the reason)")
+    g.add_argument(
+        "--contenders",
+        type=_names,
+        default=list(contenders.ALL_CONTENDERS),
+        help="contenders to run (those that cannot run here are skipped with the reason)",
+    )
     g.add_argument("--speed-n", type=int, default=2048)
     g.add_argument("--speed-v", type=int, default=32768)
     g.add_argument("--warmup", type=int, default=1)
     g.add_argument("--repeats", type=int, default=5, help="timed steps of the fused contenders")
-    g.add_argument("--baseline-repeats", type=int, default=3,
-                   help="timed steps of the slow baselines (eager, compile, Liger)")
+    g.add_argument(
+        "--baseline-repeats", type=int, default=3, help="timed steps of the slow baselines (eager, compile, Liger)"
+    )
     g = p.add_argument_group("memory section (the stated memory point)")
     g.add_argument("--memory-n", type=int, default=4096)
     g.add_argument("--memory-v", type=int, default=151936)
     g.add_argument("--memory-dtype", default="bfloat16")
     g.add_argument("--memory-modes", type=_names, default=["topk_kl"])
-    g.add_argument("--memory-repeats", type=int, default=2,
-                   help="warm timed steps after the measured (cold) one, per process")
+    g.add_argument(
+        "--memory-repeats", type=int, default=2, help="warm timed steps after the measured (cold) one, per process"
+    )
     g = p.add_argument_group("scaling section")
     g.add_argument("--scaling-n", type=_ints, default=[1024, 2048, 4096, 8192, 16384])
     g.add_argument("--scaling-fixed-v", type=int, default=32768, help="V while N varies")
@@ -99,11 +115,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--scaling-mode", default="topk_kl")
     g.add_argument("--scaling-dtype", default="bfloat16")
     g.add_argument("--scaling-contenders", type=_names, default=["fused", "fused_inplace", "eager"])
-    g.add_argument("--scaling-repeats", type=int, default=2,
-                   help="warm timed steps after the measured (cold) one, per process")
+    g.add_argument(
+        "--scaling-repeats", type=int, default=2, help="warm timed steps after the measured (cold) one, per process"
+    )
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds allowed to one child process")
-    p.add_argument("--mem-guard", type=float, default=1.0,
-                   help="skip a case when MemAvailable < guard x a rough need (protects a shared machine)")
+    p.add_argument(
+        "--mem-guard",
+        type=float,
+        default=1.0,
+        help="skip a case when MemAvailable < guard x a rough need (protects a shared machine)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = set(args.sections) - set(SECTIONS)
@@ -120,8 +141,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"contender {name!r} is not one of {contenders.ALL_CONTENDERS}")
     if args.out_dir is None:  # a harness smoke test never overwrites the committed results
         here = os.path.dirname(os.path.abspath(__file__))
-        args.out_dir = (os.path.join(os.path.dirname(here), "artifacts", "bench_loss_quick") if args.quick
-                        else os.path.join(here, "results"))
+        args.out_dir = (
+            os.path.join(os.path.dirname(here), "artifacts", "bench_loss_quick")
+            if args.quick
+            else os.path.join(here, "results")
+        )
     if args.quick:
         args.speed_n, args.speed_v, args.repeats, args.baseline_repeats = 256, 4096, 3, 2
         args.memory_n, args.memory_v = 512, 16384
@@ -217,7 +241,7 @@ def run_case_in_child(case: dict, timeout: float) -> dict:
     if rc != 0 or not lines:
         reason = "killed (out of memory?)" if rc in (-9, 137) else f"exit code {rc}"
         return {"status": f"failed: {reason}: {stderr.strip().splitlines()[-1:] if stderr.strip() else ''}"}
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +250,15 @@ def run_case_in_child(case: dict, timeout: float) -> dict:
 
 
 def _base_record(section: str, contender: str, mode: str, dtype: str, n: int, v: int, k: int) -> dict:
-    return {"section": section, "contender": contender, "mode": mode, "dtype": dtype, "N": n, "V": v,
-            "K": k if mode in inputs.TOPK_MODES else 0}
+    return {
+        "section": section,
+        "contender": contender,
+        "mode": mode,
+        "dtype": dtype,
+        "N": n,
+        "V": v,
+        "K": k if mode in inputs.TOPK_MODES else 0,
+    }
 
 
 def run_validate(args: argparse.Namespace) -> list[dict]:
@@ -236,8 +267,12 @@ def run_validate(args: argparse.Namespace) -> list[dict]:
     for pattern in ("one_1gib", "64x16mib"):
         res = run_case_in_child({"kind": "calibrate", "pattern": pattern, "device": args.device}, args.child_timeout)
         res.update(section="validate", pattern=pattern)
-        log.info("memory meter on %s: expected %.3f GiB, measured %s", pattern, 1.0,
-                 f"{res['measured_bytes'] / peak_memory.GIB:.3f} GiB" if "measured_bytes" in res else res.get("status"))
+        log.info(
+            "memory meter on %s: expected %.3f GiB, measured %s",
+            pattern,
+            1.0,
+            f"{res['measured_bytes'] / peak_memory.GIB:.3f} GiB" if "measured_bytes" in res else res.get("status"),
+        )
         out.append(res)
     return out
 
@@ -270,8 +305,9 @@ def run_speed(args: argparse.Namespace, progress) -> list[dict]:
                     contender = contenders.build_contender(name, mode, args.device, args.entropy)
                     leaf = contender.make_leaf(inp)
                     repeats = args.repeats if name.startswith("fused") else args.baseline_repeats
-                    times, first = timing.time_contender(contender, inp, leaf, args.device, args.warmup, repeats,
-                                                         pristine, copy_pass)
+                    times, first = timing.time_contender(
+                        contender, inp, leaf, args.device, args.warmup, repeats, pristine, copy_pass
+                    )
                 except contenders.ContenderUnavailable as exc:
                     rec["status"] = f"skipped: {exc}"
                     out.append(rec)
@@ -286,9 +322,20 @@ def run_speed(args: argparse.Namespace, progress) -> list[dict]:
                     rec["check_loss_abs_diff_vs_eager"] = abs(float(first.loss) - float(ref_loss))
                     rec["check_grad_max_abs_diff_vs_eager"] = float((first.grad.float() - ref_grad.float()).abs().max())
                 out.append(rec)
-                log.info("%-9s %-8s %-14s fwd %8.2f ms (%4.2fx copy)  bwd %8.2f ms (%4.2fx)  fwd+bwd %8.2f ms (%4.2fx)"
-                         "  copy %7.2f ms", mode, dtype_name, name, rec["fwd_ms"], rec["fwd_x_copy"], rec["bwd_ms"],
-                         rec["bwd_x_copy"], rec["total_ms"], rec["total_x_copy"], rec["copy_ms"])
+                log.info(
+                    "%-9s %-8s %-14s fwd %8.2f ms (%4.2fx copy)  bwd %8.2f ms (%4.2fx)  fwd+bwd %8.2f ms (%4.2fx)"
+                    "  copy %7.2f ms",
+                    mode,
+                    dtype_name,
+                    name,
+                    rec["fwd_ms"],
+                    rec["fwd_x_copy"],
+                    rec["bwd_ms"],
+                    rec["bwd_x_copy"],
+                    rec["total_ms"],
+                    rec["total_x_copy"],
+                    rec["copy_ms"],
+                )
                 del first, leaf, contender
             del inp, pristine, ref_grad, copy_pass
             progress.update(1)
@@ -314,25 +361,45 @@ def run_children(args: argparse.Namespace, cases: list[dict], progress) -> dict[
         need = _rough_need_bytes(case["contender"], case["n"], case["v"], inputs.DTYPES[case["dtype"]])
         available = peak_memory.mem_available()
         if args.device == "cpu" and available < args.mem_guard * need:
-            res = {"status": f"skipped: needs ~{need / peak_memory.GIB:.1f} GiB, {available / peak_memory.GIB:.1f} GiB available"}
+            res = {
+                "status": f"skipped: needs ~{need / peak_memory.GIB:.1f} GiB, {available / peak_memory.GIB:.1f} GiB available"
+            }
         else:
             res = run_case_in_child(case, args.child_timeout)
             res.setdefault("status", "ok")
         results[key] = res
         if res["status"] == "ok":
-            log.info("%-14s %-8s %-8s N=%-6d V=%-6d extra %10.1f MiB  peak/inputs %.3f  fwd+bwd %9.1f ms",
-                     case["contender"], case["mode"], case["dtype"], case["n"], case["v"], res["extra_bytes"] / peak_memory.MIB,
-                     res["whole_peak_ratio"], res["total_ms"])
+            log.info(
+                "%-14s %-8s %-8s N=%-6d V=%-6d extra %10.1f MiB  peak/inputs %.3f  fwd+bwd %9.1f ms",
+                case["contender"],
+                case["mode"],
+                case["dtype"],
+                case["n"],
+                case["v"],
+                res["extra_bytes"] / peak_memory.MIB,
+                res["whole_peak_ratio"],
+                res["total_ms"],
+            )
         else:
             log.warning("%s: %s", key, res["status"])
         progress.update(1)
     return results
 
 
-def _child_case(args: argparse.Namespace, contender: str, mode: str, dtype: str, n: int, v: int,
-                repeats: int) -> dict:
-    return {"kind": "loss", "device": args.device, "contender": contender, "mode": mode, "dtype": dtype, "n": n,
-            "v": v, "k": args.topk, "seed": args.seed, "repeats": repeats, "compute_entropy": args.entropy}
+def _child_case(args: argparse.Namespace, contender: str, mode: str, dtype: str, n: int, v: int, repeats: int) -> dict:
+    return {
+        "kind": "loss",
+        "device": args.device,
+        "contender": contender,
+        "mode": mode,
+        "dtype": dtype,
+        "n": n,
+        "v": v,
+        "k": args.topk,
+        "seed": args.seed,
+        "repeats": repeats,
+        "compute_entropy": args.entropy,
+    }
 
 
 def plan_children(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -342,16 +409,23 @@ def plan_children(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     if "memory" in args.sections:
         for mode in args.memory_modes:
             for name in cpu_like:
-                memory.append(_child_case(args, name, mode, args.memory_dtype, args.memory_n, args.memory_v,
-                                          args.memory_repeats))
+                memory.append(
+                    _child_case(args, name, mode, args.memory_dtype, args.memory_n, args.memory_v, args.memory_repeats)
+                )
     if "scaling" in args.sections:
         for name in args.scaling_contenders:
             for n in args.scaling_n:
-                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, n, args.scaling_fixed_v,
-                                           args.scaling_repeats))
+                scaling.append(
+                    _child_case(
+                        args, name, args.scaling_mode, args.scaling_dtype, n, args.scaling_fixed_v, args.scaling_repeats
+                    )
+                )
             for v in args.scaling_v:
-                scaling.append(_child_case(args, name, args.scaling_mode, args.scaling_dtype, args.scaling_fixed_n, v,
-                                           args.scaling_repeats))
+                scaling.append(
+                    _child_case(
+                        args, name, args.scaling_mode, args.scaling_dtype, args.scaling_fixed_n, v, args.scaling_repeats
+                    )
+                )
     return memory, scaling
 
 
@@ -370,8 +444,11 @@ def child_records(section: str, cases: list[dict], results: dict[tuple, dict], a
         out.append(rec)
     if section == "scaling":
         # A point on both axes (e.g. N=4096, V=32768) appears once per axis.
-        both = [dict(r, axis="V") for r in out if r["axis"] == "N" and r["N"] == args.scaling_fixed_n
-                and r["V"] in args.scaling_v]
+        both = [
+            dict(r, axis="V")
+            for r in out
+            if r["axis"] == "N" and r["N"] == args.scaling_fixed_n and r["V"] in args.scaling_v
+        ]
         out.extend(both)
     return out
 
@@ -394,8 +471,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     started = time.time()
     os.makedirs(args.out_dir, exist_ok=True)
-    results = {"machine": machine.machine_info(args.device), "config": {k: v for k, v in vars(args).items() if k != "child"},
-               "records": []}
+    results = {
+        "machine": machine.machine_info(args.device),
+        "config": {k: v for k, v in vars(args).items() if k != "child"},
+        "records": [],
+    }
     log.info("machine: %s", results["machine"])
     memory_cases, scaling_cases = plan_children(args)
     n_speed = len(args.modes) * len(args.dtypes) if "speed" in args.sections else 0

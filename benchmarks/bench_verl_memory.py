@@ -84,9 +84,20 @@ def build(path: str):
         def dppo(inp):
             logits = bc._AsLayerOutput.apply(inp.logits) if inplace else inp.logits
             out = dppo_ext.dppo_loss_per_row(
-                logits, inp.tokens, inp.rollout_logprobs, inp.advantages, topk_ids=inp.topk_ids,
-                topk_logprobs=inp.topk_logprobs, mode="topk_kl", temperature=1.0, delta_low=DELTA, delta_high=DELTA,
-                ratio_cap=RATIO_CAP, compute_entropy=False, inplace_backward=inplace)
+                logits,
+                inp.tokens,
+                inp.rollout_logprobs,
+                inp.advantages,
+                topk_ids=inp.topk_ids,
+                topk_logprobs=inp.topk_logprobs,
+                mode="topk_kl",
+                temperature=1.0,
+                delta_low=DELTA,
+                delta_high=DELTA,
+                ratio_cap=RATIO_CAP,
+                compute_entropy=False,
+                inplace_backward=inplace,
+            )
             return out.loss.mean()
 
         return dppo
@@ -106,8 +117,11 @@ def build(path: str):
     if path in ("verl_distill", "verl_distill_chunked"):
         from verl.trainer.distillation.fsdp.losses import compute_forward_kl_topk
 
-        config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
-            use_chunked_topk=path == "verl_distill_chunked", chunked_topk_chunk_size=4096, log_prob_min_clamp=-10.0))
+        config = types.SimpleNamespace(
+            distillation_loss=types.SimpleNamespace(
+                use_chunked_topk=path == "verl_distill_chunked", chunked_topk_chunk_size=4096, log_prob_min_clamp=-10.0
+            )
+        )
 
         def distill(inp):
             n = inp.logits.shape[0]
@@ -142,14 +156,26 @@ def child(args: argparse.Namespace) -> None:
         peak = meter.delta if peak is None else max(peak, meter.delta)
         times.append(elapsed)
     logits_bytes = inp.logits.numel() * inp.logits.element_size()
-    print(json.dumps({"path": args.path, "n": args.n, "v": args.v, "k": args.k,
-                      "extra_mib": peak / bc.MIB, "logits_mib": logits_bytes / bc.MIB,
-                      "time_ms": 1e3 * statistics.median(times), "time_reps_ms": [1e3 * t for t in times]}))
+    print(
+        json.dumps(
+            {
+                "path": args.path,
+                "n": args.n,
+                "v": args.v,
+                "k": args.k,
+                "extra_mib": peak / bc.MIB,
+                "logits_mib": logits_bytes / bc.MIB,
+                "time_ms": 1e3 * statistics.median(times),
+                "time_reps_ms": [1e3 * t for t in times],
+            }
+        )
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=1024, help="rows (response tokens) N")
     parser.add_argument("--v", type=int, default=151936, help="vocabulary V (Qwen2.5/Qwen3)")
     parser.add_argument("--k", type=int, default=20, help="top-K of the rollout")
@@ -179,8 +205,9 @@ def plot(results: list[dict], out_png: str) -> None:
     ax.axvline(logits, color="grey", ls="--", lw=1)
     ax.text(logits, -0.55, " size of the logits", color="grey", fontsize=8, va="bottom")
     ax.set_xlabel("measured peak memory beyond the inputs, MiB (forward + backward)")
-    ax.set_title(f"top-K DPPO from bf16 logits, N={results[0]['n']}, V={results[0]['v']}, K={results[0]['k']} (CPU)",
-                 fontsize=9)
+    ax.set_title(
+        f"top-K DPPO from bf16 logits, N={results[0]['n']}, V={results[0]['v']}, K={results[0]['k']} (CPU)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
 
@@ -201,15 +228,34 @@ def main(argv=None) -> int:
         paths = [p for p in paths if p not in NEEDS_VERL]
     results = []
     for path in paths:
-        rc, out, err = bc.run_child([os.path.abspath(__file__), "--path", path, "--n", str(args.n), "--v",
-                                     str(args.v), "--k", str(args.k), "--repeats", str(args.repeats)], args.timeout)
+        rc, out, err = bc.run_child(
+            [
+                os.path.abspath(__file__),
+                "--path",
+                path,
+                "--n",
+                str(args.n),
+                "--v",
+                str(args.v),
+                "--k",
+                str(args.k),
+                "--repeats",
+                str(args.repeats),
+            ],
+            args.timeout,
+        )
         if rc != 0:
             log.error("%s failed (rc %d):\n%s", path, rc, err[-3000:])
             continue
         result = json.loads(out.strip().splitlines()[-1])
         results.append(result)
-        log.info("%-22s extra %8.1f MiB (%.2fx the logits)  fwd+bwd %8.1f ms", path, result["extra_mib"],
-                 result["extra_mib"] / result["logits_mib"], result["time_ms"])
+        log.info(
+            "%-22s extra %8.1f MiB (%.2fx the logits)  fwd+bwd %8.1f ms",
+            path,
+            result["extra_mib"],
+            result["extra_mib"] / result["logits_mib"],
+            result["time_ms"],
+        )
     if not results:
         return 1
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -59,8 +59,14 @@ MIB = 1024**2
 class CollectiveLog:
     """Counts every torch.distributed collective the wrapped region calls, and the bytes each rank receives."""
 
-    WRAPPED = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor",
-               "broadcast")
+    WRAPPED = (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "all_reduce",
+        "reduce_scatter_tensor",
+        "broadcast",
+    )
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -119,9 +125,16 @@ def rank_main(args: argparse.Namespace) -> None:
             (grad,) = torch.autograd.grad(loss, full)
             grad = grad[:, lo:hi].clone()
         else:
-            loss, _ = dppo_loss(local, inp.tokens, inp.rollout_logprobs, inp.advantages, **kw,
-                                vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets,
-                                inplace_backward=name == "vocab_parallel_inplace")
+            loss, _ = dppo_loss(
+                local,
+                inp.tokens,
+                inp.rollout_logprobs,
+                inp.advantages,
+                **kw,
+                vocab_parallel_group=dist.group.WORLD,
+                vocab_offsets=offsets,
+                inplace_backward=name == "vocab_parallel_inplace",
+            )
             loss.backward()
             grad = local.grad
         assert grad.shape == (args.rows, hi - lo)
@@ -144,14 +157,23 @@ def rank_main(args: argparse.Namespace) -> None:
                 dist.all_gather(padded, mine)
                 full = torch.cat([p[: b - a] for p, a, b in zip(padded, offsets, offsets[1:])]).requires_grad_(True)
                 del padded, mine
-                loss, _ = fused_linear_dppo_loss(h, full, inp.tokens, inp.rollout_logprobs, inp.advantages,
-                                                 response_mask=valid, **kw)
+                loss, _ = fused_linear_dppo_loss(
+                    h, full, inp.tokens, inp.rollout_logprobs, inp.advantages, response_mask=valid, **kw
+                )
                 loss.backward()
                 grad = full.grad[lo:hi].clone()
             else:
-                loss, _ = fused_linear_dppo_loss(h, local, inp.tokens, inp.rollout_logprobs, inp.advantages,
-                                                 response_mask=valid, **kw, vocab_parallel_group=dist.group.WORLD,
-                                                 vocab_offsets=offsets)
+                loss, _ = fused_linear_dppo_loss(
+                    h,
+                    local,
+                    inp.tokens,
+                    inp.rollout_logprobs,
+                    inp.advantages,
+                    response_mask=valid,
+                    **kw,
+                    vocab_parallel_group=dist.group.WORLD,
+                    vocab_offsets=offsets,
+                )
                 loss.backward()
                 grad = local.grad
             assert grad.shape == (hi - lo, args.hidden) and h.grad is not None
@@ -162,6 +184,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
         contenders, run = FUSED_CONTENDERS, run_fused
     else:
+
         def fresh() -> torch.Tensor:
             """This rank's logits, as a model would hand them over (the in-place contender consumes them)."""
             return pristine.clone().requires_grad_(True)
@@ -183,13 +206,17 @@ def rank_main(args: argparse.Namespace) -> None:
             run(name, local)
             times.append(time.perf_counter() - t0)
             del local
-        step = torch.tensor([statistics.median(times[args.warmup:])], dtype=torch.float64)
+        step = torch.tensor([statistics.median(times[args.warmup :])], dtype=torch.float64)
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
         peaks = torch.tensor([peak], dtype=torch.float64)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        results[name] = {"peak_mib_max_rank": peaks.item() / MIB, "peak_mib_rank0": peak / MIB,
-                         "step_s": step.item(), "collectives": [c[0] for c in log.calls],
-                         "received_bytes": sum(c[1] for c in log.calls)}
+        results[name] = {
+            "peak_mib_max_rank": peaks.item() / MIB,
+            "peak_mib_rank0": peak / MIB,
+            "step_s": step.item(),
+            "collectives": [c[0] for c in log.calls],
+            "received_bytes": sum(c[1] for c in log.calls),
+        }
     if rank == 0:
         Path(args.result).write_text(json.dumps({"world": world, "local_vocab": hi - lo, "results": results}))
     dist.barrier()
@@ -200,15 +227,44 @@ def launch(world: int, args: argparse.Namespace, result: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, **MALLOC_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, __file__, "--rank-worker", "--result", str(result), "--rows", str(args.rows),
-           "--vocab", str(args.vocab), "--dtype", args.dtype, "--mode", args.mode, "--topk", str(args.topk),
-           "--warmup", str(args.warmup), "--repeat", str(args.repeat), "--hidden", str(args.hidden)]
+    env = dict(
+        os.environ,
+        **MALLOC_ENV,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "--rank-worker",
+        "--result",
+        str(result),
+        "--rows",
+        str(args.rows),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--mode",
+        args.mode,
+        "--topk",
+        str(args.topk),
+        "--warmup",
+        str(args.warmup),
+        "--repeat",
+        str(args.repeat),
+        "--hidden",
+        str(args.hidden),
+    ]
     if args.fused_linear:
         cmd.append("--fused-linear")
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
     logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     for p, log in zip(procs, logs):
         if p.returncode != 0:
@@ -245,24 +301,38 @@ def main() -> None:
         res = launch(world, args, args.out.with_suffix(f".w{world}.tmp.json"))
         args.out.with_suffix(f".w{world}.tmp.json").unlink()
         for name, r in res["results"].items():
-            rows.append({"world": world, "contender": name, "local_vocab": res["local_vocab"], **r,
-                         "received_bytes_per_row": r["received_bytes"] / args.rows,
-                         "stated_bytes_per_row": gathered_bytes_per_row(world, k, DTYPES[args.dtype])
-                         if name.startswith("vocab_parallel") else None})
+            rows.append(
+                {
+                    "world": world,
+                    "contender": name,
+                    "local_vocab": res["local_vocab"],
+                    **r,
+                    "received_bytes_per_row": r["received_bytes"] / args.rows,
+                    "stated_bytes_per_row": gathered_bytes_per_row(world, k, DTYPES[args.dtype])
+                    if name.startswith("vocab_parallel")
+                    else None,
+                }
+            )
     info = machine_info("cpu")
     simd = sorted(set(open("/proc/cpuinfo").read().split()) & {"avx2", "avx512f"})
     out = {"config": vars(args) | {"out": str(args.out), "result": None}, "machine": info, "simd": simd, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, default=str))
-    print(f"N={args.rows} V={args.vocab} {args.dtype} mode={args.mode} (K={k}); CPU {info['cpu_model']} "
-          f"({os.cpu_count()} cores, SIMD {'+'.join(simd) or 'none'}), load {os.getloadavg()[0]:.1f}")
-    print(f"{'W':>2} {'contender':<28} {'V/W':>6} {'peak MiB/rank':>14} {'step s':>8} {'collectives/step':<34} "
-          f"{'recv B/row':>11}")
+    print(
+        f"N={args.rows} V={args.vocab} {args.dtype} mode={args.mode} (K={k}); CPU {info['cpu_model']} "
+        f"({os.cpu_count()} cores, SIMD {'+'.join(simd) or 'none'}), load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'W':>2} {'contender':<28} {'V/W':>6} {'peak MiB/rank':>14} {'step s':>8} {'collectives/step':<34} "
+        f"{'recv B/row':>11}"
+    )
     for r in rows:
         calls = ", ".join(f"{c}" for c in r["collectives"]) or "-"
-        print(f"{r['world']:>2} {r['contender']:<28} {r['local_vocab']:>6} {r['peak_mib_max_rank']:>14.1f} "
-              f"{r['step_s']:>8.3f} {str(len(r['collectives'])) + ': ' + calls:<34} "
-              f"{r['received_bytes_per_row']:>11.0f}")
+        print(
+            f"{r['world']:>2} {r['contender']:<28} {r['local_vocab']:>6} {r['peak_mib_max_rank']:>14.1f} "
+            f"{r['step_s']:>8.3f} {str(len(r['collectives'])) + ': ' + calls:<34} "
+            f"{r['received_bytes_per_row']:>11.0f}"
+        )
     print(f"results: {args.out}")
 
 

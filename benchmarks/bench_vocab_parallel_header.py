@@ -82,13 +82,28 @@ def rank_main(args: argparse.Namespace) -> None:
             header = functools.partial(call_header, rows, n, v_local, torch.float32, offsets, settings, device)
             exchange = functools.partial(_exchange, header(), offsets, world)
             forward = functools.partial(_forward, logits, rows, mode, offsets)
-            res = {name: _median(fn, args.warmup, args.repeat) * 1e3
-                   for name, fn in (("fingerprint_ms", header), ("exchange_ms", exchange), ("forward_ms", forward))}
+            res = {
+                name: _median(fn, args.warmup, args.repeat) * 1e3
+                for name, fn in (("fingerprint_ms", header), ("exchange_ms", exchange), ("forward_ms", forward))
+            }
             if rank == 0:
-                print(json.dumps({"world": world, "rows": n, "local_vocab": v_local, "dtype": dtype_name,
-                                  "mode": mode, "topk": k if top else 0, **{a: round(b, 3) for a, b in res.items()},
-                                  "header_share_of_forward": round((res["fingerprint_ms"] + res["exchange_ms"])
-                                                                   / res["forward_ms"], 4)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "world": world,
+                            "rows": n,
+                            "local_vocab": v_local,
+                            "dtype": dtype_name,
+                            "mode": mode,
+                            "topk": k if top else 0,
+                            **{a: round(b, 3) for a, b in res.items()},
+                            "header_share_of_forward": round(
+                                (res["fingerprint_ms"] + res["exchange_ms"]) / res["forward_ms"], 4
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # no gloo teardown (python_tests/dist_scripts/clean_exit.py says why)
@@ -111,10 +126,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.world),
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, *sys.argv, "--rank-process"], env=dict(env, RANK=str(r)))
-             for r in range(args.world)]
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.world), OMP_NUM_THREADS="1"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, *sys.argv, "--rank-process"], env=dict(env, RANK=str(r)))
+        for r in range(args.world)
+    ]
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"a rank failed: exit codes {codes}")

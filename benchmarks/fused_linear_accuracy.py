@@ -46,8 +46,11 @@ def _inputs(n: int, h: int, v: int, seed: int, weight_scale: float) -> dict:
 def _grads(x: dict, dtype: torch.dtype, path: str, chunk: int | None = None, accum=None) -> dict:
     hidden = x["hidden"].to(dtype).requires_grad_(True)
     weight = x["weight"].to(dtype).requires_grad_(True)
-    args = (x["tokens"], x["rollout"].float() if dtype != torch.float64 else x["rollout"],
-            x["advantages"].float() if dtype != torch.float64 else x["advantages"])
+    args = (
+        x["tokens"],
+        x["rollout"].float() if dtype != torch.float64 else x["rollout"],
+        x["advantages"].float() if dtype != torch.float64 else x["advantages"],
+    )
     if path == "logits":
         loss = dppo_loss(hidden @ weight.t(), *args, mode=MODE)[0]
     else:
@@ -73,8 +76,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--chunk-sizes", default="", help="comma list of rows per chunk (default: the automatic plan)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weight-scale", type=float, default=0.05,
-                        help="std of the weight entries (logits' std = this * sqrt(H) for unit hidden states)")
+    parser.add_argument(
+        "--weight-scale",
+        type=float,
+        default=0.05,
+        help="std of the weight entries (logits' std = this * sqrt(H) for unit hidden states)",
+    )
     parser.add_argument("--out-dir", default="artifacts/fused_linear_accuracy")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
@@ -88,15 +95,18 @@ def main() -> None:
         for accum, label in ((None, f"fused, {args.dtype} sums (default)"), (torch.float32, "fused, float32 sums")):
             plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=True)
             errs = _errors(_grads(x, dtype, "fused", chunk, accum), ref)
-            rows.append({"path": label, "chunk_rows": plan.chunk_rows,
-                         "chunks": -(-args.n // plan.chunk_rows), **errs})
-    print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} weight std {args.weight_scale} mode={MODE}: "
-          f"relative error against float64 "
-          f"on the same rounded inputs (Frobenius; largest element / largest value)")
+            rows.append({"path": label, "chunk_rows": plan.chunk_rows, "chunks": -(-args.n // plan.chunk_rows), **errs})
+    print(
+        f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype} weight std {args.weight_scale} mode={MODE}: "
+        f"relative error against float64 "
+        f"on the same rounded inputs (Frobenius; largest element / largest value)"
+    )
     print(f"{'path':34s} {'rows':>6s} {'chunks':>6s} {'grad_weight':>12s} {'(max)':>10s} {'grad_hidden':>12s}")
     for r in rows:
-        print(f"{r['path']:34s} {r['chunk_rows'] or '-':>6} {r.get('chunks', '-'):>6} {r['weight_rel_fro']:12.2e} "
-              f"{r['weight_rel_max']:10.2e} {r['hidden_rel_fro']:12.2e}")
+        print(
+            f"{r['path']:34s} {r['chunk_rows'] or '-':>6} {r.get('chunks', '-'):>6} {r['weight_rel_fro']:12.2e} "
+            f"{r['weight_rel_max']:10.2e} {r['hidden_rel_fro']:12.2e}"
+        )
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in ("n", "hidden", "vocab", "dtype", "seed", "weight_scale")}

@@ -106,9 +106,11 @@ def print_prediction(args) -> None:
     floor), and over the fraction of it the targets ask for."""
     traffic = load_traffic()
     gbps = args.copy_gbps or H200_COPY_GBPS
-    print(f"\nDPPO loss kernels, PREDICTED (not measured): bytes the CPU emulator counts ({TRAFFIC_JSON}) over a "
-          f"copy bandwidth of {gbps:,.0f} GB/s (read + write), dtype {args.dtype}, N={args.n}, V={args.v}, "
-          f"K={args.k}\n")
+    print(
+        f"\nDPPO loss kernels, PREDICTED (not measured): bytes the CPU emulator counts ({TRAFFIC_JSON}) over a "
+        f"copy bandwidth of {gbps:,.0f} GB/s (read + write), dtype {args.dtype}, N={args.n}, V={args.v}, "
+        f"K={args.k}\n"
+    )
     hdr = f"{'case':44s} {'bytes':>9s} {'B/logit':>8s} {'kern ms':>8s} {'at target':>16s}"
     print(hdr + "   <- predicted, where a GPU run prints its measurement")
     print("-" * len(hdr))
@@ -118,17 +120,30 @@ def print_prediction(args) -> None:
         ms = nbytes / gbps / 1e6
         kind = case.split()[0].rstrip("_")
         target = TARGETS[kind]
-        rows.append({"name": case, "predicted_bytes": nbytes, "predicted_ms": ms, "target": target,
-                     "predicted_ms_at_target": ms / target, "copy_gbps": gbps})
-        print(f"{case:44s} {nbytes / 1e9:8.2f}G {nbytes / (args.n * args.v):8.3f} {ms:8.3f} "
-              f"{ms / target:8.3f} ({100 * target:.0f}%)  (predicted)")
-    print("\nkern ms: the bytes at the full copy bandwidth (the floor of a memory-bound kernel); at target: at the "
-          "fraction of it the benchmark's targets ask for.")
+        rows.append(
+            {
+                "name": case,
+                "predicted_bytes": nbytes,
+                "predicted_ms": ms,
+                "target": target,
+                "predicted_ms_at_target": ms / target,
+                "copy_gbps": gbps,
+            }
+        )
+        print(
+            f"{case:44s} {nbytes / 1e9:8.2f}G {nbytes / (args.n * args.v):8.3f} {ms:8.3f} "
+            f"{ms / target:8.3f} ({100 * target:.0f}%)  (predicted)"
+        )
+    print(
+        "\nkern ms: the bytes at the full copy bandwidth (the floor of a memory-bound kernel); at target: at the "
+        "fraction of it the benchmark's targets ask for."
+    )
     out_path = args.out or os.path.join(os.environ.get("OUT", "."), "gpu_bandwidth_predicted.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
-        json.dump({"predicted": True, "dtype": args.dtype, "n": args.n, "v": args.v, "k": args.k, "rows": rows}, f,
-                  indent=2)
+        json.dump(
+            {"predicted": True, "dtype": args.dtype, "n": args.n, "v": args.v, "k": args.k, "rows": rows}, f, indent=2
+        )
     print(f"wrote {out_path}")
 
 
@@ -192,7 +207,7 @@ def make_inputs(n: int, v: int, dtype: torch.dtype, device: torch.device, k: int
     logits = torch.empty(n, v, dtype=dtype, device=device)
     for i in range(0, n, 1024):  # row chunks keep the fp32 temporary small
         rows = min(1024, n - i)
-        logits[i:i + rows] = torch.randn(rows, v, generator=gen, device=device) * 2.0
+        logits[i : i + rows] = torch.randn(rows, v, generator=gen, device=device) * 2.0
     tokens = torch.randint(0, v, (n,), generator=gen, device=device)
     rollout = -torch.rand(n, generator=gen, device=device) * 5.0
     adv = torch.randn(n, generator=gen, device=device)
@@ -204,8 +219,20 @@ def make_inputs(n: int, v: int, dtype: torch.dtype, device: torch.device, k: int
 def forward_call(x: dict, mode: str, entropy: bool) -> Callable[[], object]:
     topk = mode in TOPK_MODES
     return lambda: torch.ops.dppo.dppo_loss_forward(
-        x["logits"], x["tokens"], x["rollout"], x["adv"], x["topk_ids"] if topk else None,
-        x["topk_lp"] if topk else None, None, mode, 1.0, 0.2, 0.2, 10.0, entropy)
+        x["logits"],
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        x["topk_ids"] if topk else None,
+        x["topk_lp"] if topk else None,
+        None,
+        mode,
+        1.0,
+        0.2,
+        0.2,
+        10.0,
+        entropy,
+    )
 
 
 def main() -> None:
@@ -220,11 +247,16 @@ def main() -> None:
     ap.add_argument("--ref-n", type=int, default=1024, help="rows for the eager-reference contrast (0: skip)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="JSON output path")
-    ap.add_argument("--predict", action="store_true",
-                    help="print the predicted kernel times only (no GPU, no kernel runs)")
-    ap.add_argument("--copy-gbps", type=float, default=None,
-                    help=f"copy bandwidth (GB/s, read + write) for the prediction (default: the measured one on a "
-                         f"GPU, {H200_COPY_GBPS:g} with --predict)")
+    ap.add_argument(
+        "--predict", action="store_true", help="print the predicted kernel times only (no GPU, no kernel runs)"
+    )
+    ap.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=None,
+        help=f"copy bandwidth (GB/s, read + write) for the prediction (default: the measured one on a "
+        f"GPU, {H200_COPY_GBPS:g} with --predict)",
+    )
     args = ap.parse_args()
     if args.predict:
         print_prediction(args)
@@ -247,8 +279,9 @@ def main() -> None:
         meets = (pct >= target) if (target is not None and pct is not None and kernel_gbps is not None) else None
         pbytes = predicted_bytes(traffic, name, n, v, args.k, args.dtype) if kind != "copy" else None
         pms = pbytes / (args.copy_gbps or copy_gbps) / 1e6 if pbytes is not None and copy_gbps else None
-        rows.append(Row(name, kind, n, v, nbytes, op_ms, kernel_ms, op_gbps, kernel_gbps, pct, target, meets, pms,
-                        pbytes))
+        rows.append(
+            Row(name, kind, n, v, nbytes, op_ms, kernel_ms, op_gbps, kernel_gbps, pct, target, meets, pms, pbytes)
+        )
 
     # Copy bandwidth: bytes = read + write.
     numel = int(args.copy_gib * 2**30) // 4
@@ -264,25 +297,53 @@ def main() -> None:
     read = n * v * esize
     for mode, entropy in (("binary_tv", True), ("binary_tv", False), ("topk_kl", True)):
         fn = forward_call(x, mode, entropy)
-        add(f"forward {mode} entropy={entropy}", "forward", n, v, read, time_op(fn, device, args.iters, args.warmup),
-            time_kernels(fn, device, args.iters, "dppo_loss_forward"), copy_gbps)
+        add(
+            f"forward {mode} entropy={entropy}",
+            "forward",
+            n,
+            v,
+            read,
+            time_op(fn, device, args.iters, args.warmup),
+            time_kernels(fn, device, args.iters, "dppo_loss_forward"),
+            copy_gbps,
+        )
 
     outs = forward_call(x, "binary_tv", True)()
     lse, ent = outs[6], outs[5]
     gt = torch.randn(n, device=device)
     gh = torch.randn(n, device=device) * 0.01
     for name, fn in (
-        ("backward (no entropy grad)",
-         lambda: torch.ops.dppo.dppo_loss_backward(gt, None, x["logits"], x["tokens"], lse, None, 1.0)),
-        ("backward (with entropy grad)",
-         lambda: torch.ops.dppo.dppo_loss_backward(gt, gh, x["logits"], x["tokens"], lse, ent, 1.0)),
+        (
+            "backward (no entropy grad)",
+            lambda: torch.ops.dppo.dppo_loss_backward(gt, None, x["logits"], x["tokens"], lse, None, 1.0),
+        ),
+        (
+            "backward (with entropy grad)",
+            lambda: torch.ops.dppo.dppo_loss_backward(gt, gh, x["logits"], x["tokens"], lse, ent, 1.0),
+        ),
     ):
-        add(name, "backward", n, v, 2 * read, time_op(fn, device, args.iters, args.warmup),
-            time_kernels(fn, device, args.iters, "dppo_loss_backward"), copy_gbps)
+        add(
+            name,
+            "backward",
+            n,
+            v,
+            2 * read,
+            time_op(fn, device, args.iters, args.warmup),
+            time_kernels(fn, device, args.iters, "dppo_loss_backward"),
+            copy_gbps,
+        )
     # In place last: it overwrites the logits with gradients (the bytes moved are the same).
     fn = lambda: torch.ops.dppo.dppo_loss_backward_(gt, None, x["logits"], x["tokens"], lse, None, 1.0)  # noqa: E731
-    add("backward_ in-place", "backward", n, v, 2 * read, time_op(fn, device, args.iters, args.warmup),
-        time_kernels(fn, device, args.iters, "dppo_loss_backward"), copy_gbps)
+    add(
+        "backward_ in-place",
+        "backward",
+        n,
+        v,
+        2 * read,
+        time_op(fn, device, args.iters, args.warmup),
+        time_kernels(fn, device, args.iters, "dppo_loss_backward"),
+        copy_gbps,
+    )
     del x, outs, lse, ent
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -297,16 +358,31 @@ def main() -> None:
             y = make_inputs(rn, v, dtype, device, args.k, seed=1)
             rread = rn * v * esize
             fn = forward_call(y, "binary_tv", True)
-            add(f"ours forward binary_tv (N={rn})", "forward", rn, v, rread,
-                time_op(fn, device, args.iters, args.warmup), time_kernels(fn, device, args.iters, "dppo_loss_forward"),
-                copy_gbps)
+            add(
+                f"ours forward binary_tv (N={rn})",
+                "forward",
+                rn,
+                v,
+                rread,
+                time_op(fn, device, args.iters, args.warmup),
+                time_kernels(fn, device, args.iters, "dppo_loss_forward"),
+                copy_gbps,
+            )
 
             def ours_fwd_bwd():
                 o = fn()
                 torch.ops.dppo.dppo_loss_backward(o[0], None, y["logits"], y["tokens"], o[6], None, 1.0)
 
-            add(f"ours fwd+bwd binary_tv (N={rn})", "reference", rn, v, 3 * rread,
-                time_op(ours_fwd_bwd, device, args.iters, args.warmup), None, copy_gbps)
+            add(
+                f"ours fwd+bwd binary_tv (N={rn})",
+                "reference",
+                rn,
+                v,
+                3 * rread,
+                time_op(ours_fwd_bwd, device, args.iters, args.warmup),
+                None,
+                copy_gbps,
+            )
 
             def ref_fwd():
                 with torch.no_grad():
@@ -317,16 +393,34 @@ def main() -> None:
                 out = dppo_loss_reference(logits, y["tokens"], y["rollout"], y["adv"], mode="binary_tv")
                 out["loss"].sum().backward()
 
-            add(f"reference forward binary_tv (N={rn})", "reference", rn, v, rread,
-                time_op(ref_fwd, device, args.iters, args.warmup), None, copy_gbps)
-            add(f"reference fwd+bwd binary_tv (N={rn})", "reference", rn, v, 3 * rread,
-                time_op(ref_fwd_bwd, device, args.iters, args.warmup), None, copy_gbps)
+            add(
+                f"reference forward binary_tv (N={rn})",
+                "reference",
+                rn,
+                v,
+                rread,
+                time_op(ref_fwd, device, args.iters, args.warmup),
+                None,
+                copy_gbps,
+            )
+            add(
+                f"reference fwd+bwd binary_tv (N={rn})",
+                "reference",
+                rn,
+                v,
+                3 * rread,
+                time_op(ref_fwd_bwd, device, args.iters, args.warmup),
+                None,
+                copy_gbps,
+            )
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\nDPPO loss bandwidth on {name}, torch {torch.__version__}, dtype {args.dtype}, N={n}, V={v}")
     print(f"copy bandwidth (copy_ of {args.copy_gib:g} GiB fp32, read + write): {copy_gbps:,.0f} GB/s\n")
-    hdr = (f"{'case':44s} {'bytes':>9s} {'op ms':>8s} {'op GB/s':>9s} {'kern ms':>8s} {'kern GB/s':>9s} {'% copy':>7s} "
-           f"{'target':>7s} {'pred ms':>8s}")
+    hdr = (
+        f"{'case':44s} {'bytes':>9s} {'op ms':>8s} {'op GB/s':>9s} {'kern ms':>8s} {'kern GB/s':>9s} {'% copy':>7s} "
+        f"{'target':>7s} {'pred ms':>8s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows[1:]:
@@ -336,11 +430,19 @@ def main() -> None:
         tgt = "" if r.target is None else (f">={100 * r.target:.0f}% " + ("ok" if r.meets_target else "MISS"))
         pms = f"{r.predicted_ms:8.3f}" if r.predicted_ms is not None else f"{'-':>8s}"
         print(f"{r.name:44s} {r.bytes / 1e9:8.2f}G {r.op_ms:8.3f} {r.op_gbps:9,.0f} {kms} {kgb} {pct} {tgt:>7s} {pms}")
-    print("(pred ms: predicted from the emulator-counted bytes (benchmarks/results/cuda_traffic.json) and the copy "
-          "bandwidth above; not measured)")
+    print(
+        "(pred ms: predicted from the emulator-counted bytes (benchmarks/results/cuda_traffic.json) and the copy "
+        "bandwidth above; not measured)"
+    )
     result = {
-        "device": name, "torch": torch.__version__, "dtype": args.dtype, "n": n, "v": v,
-        "copy_gbps": copy_gbps, "targets": TARGETS, "rows": [asdict(r) for r in rows],
+        "device": name,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "n": n,
+        "v": v,
+        "copy_gbps": copy_gbps,
+        "targets": TARGETS,
+        "rows": [asdict(r) for r in rows],
     }
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:

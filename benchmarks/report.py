@@ -58,8 +58,14 @@ def checks(results: dict) -> dict:
             fused = _one(records, section="speed", contender="fused", mode=mode, dtype=dtype)
             if fused is None:
                 continue
-            row = {"mode": mode, "dtype": dtype, "N": fused["N"], "V": fused["V"], "fused_ms": fused["total_ms"],
-                   "at_stated_size": all(fused[k] == v for k, v in CHECK_SPEED_SIZE.items())}
+            row = {
+                "mode": mode,
+                "dtype": dtype,
+                "N": fused["N"],
+                "V": fused["V"],
+                "fused_ms": fused["total_ms"],
+                "at_stated_size": all(fused[k] == v for k, v in CHECK_SPEED_SIZE.items()),
+            }
             inplace = _one(records, section="speed", contender="fused_inplace", mode=mode, dtype=dtype)
             for key, rec, targets in (("copy", fused, COPY_TARGET), ("copy_inplace", inplace, COPY_TARGET_INPLACE)):
                 if rec is not None and "total_x_copy" in rec:
@@ -93,8 +99,11 @@ def checks(results: dict) -> dict:
             fastest = min(cpu_times, key=cpu_times.get)
             memory["total_ms"] = cpu_times
             memory["fastest"] = fastest
-            memory["pass_fused_fastest"] = None if "fused" not in cpu_times else all(
-                cpu_times["fused"] < t for c, t in cpu_times.items() if c not in ("fused", "fused_inplace"))
+            memory["pass_fused_fastest"] = (
+                None
+                if "fused" not in cpu_times
+                else all(cpu_times["fused"] < t for c, t in cpu_times.items() if c not in ("fused", "fused_inplace"))
+            )
     return {"speed": speed, "memory": memory}
 
 
@@ -156,11 +165,15 @@ def markdown(results: dict) -> str:
                     f"| {mode} | {dtype} | {_ms(f and f['fwd_ms'])} | {_ms(f and f['bwd_ms'])} | {_ms(total['fused'])} "
                     f"| {_ms(total['fused_inplace'])} | {_ms(total['eager'])} | {_ms(total['compile'])} "
                     f"| {'-' if su_e is None else f'{su_e:.1f}x'} | {'-' if su_c is None else f'{su_c:.1f}x'} "
-                    f"| {'-' if not f or 'check_grad_max_abs_diff_vs_eager' not in f else format(f['check_grad_max_abs_diff_vs_eager'], '.1e')} |")
+                    f"| {'-' if not f or 'check_grad_max_abs_diff_vs_eager' not in f else format(f['check_grad_max_abs_diff_vs_eager'], '.1e')} |"
+                )
         liger = _ok(records, section="speed", contender="liger_grpo")
         if liger:
-            lines += ["", "Liger Kernel's Triton GRPO loss (ratio clip, no DPPO divergence) on the same logits: "
-                      + "; ".join(f"{r['dtype']} {_ms(r['total_ms'])} ms" for r in liger if r["mode"] == cfg["modes"][0])]
+            lines += [
+                "",
+                "Liger Kernel's Triton GRPO loss (ratio clip, no DPPO divergence) on the same logits: "
+                + "; ".join(f"{r['dtype']} {_ms(r['total_ms'])} ms" for r in liger if r["mode"] == cfg["modes"][0]),
+            ]
         lines += [""] + _bandwidth_lines(records, cfg)
     mem = _ok(records, section="memory")
     if mem:
@@ -178,7 +191,8 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {r['contender']} | {_mib(r['extra_bytes'])} | {'-' if ratio is None else f'{ratio:.3g}'} "
                 f"| {_mib(r['grad_bytes'])}{' (written into the logits)' if r.get('grad_aliases_logits') else ''} "
-                f"| {r['whole_peak_ratio']:.3f} | {_ms(r['total_ms'])} |")
+                f"| {r['whole_peak_ratio']:.3f} | {_ms(r['total_ms'])} |"
+            )
         lines.append(f"\nInputs (logits + per-row tensors): {_mib(r0['inputs_bytes'])} MiB.\n")
     for axis, fixed_name, fixed in (("N", "V", cfg["scaling_fixed_v"]), ("V", "N", cfg["scaling_fixed_n"])):
         rows = _ok(records, section="scaling", axis=axis)
@@ -202,8 +216,11 @@ def markdown(results: dict) -> str:
         lines.append("")
     lines += _check_lines(results)
     if results.get("validation"):
-        parts = [f"{v['pattern']}: {v['measured_bytes'] / GIB:.3f} GiB" for v in results["validation"]
-                 if "measured_bytes" in v]
+        parts = [
+            f"{v['pattern']}: {v['measured_bytes'] / GIB:.3f} GiB"
+            for v in results["validation"]
+            if "measured_bytes" in v
+        ]
         lines += ["", "Peak-memory method check (expected 1.000 GiB each): " + "; ".join(parts) + "."]
     lines += ["", "![time and extra memory vs N and vs V](benchmarks/results/bench_loss.png)", ""]
     return "\n".join(lines)
@@ -238,7 +255,8 @@ def _bandwidth_lines(records: list[dict], cfg: dict) -> list[str]:
             lines.append(
                 f"| {mode} | {dtype} | {_ms(ref['copy_ms'])} ({ref['copy_GBps']:.1f}) | {gbx(f, 'fwd')} | "
                 f"{gbx(f, 'bwd')} | {'-' if f is None else format(f['total_x_copy'], '.2f') + 'x'} | {gbx(ip, 'bwd')} | "
-                f"{'-' if ip is None else format(ip['total_x_copy'], '.2f') + 'x'} |")
+                f"{'-' if ip is None else format(ip['total_x_copy'], '.2f') + 'x'} |"
+            )
     lines.append("")
     return lines
 
@@ -248,31 +266,42 @@ def _check_lines(results: dict) -> list[str]:
     lines = ["### Checks: the stated figures against this run", ""]
     off_size = " (not the stated size)"
     for row in acc.get("speed", []):
-        parts = [f"- N={row['N']}, V={row['V']}{'' if row['at_stated_size'] else off_size}, {row['mode']}, "
-                 f"{row['dtype']}, fwd+bwd: fused {_ms(row['fused_ms'])} ms"]
+        parts = [
+            f"- N={row['N']}, V={row['V']}{'' if row['at_stated_size'] else off_size}, {row['mode']}, "
+            f"{row['dtype']}, fwd+bwd: fused {_ms(row['fused_ms'])} ms"
+        ]
         for other, target in (("eager", SPEED_TARGET_EAGER), ("compile", SPEED_TARGET_COMPILE)):
             if f"speedup_vs_{other}" in row:
-                parts.append(f"{row[f'speedup_vs_{other}']:.1f}x vs {other} (stated >= {target:g}x) "
-                             f"{_verdict(row[f'pass_vs_{other}'])}")
+                parts.append(
+                    f"{row[f'speedup_vs_{other}']:.1f}x vs {other} (stated >= {target:g}x) "
+                    f"{_verdict(row[f'pass_vs_{other}'])}"
+                )
         for key, what, targets in (("copy", "fused", COPY_TARGET), ("copy_inplace", "in-place", COPY_TARGET_INPLACE)):
             if f"x_{key}" in row and row["dtype"] in targets:
-                parts.append(f"{what} {row[f'x_{key}']:.2f}x a copy pass (stated <= {targets[row['dtype']]:g}x) "
-                             f"{_verdict(row[f'pass_{key}'])}")
+                parts.append(
+                    f"{what} {row[f'x_{key}']:.2f}x a copy pass (stated <= {targets[row['dtype']]:g}x) "
+                    f"{_verdict(row[f'pass_{key}'])}"
+                )
         lines.append("; ".join(parts))
     mem = acc.get("memory")
     if mem:
         where = f"N={mem['N']}, V={mem['V']}, {mem['dtype']}, {mem['mode']}{'' if mem['at_stated_size'] else off_size}"
         if "fused_extra_ratio_to_naive" in mem:
-            lines.append(f"- {where}: fused extra memory {_mib(mem['fused_extra_bytes'])} MiB vs naive "
-                         f"{_mib(mem['eager_extra_bytes'])} MiB = 1/{1 / max(mem['fused_extra_ratio_to_naive'], 1e-9):.0f} "
-                         f"(stated <= 1/20) {_verdict(mem['pass_fused_extra'])}")
+            lines.append(
+                f"- {where}: fused extra memory {_mib(mem['fused_extra_bytes'])} MiB vs naive "
+                f"{_mib(mem['eager_extra_bytes'])} MiB = 1/{1 / max(mem['fused_extra_ratio_to_naive'], 1e-9):.0f} "
+                f"(stated <= 1/20) {_verdict(mem['pass_fused_extra'])}"
+            )
         if "inplace_whole_peak_ratio" in mem:
-            lines.append(f"- {where}: in-place whole step peak = {mem['inplace_whole_peak_ratio']:.4f} x inputs "
-                         f"(stated <= {INPLACE_TARGET_WHOLE}) {_verdict(mem['pass_inplace_whole'])}")
+            lines.append(
+                f"- {where}: in-place whole step peak = {mem['inplace_whole_peak_ratio']:.4f} x inputs "
+                f"(stated <= {INPLACE_TARGET_WHOLE}) {_verdict(mem['pass_inplace_whole'])}"
+            )
         if "fastest" in mem:
             times = ", ".join(f"{c} {_ms(t)} ms" for c, t in mem["total_ms"].items())
-            lines.append(f"- {where}: fastest CPU contender = {mem['fastest']} ({times}) "
-                         f"{_verdict(mem['pass_fused_fastest'])}")
+            lines.append(
+                f"- {where}: fastest CPU contender = {mem['fastest']} ({times}) {_verdict(mem['pass_fused_fastest'])}"
+            )
     return lines
 
 
@@ -311,15 +340,27 @@ def write_plot(results: dict, path: str) -> bool:
                 continue
             xs = [x for x, _ in pts]
             axes[0, col].plot(xs, [r["total_ms"] for _, r in pts], color=color, marker=marker, ls=ls, label=c)
-            axes[1, col].plot(xs, [max(r["extra_bytes"], PAGE) / MIB for _, r in pts], color=color, marker=marker,
-                              ls=ls, label=c, markersize=4 if c.endswith("inplace") else 7)
+            axes[1, col].plot(
+                xs,
+                [max(r["extra_bytes"], PAGE) / MIB for _, r in pts],
+                color=color,
+                marker=marker,
+                ls=ls,
+                label=c,
+                markersize=4 if c.endswith("inplace") else 7,
+            )
         axes[0, col].set_title(f"fwd+bwd time vs {axis} ({fixed})")
         axes[0, col].set_ylabel("ms (median)")
         axes[1, col].set_title(f"extra memory beyond inputs + grad vs {axis} ({fixed})")
         axes[1, col].set_ylabel("MiB (measured peak; <= 4 KiB drawn at 4 KiB)")
         if results["machine"]["device"] == "cpu":
-            axes[1, col].axhspan(PAGE / MIB / 2, METER_RESOLUTION / MIB, color="0.9", zorder=0,
-                                 label="below the CPU meter's ~64 KiB resolution")
+            axes[1, col].axhspan(
+                PAGE / MIB / 2,
+                METER_RESOLUTION / MIB,
+                color="0.9",
+                zorder=0,
+                label="below the CPU meter's ~64 KiB resolution",
+            )
         for row in (0, 1):
             ax = axes[row, col]
             ax.set_xscale("log", base=2)
@@ -328,8 +369,11 @@ def write_plot(results: dict, path: str) -> bool:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
     m = results["machine"]
-    fig.suptitle(f"DPPO loss, {cfg['scaling_mode']}, {cfg['scaling_dtype']}: {m.get('gpu', m['cpu_model'])}, "
-                 f"{m['torch_threads']} threads, torch {m['torch']}", fontsize=11)
+    fig.suptitle(
+        f"DPPO loss, {cfg['scaling_mode']}, {cfg['scaling_dtype']}: {m.get('gpu', m['cpu_model'])}, "
+        f"{m['torch_threads']} threads, torch {m['torch']}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

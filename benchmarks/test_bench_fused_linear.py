@@ -35,8 +35,13 @@ V = int(os.environ.get("DPPO_BENCH_FL_V", "8192"))
 ROUNDS = int(os.environ.get("DPPO_BENCH_ROUNDS", "5"))
 PATHS = ("fused", "fused_f32sums", "fused_per_row", "logits", "logits_inplace")
 PHASES = ("fwd+bwd", "forward")
-CASES = [(dtype, path, phase) for dtype in ("float32", "bfloat16") for path in PATHS for phase in PHASES
-         if not (path == "fused_f32sums" and dtype == "float32")]  # float32 sums are float32 already
+CASES = [
+    (dtype, path, phase)
+    for dtype in ("float32", "bfloat16")
+    for path in PATHS
+    for phase in PHASES
+    if not (path == "fused_f32sums" and dtype == "float32")
+]  # float32 sums are float32 already
 MODE = "binary_tv"
 
 
@@ -53,16 +58,19 @@ def _inputs(dtype: torch.dtype) -> dict:
 def _loss(path: str, x: dict) -> torch.Tensor:
     if path in ("fused", "fused_f32sums"):
         accum = torch.float32 if path == "fused_f32sums" else None
-        loss, _ = fused_linear_dppo_loss(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],
-                                         mode=MODE, accum_dtype=accum)
+        loss, _ = fused_linear_dppo_loss(
+            x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"], mode=MODE, accum_dtype=accum
+        )
         return loss
     if path == "fused_per_row":
-        out = fused_linear_dppo_loss_per_row(x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"],
-                                             mode=MODE)
+        out = fused_linear_dppo_loss_per_row(
+            x["hidden"], x["weight"], x["tokens"], x["rollout"], x["advantages"], mode=MODE
+        )
         return out.loss.sum() / N
     logits = x["hidden"] @ x["weight"].t()
-    return dppo_loss(logits, x["tokens"], x["rollout"], x["advantages"], mode=MODE,
-                     inplace_backward=path == "logits_inplace")[0]
+    return dppo_loss(
+        logits, x["tokens"], x["rollout"], x["advantages"], mode=MODE, inplace_backward=path == "logits_inplace"
+    )[0]
 
 
 @pytest.mark.parametrize("dtype,path,phase", CASES, ids=["-".join(c) for c in CASES])

@@ -27,8 +27,13 @@ PHASES = ("forward", "backward", "fwd+bwd")
 CONTENDERS = contenders.CPU_CONTENDERS + (contenders.CUDA_ONLY_CONTENDERS if DEVICE.startswith("cuda") else ())
 
 # Ordered so each (mode, dtype, contender) runs its three phases back to back: one compile each.
-CASES = [(mode, dtype, name, phase) for mode in inputs.MODES for dtype in ("float32", "bfloat16")
-         for name in CONTENDERS for phase in PHASES]
+CASES = [
+    (mode, dtype, name, phase)
+    for mode in inputs.MODES
+    for dtype in ("float32", "bfloat16")
+    for name in CONTENDERS
+    for phase in PHASES
+]
 
 _cache: dict[tuple, tuple] = {}
 

@@ -33,16 +33,20 @@ def _built_with(path: str) -> str | None:
 
 
 def _rebuild_hint() -> str:
-    return (f"Rebuild it against the torch you run (torch {torch.__version__}), from the dppo_ext source "
-            f"folder: {BUILD_COMMAND}")
+    return (
+        f"Rebuild it against the torch you run (torch {torch.__version__}), from the dppo_ext source "
+        f"folder: {BUILD_COMMAND}"
+    )
 
 
 def _load():
     spec = importlib.util.find_spec(f"{__package__}._C")
     if spec is None or spec.origin is None:
         folder = Path(__file__).resolve().parent
-        raise ImportError(f"dppo_ext's native library dppo_ext._C is not built (no _C*.so in {folder}). "
-                          + _rebuild_hint().replace("Rebuild", "Build", 1))
+        raise ImportError(
+            f"dppo_ext's native library dppo_ext._C is not built (no _C*.so in {folder}). "
+            + _rebuild_hint().replace("Rebuild", "Build", 1)
+        )
     try:
         lib = importlib.import_module(f"{__package__}._C")
     except ImportError as exc:
@@ -50,14 +54,17 @@ def _load():
             raise ImportError(f"dppo_ext._C: {exc}") from None
         built = _built_with(spec.origin)
         if built is not None and built != torch.__version__:
-            raise ImportError(f"dppo_ext._C ({spec.origin}) was built against torch {built}, but torch "
-                              f"{torch.__version__} is loaded, so it cannot be loaded ({exc}). "
-                              + _rebuild_hint()) from None
+            raise ImportError(
+                f"dppo_ext._C ({spec.origin}) was built against torch {built}, but torch "
+                f"{torch.__version__} is loaded, so it cannot be loaded ({exc}). " + _rebuild_hint()
+            ) from None
         raise ImportError(f"dppo_ext._C ({spec.origin}) could not be loaded: {exc}. " + _rebuild_hint()) from exc
     if _release(lib.torch_version) != _release(torch.__version__):
-        raise ImportError(f"dppo_ext._C ({spec.origin}) was built against torch {lib.torch_version}, but torch "
-                          f"{torch.__version__} is loaded; a C++ extension must be built against the torch it runs "
-                          "with (its ABI changes between releases). " + _rebuild_hint())
+        raise ImportError(
+            f"dppo_ext._C ({spec.origin}) was built against torch {lib.torch_version}, but torch "
+            f"{torch.__version__} is loaded; a C++ extension must be built against the torch it runs "
+            "with (its ABI changes between releases). " + _rebuild_hint()
+        )
     return lib
 
 

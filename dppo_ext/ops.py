@@ -186,4 +186,3 @@ def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplac
     if inplace:
         return DPPOOutputs(*_DPPOInplace.apply(logits, rows, settings))
     return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args()))
-

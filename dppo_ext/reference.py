@@ -36,8 +36,15 @@ from .contract import (
     resolve_deltas,
 )
 
-__all__ = ["LOG_MASS_FLOOR", "METRIC_KEYS", "OUTPUT_KEYS", "aggregate_loss_reference", "dppo_loss_full_reference",
-           "dppo_loss_reference", "log1mexp"]
+__all__ = [
+    "LOG_MASS_FLOOR",
+    "METRIC_KEYS",
+    "OUTPUT_KEYS",
+    "aggregate_loss_reference",
+    "dppo_loss_full_reference",
+    "dppo_loss_reference",
+    "log1mexp",
+]
 
 LOG_MASS_FLOOR = math.log(MASS_FLOOR)
 OUTPUT_KEYS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
@@ -180,9 +187,7 @@ def dppo_loss_reference(
     elif mode == "ratio":
         invalid = torch.where(positive, divergence > 1 + delta_high, divergence < 1 - delta_low)
     else:
-        invalid = torch.where(
-            positive, (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low)
-        )
+        invalid = torch.where(positive, (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low))
     mask = (~invalid).to(acc) + poison
 
     log_ratio = lp - m

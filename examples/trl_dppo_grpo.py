@@ -51,11 +51,19 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out problem (T = 1)")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16 autocast in the trainer (default: float32)")
-    parser.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
-                        help="dtype of the colocated vLLM engine (auto: vLLM's choice, bfloat16 for this model)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; the tiny model gains nothing from more, and on a shared machine "
-                             "they mostly wait for each other")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        help="dtype of the colocated vLLM engine (auto: vLLM's choice, bfloat16 for this model)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; the tiny model gains nothing from more, and on a shared machine "
+        "they mostly wait for each other",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary", default="", help="also write the results to this JSON file")
     parser.add_argument("--out", default="", help="TRL output_dir (default: a temporary folder)")
@@ -72,8 +80,9 @@ def main() -> None:
     from dppo_ext.tasks import make_arithmetic_task
 
     torch.set_num_threads(args.threads)
-    task = make_arithmetic_task(max_operand=49, max_second_operand=9, num_eval=args.eval_problems, num_sft=300,
-                                seed=args.seed)
+    task = make_arithmetic_task(
+        max_operand=49, max_second_operand=9, num_eval=args.eval_problems, num_sft=300, seed=args.seed
+    )
 
     def exact_answer(completions: list[str], answer: list[str], **_) -> list[float]:
         """TRL reward function: 1 for the exact answer, else 0 (TRL passes the dataset's ``answer`` column)."""
@@ -85,9 +94,17 @@ def main() -> None:
         model.eval()
         prompts = tokenizer([p.prompt for p in task.eval], return_tensors="pt", padding=True).to(model.device)
         torch.manual_seed(args.seed)
-        out = model.generate(**prompts, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4,
-                             num_return_sequences=args.eval_samples, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, prompts["input_ids"].size(1):], skip_special_tokens=True)
+        out = model.generate(
+            **prompts,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=4,
+            num_return_sequences=args.eval_samples,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, prompts["input_ids"].size(1) :], skip_special_tokens=True)
         answers = [p.answer for p in task.eval for _ in range(args.eval_samples)]
         return sum(task.reward(t, a) for t, a in zip(texts, answers)) / len(answers)
 
@@ -95,14 +112,19 @@ def main() -> None:
         model_dir = str(build_tiny_model(os.path.join(tmp, "model"), seed=args.seed))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        supervised_warm_start(model, tokenizer, task.sft,
-                              WarmStartConfig(steps=args.warm_start_steps, label_smoothing=0.3, seed=args.seed))
+        supervised_warm_start(
+            model,
+            tokenizer,
+            task.sft,
+            WarmStartConfig(steps=args.warm_start_steps, label_smoothing=0.3, seed=args.seed),
+        )
         model.save_pretrained(model_dir)
         accuracy_before = held_out_accuracy(model, tokenizer)
         print(f"warm start: {args.warm_start_steps} steps, held-out accuracy {accuracy_before:.1%}", flush=True)
 
-        dataset = Dataset.from_dict({"prompt": [p.prompt for p in task.train],
-                                     "answer": [p.answer for p in task.train]})
+        dataset = Dataset.from_dict(
+            {"prompt": [p.prompt for p in task.train], "answer": [p.answer for p in task.train]}
+        )
         config = DPPOGRPOConfig(
             output_dir=args.out or os.path.join(tmp, "out"),
             dppo_mode=args.dppo_mode,
@@ -123,14 +145,18 @@ def main() -> None:
             save_strategy="no",
             seed=args.seed,
         )
-        trainer = DPPOGRPOTrainer(model=model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset,
-                                  processing_class=tokenizer)
+        trainer = DPPOGRPOTrainer(
+            model=model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset, processing_class=tokenizer
+        )
         trainer.train()
         steps = [h for h in trainer.state.log_history if "loss" in h]
         for h in steps:
-            print(f"step {h['step']}: loss {h['loss']:.4f} reward {h['reward']:.3f} "
-                  f"mismatch_max {h['dppo/mismatch_max']:.2e} masked_frac {h['dppo/masked_frac']:.3f} "
-                  f"recompute_variant {h['dppo/recompute_variant']:.0f}", flush=True)
+            print(
+                f"step {h['step']}: loss {h['loss']:.4f} reward {h['reward']:.3f} "
+                f"mismatch_max {h['dppo/mismatch_max']:.2e} masked_frac {h['dppo/masked_frac']:.3f} "
+                f"recompute_variant {h['dppo/recompute_variant']:.0f}",
+                flush=True,
+            )
         accuracy_after = held_out_accuracy(trainer.model, tokenizer)
 
     fifth = max(1, len(steps) // 5)
@@ -142,10 +168,16 @@ def main() -> None:
         "mismatch_max": max(h["dppo/mismatch_max"] for h in steps),
         "steps": len(steps),
     }
-    print(f"held-out accuracy ({len(task.eval)} problems x {args.eval_samples} samples at T = 1): "
-          f"{accuracy_before:.1%} -> {accuracy_after:.1%}", flush=True)
-    print(f"training reward, mean of the first / last {fifth} steps: "
-          f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}", flush=True)
+    print(
+        f"held-out accuracy ({len(task.eval)} problems x {args.eval_samples} samples at T = 1): "
+        f"{accuracy_before:.1%} -> {accuracy_after:.1%}",
+        flush=True,
+    )
+    print(
+        f"training reward, mean of the first / last {fifth} steps: "
+        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}",
+        flush=True,
+    )
     print(f"max |pi - mu| over the steps: {summary['mismatch_max']:.2e}", flush=True)
     if args.summary:
         with open(args.summary, "w") as f:

@@ -32,8 +32,9 @@ def rollout_metrics(model_dir: str, logprobs_mode: str, args: argparse.Namespace
     from dppo_ext import dppo_loss
     from dppo_ext.rollout import vllm_rollout_tensors
 
-    llm = LLM(model=model_dir, dtype="float32", seed=0, max_model_len=64, enforce_eager=True,
-              logprobs_mode=logprobs_mode)
+    llm = LLM(
+        model=model_dir, dtype="float32", seed=0, max_model_len=64, enforce_eager=True, logprobs_mode=logprobs_mode
+    )
     params = SamplingParams(n=8, temperature=args.temperature, max_tokens=8, logprobs=args.top_k, seed=1)
     prompts = [{"prompt_token_ids": [1, 4 + i % 10, 14, 4 + (3 * i) % 10, 16]} for i in range(16)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -46,9 +47,17 @@ def rollout_metrics(model_dir: str, logprobs_mode: str, args: argparse.Namespace
     advantages = torch.tensor([1.0, -1.0]).repeat(len(rollout.prompt_ids) // 2)  # [B]: both signs
     metrics = {}
     for mode in ("binary_tv", "topk_tv"):
-        _, m = dppo_loss(logits, rollout.tokens, rollout.rollout_logprobs, advantages,
-                         response_mask=rollout.response_mask, mode=mode, topk_ids=rollout.topk_ids,
-                         topk_logprobs=rollout.topk_logprobs, temperature=args.temperature)
+        _, m = dppo_loss(
+            logits,
+            rollout.tokens,
+            rollout.rollout_logprobs,
+            advantages,
+            response_mask=rollout.response_mask,
+            mode=mode,
+            topk_ids=rollout.topk_ids,
+            topk_logprobs=rollout.topk_logprobs,
+            temperature=args.temperature,
+        )
         metrics[f"{mode}_masked_frac"] = float(m["masked_frac"])
         metrics["mismatch_mean"], metrics["mismatch_max"] = float(m["mismatch_mean"]), float(m["mismatch_max"])
     metrics["tokens"] = int(rollout.response_mask.sum())
@@ -91,14 +100,29 @@ def main() -> None:
         for mode in ("processed_logprobs", "raw_logprobs"):
             # A fresh process per engine: one in-process vLLM engine per process is what vLLM expects.
             out = subprocess.run(
-                [sys.executable, __file__, "--model-dir", model_dir, "--logprobs-mode", mode,
-                 "--temperature", str(args.temperature), "--top-k", str(args.top_k)],
-                check=True, stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--model-dir",
+                    model_dir,
+                    "--logprobs-mode",
+                    mode,
+                    "--temperature",
+                    str(args.temperature),
+                    "--top-k",
+                    str(args.top_k),
+                ],
+                check=True,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             results[mode] = r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"logprobs_mode={mode:<19} T={args.temperature}: mismatch |pi - mu| mean {r['mismatch_mean']:.2e} "
-                  f"max {r['mismatch_max']:.2e}; masked: binary_tv {100 * r['binary_tv_masked_frac']:.1f}%, "
-                  f"topk_tv {100 * r['topk_tv_masked_frac']:.1f}% of {r['tokens']} tokens", flush=True)
+            print(
+                f"logprobs_mode={mode:<19} T={args.temperature}: mismatch |pi - mu| mean {r['mismatch_mean']:.2e} "
+                f"max {r['mismatch_max']:.2e}; masked: binary_tv {100 * r['binary_tv_masked_frac']:.1f}%, "
+                f"topk_tv {100 * r['topk_tv_masked_frac']:.1f}% of {r['tokens']} tokens",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"temperature": args.temperature, "top_k": args.top_k, **results}, handle, indent=2)

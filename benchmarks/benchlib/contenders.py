@@ -91,8 +91,15 @@ def build_contender(name: str, mode: str, device: str, compute_entropy: bool = T
 
         def fused(inp: LossInputs) -> torch.Tensor:
             logits = _AsLayerOutput.apply(inp.logits) if inplace else inp.logits
-            return dppo_loss(logits, inp.tokens, inp.rollout_logprobs, inp.advantages, **common,
-                             **topk_kwargs(inp), inplace_backward=inplace)[0]
+            return dppo_loss(
+                logits,
+                inp.tokens,
+                inp.rollout_logprobs,
+                inp.advantages,
+                **common,
+                **topk_kwargs(inp),
+                inplace_backward=inplace,
+            )[0]
 
         return Contender(name, fused, inplace, "dppo_ext.dppo_loss" + (" (inplace_backward)" if inplace else ""))
     if name in ("eager", "compile"):
@@ -135,9 +142,20 @@ def _liger_contender(name: str, device: str) -> Contender:
 
     def liger(inp: LossInputs) -> torch.Tensor:
         per_token = triton_grpo_loss(
-            state["leaf"], inp.rollout_logprobs[None], None, inp.tokens[None], inp.advantages[:1],
-            None, temperature=1.0, beta=0.0, eps_low=0.2, eps_high=0.28, inplace=inplace)[0]
+            state["leaf"],
+            inp.rollout_logprobs[None],
+            None,
+            inp.tokens[None],
+            inp.advantages[:1],
+            None,
+            temperature=1.0,
+            beta=0.0,
+            eps_low=0.2,
+            eps_high=0.28,
+            inplace=inplace,
+        )[0]
         return per_token.mean()
 
-    return Contender(name, liger, inplace, "liger_kernel triton_grpo_loss (GRPO ratio clip, shown for scale)",
-                     make_leaf)
+    return Contender(
+        name, liger, inplace, "liger_kernel triton_grpo_loss (GRPO ratio clip, shown for scale)", make_leaf
+    )

@@ -61,10 +61,10 @@ def make_inputs(n: int, v: int, k: int, mode: str, dtype: torch.dtype, device: s
         rows = stop - start
         first = int(torch.randint(0, base.shape[0] - rows + 1, (1,), generator=gen))
         shift = int(torch.randint(0, v, (1,), generator=gen))
-        window = base[first:first + rows]
+        window = base[first : first + rows]
         z = torch.empty(rows, v, device=device)
         z[:, : v - shift] = window[:, shift:]
-        z[:, v - shift:] = window[:, :shift]
+        z[:, v - shift :] = window[:, :shift]
         preferred = torch.randint(0, v, (rows, 1), generator=gen, device=device)
         boost = math.log(v) + 2.0 + 12.0 * torch.rand(rows, 1, generator=gen, device=device) - 6.0
         z.scatter_add_(1, preferred, boost)
@@ -78,7 +78,8 @@ def make_inputs(n: int, v: int, k: int, mode: str, dtype: torch.dtype, device: s
         if topk:
             topk_ids[start:stop] = top_ids[:, :k]
             topk_lp[start:stop] = (top_lp[:, :k] + 0.3 * torch.randn(rows, k, generator=gen, device=device)).clamp(
-                max=0.0)
+                max=0.0
+            )
         del z, logp
     advantages = torch.randn(n, generator=gen, device=device)
     return LossInputs(logits.requires_grad_(), tokens, rollout, advantages, topk_ids, topk_lp)

@@ -66,8 +66,12 @@ def machine_info(device: str) -> dict:
     except ImportError as exc:
         info["dppo_ext"] = f"unavailable ({exc})"
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except OSError:
         info["git_commit"] = "unknown"
     if device.startswith("cuda"):

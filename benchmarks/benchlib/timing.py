@@ -120,9 +120,16 @@ class Timing:
         return out
 
 
-def time_contender(contender: Contender, inp: LossInputs, leaf: torch.Tensor, device: str, warmup: int,
-                   repeats: int, pristine: Optional[torch.Tensor] = None,
-                   copy_pass: Optional[CopyPass] = None) -> tuple[Timing, StepResult]:
+def time_contender(
+    contender: Contender,
+    inp: LossInputs,
+    leaf: torch.Tensor,
+    device: str,
+    warmup: int,
+    repeats: int,
+    pristine: Optional[torch.Tensor] = None,
+    copy_pass: Optional[CopyPass] = None,
+) -> tuple[Timing, StepResult]:
     """Warm up, then time ``repeats`` steps (forward and backward each timed on its own).
 
     ``pristine`` (a copy of the logits) is restored, untimed, before every step of a contender

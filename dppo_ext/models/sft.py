@@ -67,7 +67,9 @@ def encode_sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, 
     return input_ids, attention_mask, labels
 
 
-def supervised_warm_start(model: torch.nn.Module, tokenizer, problems: list[Problem], config: WarmStartConfig) -> list[float]:
+def supervised_warm_start(
+    model: torch.nn.Module, tokenizer, problems: list[Problem], config: WarmStartConfig
+) -> list[float]:
     """Fine-tune ``model`` in place on ``problems`` for ``config.steps`` AdamW steps.
 
     Mini-batches are drawn by cycling through seeded shuffles of ``problems``; the learning rate
@@ -99,8 +101,12 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, problems: list[Prob
         del order[: config.batch_size]
         input_ids, attention_mask, labels = encode_sft_batch(tokenizer, batch)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                               label_smoothing=config.label_smoothing)
+        loss = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(),
+            labels[:, 1:].flatten(),
+            ignore_index=IGNORE_INDEX,
+            label_smoothing=config.label_smoothing,
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)

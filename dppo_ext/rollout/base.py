@@ -78,8 +78,7 @@ def force_sampled_into_topk(
     """
     if len(topk_ids) != len(topk_logprobs):
         raise ValueError(
-            f"topk_ids and topk_logprobs must have the same length, got "
-            f"{len(topk_ids)} and {len(topk_logprobs)}"
+            f"topk_ids and topk_logprobs must have the same length, got {len(topk_ids)} and {len(topk_logprobs)}"
         )
     if not topk_ids:
         raise ValueError("topk_ids must hold at least one candidate (K >= 1), got an empty list")
@@ -92,8 +91,14 @@ def force_sampled_into_topk(
 
 
 def check_generate_args(
-    prompts: list[list[int]], n: int, temperature: float, max_tokens: int, top_k: int, *,
-    logit_noise: float = 0.0, seed: int | None = None,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    top_k: int,
+    *,
+    logit_noise: float = 0.0,
+    seed: int | None = None,
 ) -> None:
     """Validate the arguments shared by every engine's ``generate``; raise ValueError."""
     if not isinstance(prompts, list) or not all(isinstance(p, list) and p for p in prompts):

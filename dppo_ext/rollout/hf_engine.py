@@ -47,9 +47,7 @@ def topk_with_sampled(
     values, indices = logprobs.topk(k, dim=-1)
     picked = logprobs.gather(-1, sampled[:, None])[:, 0]
     ids_out, lps_out = [], []
-    for row_ids, row_lps, tok, tok_lp in zip(
-        indices.tolist(), values.tolist(), sampled.tolist(), picked.tolist()
-    ):
+    for row_ids, row_lps, tok, tok_lp in zip(indices.tolist(), values.tolist(), sampled.tolist(), picked.tolist()):
         ids, lps = force_sampled_into_topk(row_ids, row_lps, tok, tok_lp)
         ids_out.append(ids)
         lps_out.append(lps)
@@ -146,8 +144,8 @@ class HFEngine(RolloutEngine):
         input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, longest - len(prompt):] = 1
+            input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, longest - len(prompt) :] = 1
         config = GenerationConfig(
             do_sample=True,
             temperature=temperature,

@@ -64,10 +64,12 @@ def add_logit_noise(logits: torch.Tensor, rows: Sequence[tuple[int, int, int, fl
 def check_logit_noise(logit_noise: float, seed: int | None) -> None:
     """Raise ``ValueError`` unless ``logit_noise`` is a finite sigma >= 0 (and a seed is given when it is > 0)."""
     if isinstance(logit_noise, bool) or not isinstance(logit_noise, (int, float)) or not math.isfinite(logit_noise):
-        raise ValueError("logit_noise must be a finite number >= 0 (sigma of the rollout logit noise), "
-                         f"got {logit_noise!r}")
+        raise ValueError(
+            f"logit_noise must be a finite number >= 0 (sigma of the rollout logit noise), got {logit_noise!r}"
+        )
     if logit_noise < 0:
         raise ValueError(f"logit_noise must be >= 0 (sigma of the rollout logit noise), got {logit_noise}")
     if logit_noise > 0 and seed is None:
-        raise ValueError("logit_noise > 0 needs a seed: the noise of every token is drawn from the sample's seed "
-                         "(pass seed=...)")
+        raise ValueError(
+            "logit_noise > 0 needs a seed: the noise of every token is drawn from the sample's seed (pass seed=...)"
+        )

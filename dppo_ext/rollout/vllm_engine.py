@@ -125,7 +125,9 @@ class VLLMEngine(RolloutEngine):
         if positions is not None and max_model_len > positions:
             logger.info(
                 "max_model_len %d exceeds the model's max_position_embeddings %d; using %d",
-                max_model_len, positions, positions,
+                max_model_len,
+                positions,
+                positions,
             )
             max_model_len = positions
         on_cuda = torch.cuda.is_available()
@@ -154,9 +156,7 @@ class VLLMEngine(RolloutEngine):
         )
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-        logger.info(
-            "vLLM engine for %s (%s) started in %.1f s", model_path, dtype, time.perf_counter() - start
-        )
+        logger.info("vLLM engine for %s (%s) started in %.1f s", model_path, dtype, time.perf_counter() - start)
 
     def generate(
         self,
@@ -192,9 +192,7 @@ class VLLMEngine(RolloutEngine):
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
-        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return rollout_samples_from_vllm(outputs, top_k)
 
     @torch.no_grad()
@@ -206,8 +204,10 @@ class VLLMEngine(RolloutEngine):
         install_benign_warning_filters()
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": _checkpoint_weights(model, getattr(torch, self.dtype)),
-                    "is_checkpoint_format": True},
+            kwargs={
+                "weights_iterator": _checkpoint_weights(model, getattr(torch, self.dtype)),
+                "is_checkpoint_format": True,
+            },
         )
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start

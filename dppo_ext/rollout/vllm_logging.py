@@ -18,22 +18,47 @@ __all__ = ["BENIGN_VLLM_WARNINGS", "quiet_vllm_logging", "verbose_vllm_logging"]
 
 # (logger, message template as vLLM passes it to the logger, first argument or None, why it is benign here).
 BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", "RotaryEmbedding",
-     "rotary cos/sin cache is not a checkpoint tensor; vLLM keeps the old (weight-independent) one"),
-    ("vllm.model_executor.models.utils", "Attempted to load weight %s with dtype %s into parameter with dtype", None,
-     "the engine runs in the rollout dtype asked for (bf16 rollouts of an fp32 model): vLLM rounds the fp32 "
-     "checkpoint to it when it starts; weight syncs hand it weights already in that dtype"),
-    ("vllm.engine.arg_utils", "The global random seed is set to", None,
-     "the trainer seeds its RNGs after the engine has started"),
+    (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "%s: Failed to load weights",
+        "RotaryEmbedding",
+        "rotary cos/sin cache is not a checkpoint tensor; vLLM keeps the old (weight-independent) one",
+    ),
+    (
+        "vllm.model_executor.models.utils",
+        "Attempted to load weight %s with dtype %s into parameter with dtype",
+        None,
+        "the engine runs in the rollout dtype asked for (bf16 rollouts of an fp32 model): vLLM rounds the fp32 "
+        "checkpoint to it when it starts; weight syncs hand it weights already in that dtype",
+    ),
+    (
+        "vllm.engine.arg_utils",
+        "The global random seed is set to",
+        None,
+        "the trainer seeds its RNGs after the engine has started",
+    ),
     ("vllm.config.vllm", "Enforce eager set", None, "eager mode is the engine's choice on CPU"),
     ("vllm.config.vllm", "Inductor compilation was disabled", None, "follows from eager mode"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", None, "CPU platform fact, nothing to do"),
     ("vllm.platforms.cpu", "Triton is not installed", None, "CPU platform fact, nothing to do"),
-    ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend", None,
-     "CPU platform fact, nothing to do"),
-    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", None,
-     "the engine restores torch's thread count itself after start-up"),
-    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", "libtcmalloc", "performance hint (--verbose shows it)"),
+    (
+        "vllm.triton_utils.importing",
+        "Triton is installed, but doesn't include CPU backend",
+        None,
+        "CPU platform fact, nothing to do",
+    ),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "CPU backend doesn't allow to use `torch.set_num_threads`",
+        None,
+        "the engine restores torch's thread count itself after start-up",
+    ),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "%s is not found in LD_PRELOAD",
+        "libtcmalloc",
+        "performance hint (--verbose shows it)",
+    ),
     ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", "libiomp", "performance hint (--verbose shows it)"),
 )
 
@@ -84,7 +109,9 @@ def quiet_vllm_logging() -> None:
     install_benign_warning_filters()
     # vLLM's Triton shim touches a deprecated torch.distributed alias while importing.
     warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning,
+        "ignore",
+        message=r"`torch\.distributed\.reduce_op` is deprecated",
+        category=FutureWarning,
         module=r"vllm\.",
     )
 

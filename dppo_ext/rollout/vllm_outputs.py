@@ -96,9 +96,7 @@ def ranked_topk_rows(
                 "ask for SamplingParams(logprobs=K) with K >= top_k (and K <= the vocabulary size)"
             )
         best = [-math.inf if lp is None else float(lp) for lp in lps[:top_k]]
-        row_ids, row_lps = force_sampled_into_topk(
-            ids[:top_k], best, tok, -math.inf if sampled is None else sampled
-        )
+        row_ids, row_lps = force_sampled_into_topk(ids[:top_k], best, tok, -math.inf if sampled is None else sampled)
         topk_ids.append(row_ids)
         topk_logprobs.append(row_lps)
     if top_k == 0:

@@ -60,7 +60,9 @@ class RolloutBatch:
 
     def select(self, index: torch.Tensor) -> RolloutBatch:
         """The sub-batch of rows ``index`` ([b] int64), trimmed to its own longest response."""
-        picked = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)}
+        picked = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)
+        }
         longest = int(picked["response_mask"].sum(dim=1).max()) if index.numel() else 0
         cut = self.response_len - longest
         if cut > 0:
@@ -74,7 +76,10 @@ class RolloutBatch:
     def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every tensor on ``device``."""
         return RolloutBatch(
-            **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device)) for f in fields(self)}
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                for f in fields(self)
+            }
         )
 
 

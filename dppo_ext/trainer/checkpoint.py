@@ -124,7 +124,13 @@ def save_checkpoint(
     model.save_pretrained(tmp / MODEL_DIR)
     tokenizer.save_pretrained(tmp / MODEL_DIR)
     torch.save(
-        {"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "sampler": sampler, "elapsed_s": elapsed_s},
+        {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+            "sampler": sampler,
+            "elapsed_s": elapsed_s,
+        },
         tmp / STATE_FILE,
     )
     files = {}
@@ -212,7 +218,9 @@ def verify_checkpoint(path: str | Path, *, legacy: bool = False) -> None:
         size = file.stat().st_size
         if size != expected["bytes"]:
             problem = "truncated" if size < expected["bytes"] else "longer than saved"
-            raise CheckpointError(f"{str(file)!r} is {problem}: {size} bytes, the checkpoint recorded {expected['bytes']}")
+            raise CheckpointError(
+                f"{str(file)!r} is {problem}: {size} bytes, the checkpoint recorded {expected['bytes']}"
+            )
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(
                 f"{str(file)!r} is corrupt: its content differs from the SHA-256 recorded when the checkpoint was saved"
@@ -247,8 +255,14 @@ def check_model_folder(folder: str | Path, *, what: str = "model folder") -> Non
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{what} {str(folder)!r} holds no model: no config.json (expected a save_pretrained folder)")
-    weights = [p for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))]
+        raise CheckpointError(
+            f"{what} {str(folder)!r} holds no model: no config.json (expected a save_pretrained folder)"
+        )
+    weights = [
+        p
+        for p in folder.iterdir()
+        if p.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
+    ]
     if not weights:
         raise CheckpointError(
             f"{what} {str(folder)!r} holds no model weights (no *.safetensors or *.bin file next to config.json)"
@@ -308,7 +322,9 @@ def find_resume_checkpoint(out_dir: str | Path) -> Path:
         step, path = max(legacy, key=lambda item: item[0])
         logger.warning(
             "--resume: %s uses the earlier single-checkpoint layout (step %d); new checkpoints are written as "
-            "checkpoint-<step>/ and the old folder is left in place", path, step,
+            "checkpoint-<step>/ and the old folder is left in place",
+            path,
+            step,
         )
         return path
     raise NoCheckpointError(

@@ -42,23 +42,34 @@ class TrainConfig:
     data: str = _opt("", "JSONL training data ({'prompt','answer'} per line); empty uses the embedded arithmetic task")
     eval_data: str = _opt("", "JSONL held-out data; empty splits --num-eval problems off --data")
     num_eval: int = _opt(300, "held-out problems (split off the data or the embedded task)")
-    verifier: str = _opt("auto", "answer check: numeric, exact, or auto (numeric when the answer is a number)", VERIFIERS)
-    prompt_format: str = _opt("auto", "plain text prompts, the tokenizer's chat template, or auto (chat when it has one)", PROMPT_FORMATS)
+    verifier: str = _opt(
+        "auto", "answer check: numeric, exact, or auto (numeric when the answer is a number)", VERIFIERS
+    )
+    prompt_format: str = _opt(
+        "auto", "plain text prompts, the tokenizer's chat template, or auto (chat when it has one)", PROMPT_FORMATS
+    )
     # embedded task and its tiny model
     max_operand: int = _opt(99, "embedded task: the first operand is an integer in [0, max_operand]")
     max_second_operand: int = _opt(9, "embedded task: the second operand is an integer in [0, max_second_operand]")
     tiny_layers: int = _opt(2, "embedded model: decoder layers")
     tiny_hidden: int = _opt(128, "embedded model: hidden size (head_dim = hidden / 2)")
     tiny_vocab_size: int = _opt(
-        0, "embedded model: pad the vocabulary with tokens no prompt or answer uses (each decodes to a non-digit) up "
-        "to this size; with --warm-start-label-smoothing they carry a long tail of rare tokens. 0 = no padding")
+        0,
+        "embedded model: pad the vocabulary with tokens no prompt or answer uses (each decodes to a non-digit) up "
+        "to this size; with --warm-start-label-smoothing they carry a long tail of rare tokens. 0 = no padding",
+    )
     warm_start_steps: int = _opt(1000, "embedded model: supervised warm-start steps")
-    warm_start_problems: int = _opt(600, "embedded task: problems reserved for the warm start (disjoint from RL and eval)")
+    warm_start_problems: int = _opt(
+        600, "embedded task: problems reserved for the warm start (disjoint from RL and eval)"
+    )
     warm_start_lr: float = _opt(3e-3, "embedded model: warm-start learning rate")
     warm_start_label_smoothing: float = _opt(
-        0.3, "embedded model: warm-start label smoothing (a policy that ranks the answer first but samples it rarely)")
+        0.3, "embedded model: warm-start label smoothing (a policy that ranks the answer first but samples it rarely)"
+    )
     # RL
-    loss: str = _opt("dppo_binary_tv", "policy loss (see dppo_ext.trainer.losses for what each masks and weights)", tuple(LOSSES))
+    loss: str = _opt(
+        "dppo_binary_tv", "policy loss (see dppo_ext.trainer.losses for what each masks and weights)", tuple(LOSSES)
+    )
     steps: int = _opt(400, "RL steps (one rollout batch each)")
     prompts_per_step: int = _opt(32, "prompts per rollout batch")
     group_size: int = _opt(16, "samples per prompt (GRPO group)")
@@ -70,8 +81,10 @@ class TrainConfig:
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the loss's)")
     ratio_cap: typing.Optional[float] = _opt(None, "cap on the importance weight (default: the loss's, 10 or uncapped)")
     loss_agg_mode: str = _opt(
-        "token-mean", "loss aggregation, verl's names (docs/aggregation.md; the -norm modes divide by --max-new-tokens)",
-        AGG_MODES)
+        "token-mean",
+        "loss aggregation, verl's names (docs/aggregation.md; the -norm modes divide by --max-new-tokens)",
+        AGG_MODES,
+    )
     lr: float = _opt(1e-4, "AdamW learning rate")
     warmup_steps: int = _opt(20, "linear learning-rate warm-up over the first k RL steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -79,47 +92,73 @@ class TrainConfig:
     num_minibatches: int = _opt(4, "optimizer steps per epoch over a rollout batch")
     ppo_epochs: int = _opt(2, "passes over each rollout batch")
     micro_batch_size: int = _opt(0, "sequences per forward/backward (gradient accumulation); 0 = whole mini-batch")
-    rollout_lag: int = _opt(0, "the engine rolls out with the trainer's weights of k steps ago (asynchronous RL); 0 = synced")
+    rollout_lag: int = _opt(
+        0, "the engine rolls out with the trainer's weights of k steps ago (asynchronous RL); 0 = synced"
+    )
     rollout_logit_noise: float = _opt(
-        0.0, "sigma of Gaussian noise the engine adds to its logits before the temperature: rollouts sample from and "
+        0.0,
+        "sigma of Gaussian noise the engine adds to its logits before the temperature: rollouts sample from and "
         "report mu = softmax((z + sigma * eps) / T), eps ~ N(0, I) fresh per token (a training-inference mismatch of "
-        "a chosen size; held-out evaluation stays noise-free). 0 = off")
+        "a chosen size; held-out evaluation stays noise-free). 0 = off",
+    )
     drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
     mechanism_metrics: bool = _opt(
-        False, "record per step the mask split (first mini-batch / later ones, by rollout probability x advantage "
+        False,
+        "record per step the mask split (first mini-batch / later ones, by rollout probability x advantage "
         "sign) and, after each optimizer step, the post-update drift |pi_new - mu|, the mass negative samples removed "
         "from tokens with mu > 0.5 and the bad-update fraction (dppo_ext.trainer.mechanism; one extra no-grad pass "
-        "per mini-batch)")
+        "per mini-batch)",
+    )
     # evaluation
     eval_every: int = _opt(25, "held-out accuracy every k steps (also at start and end)")
     eval_samples: int = _opt(2, "samples per held-out prompt (accuracy = mean reward at --eval-temperature)")
     eval_temperature: float = _opt(1.0, "held-out sampling temperature")
     # engines and devices
     engine: str = _opt("auto", "rollout engine: vllm when installed (auto), vllm, or transformers (hf)", ENGINE_KINDS)
-    rollout_dtype: str = _opt("float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", tuple(MODEL_DTYPES))
+    rollout_dtype: str = _opt(
+        "float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", tuple(MODEL_DTYPES)
+    )
     dtype: str = _opt("float32", "trainer parameter dtype", tuple(MODEL_DTYPES))
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
-    threads: int = _opt(0, "torch CPU threads of the trainer and the in-process vLLM engine; 0 = every CPU this process "
-                        "may use")
+    threads: int = _opt(
+        0, "torch CPU threads of the trainer and the in-process vLLM engine; 0 = every CPU this process may use"
+    )
     # run management
-    out: str = _opt("runs/default", "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json, and "
-                    "dppo-run.json: what the trainer wrote there); must be empty unless --resume or --overwrite")
-    overwrite: bool = _opt(False, "start over in --out: once the new run has started, delete what the previous run "
-                           "wrote there (what its dppo-run.json lists; nothing else)")
+    out: str = _opt(
+        "runs/default",
+        "output folder (metrics.jsonl, plot, checkpoint-<step>/, summary.json, and "
+        "dppo-run.json: what the trainer wrote there); must be empty unless --resume or --overwrite",
+    )
+    overwrite: bool = _opt(
+        False,
+        "start over in --out: once the new run has started, delete what the previous run "
+        "wrote there (what its dppo-run.json lists; nothing else)",
+    )
     save_every: int = _opt(50, "checkpoint every k steps (and at the end); 0 = only at the end")
-    save_total_limit: int = _opt(2, "keep the newest N checkpoint-<step>/ folders (older ones are deleted once a new one "
-                                 "is complete); 0 = keep all")
-    resume: bool = _opt(False, "continue the run in --out from its newest complete checkpoint-<step>/ (same flags; "
-                        "--steps may grow)")
+    save_total_limit: int = _opt(
+        2,
+        "keep the newest N checkpoint-<step>/ folders (older ones are deleted once a new one "
+        "is complete); 0 = keep all",
+    )
+    resume: bool = _opt(
+        False, "continue the run in --out from its newest complete checkpoint-<step>/ (same flags; --steps may grow)"
+    )
     seed: int = _opt(0, "seed for the task split, warm start, prompt order and rollouts")
     # reporting and logging
-    report_to: str = _opt("none", "metrics sink beside metrics.jsonl and metrics.png: none, or tensorboard (events in "
-                          "<out>/tensorboard; needs the tensorboard package)", REPORT_TARGETS)
+    report_to: str = _opt(
+        "none",
+        "metrics sink beside metrics.jsonl and metrics.png: none, or tensorboard (events in "
+        "<out>/tensorboard; needs the tensorboard package)",
+        REPORT_TARGETS,
+    )
     log_level: str = _opt("info", "level of the trainer's own log messages", LOG_LEVELS)
-    verbose: bool = _opt(False, "show vLLM's and transformers' start-up INFO lines, progress bars and the warnings the "
-                         "trainer otherwise hides as known to be benign")
+    verbose: bool = _opt(
+        False,
+        "show vLLM's and transformers' start-up INFO lines, progress bars and the warnings the "
+        "trainer otherwise hides as known to be benign",
+    )
 
     @property
     def mode(self) -> str:
@@ -154,17 +193,38 @@ class TrainConfig:
         for name, f in _fields().items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:
-                raise ValueError(f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}")
+                raise ValueError(
+                    f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
+                )
         positive = (
-            "num_eval", "max_operand", "max_second_operand", "tiny_layers", "tiny_hidden", "warm_start_problems", "steps",
-            "prompts_per_step", "max_new_tokens", "num_minibatches", "ppo_epochs", "eval_every",
-            "eval_samples", "max_model_len",
+            "num_eval",
+            "max_operand",
+            "max_second_operand",
+            "tiny_layers",
+            "tiny_hidden",
+            "warm_start_problems",
+            "steps",
+            "prompts_per_step",
+            "max_new_tokens",
+            "num_minibatches",
+            "ppo_epochs",
+            "eval_every",
+            "eval_samples",
+            "max_model_len",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("warm_start_steps", "warmup_steps", "micro_batch_size", "save_every", "save_total_limit", "threads",
-                     "top_k", "rollout_lag"):
+        for name in (
+            "warm_start_steps",
+            "warmup_steps",
+            "micro_batch_size",
+            "save_every",
+            "save_total_limit",
+            "threads",
+            "top_k",
+            "rollout_lag",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm"):
@@ -187,27 +247,37 @@ class TrainConfig:
             )
         unpadded = len(SPECIAL_TOKENS) + len(ARITHMETIC_ALPHABET)
         if self.tiny_vocab_size < 0 or 0 < self.tiny_vocab_size < unpadded:
-            raise ValueError(f"--tiny-vocab-size must be 0 (no padding) or >= {unpadded} (the embedded model's own "
-                             f"tokens), got {self.tiny_vocab_size}")
+            raise ValueError(
+                f"--tiny-vocab-size must be 0 (no padding) or >= {unpadded} (the embedded model's own "
+                f"tokens), got {self.tiny_vocab_size}"
+            )
         if self.model and self.tiny_vocab_size:
-            raise ValueError(f"--tiny-vocab-size={self.tiny_vocab_size} pads the embedded model's vocabulary; it does "
-                             f"not apply to --model {self.model!r}: drop it")
+            raise ValueError(
+                f"--tiny-vocab-size={self.tiny_vocab_size} pads the embedded model's vocabulary; it does "
+                f"not apply to --model {self.model!r}: drop it"
+            )
         heads = tiny_heads(self.tiny_hidden)
-        if not self.model and (self.tiny_hidden % heads or (self.tiny_hidden // heads) % 2 or self.tiny_hidden // heads < 32):
+        if not self.model and (
+            self.tiny_hidden % heads or (self.tiny_hidden // heads) % 2 or self.tiny_hidden // heads < 32
+        ):
             raise ValueError(
                 f"--tiny-hidden={self.tiny_hidden} gives the embedded model {heads} head(s) of "
                 f"{self.tiny_hidden / heads:g} dims; expected whole, even heads of >= 32 dims "
                 "(heads = max(1, hidden // 64)): use a multiple of 64, or an even number in [32, 126]"
             )
         if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
-                             "--overwrite deletes it; pass one")
+            raise ValueError(
+                "--resume and --overwrite contradict each other: --resume continues the run in --out, "
+                "--overwrite deletes it; pass one"
+            )
         if self.group_size < 2:
             raise ValueError(
                 f"--group-size must be >= 2 (group advantages compare samples of the same prompt), got {self.group_size}"
             )
         if self.uses_topk and self.top_k < 1:
-            raise ValueError(f"--loss {self.loss} needs the rollout's top-K log-probs: --top-k must be >= 1, got {self.top_k}")
+            raise ValueError(
+                f"--loss {self.loss} needs the rollout's top-K log-probs: --top-k must be >= 1, got {self.top_k}"
+            )
         batch = self.prompts_per_step * self.group_size
         if self.num_minibatches > batch:
             raise ValueError(
@@ -228,10 +298,14 @@ class TrainConfig:
         if self.eval_data and not self.data:
             raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
         if self.model and not self.data:
-            raise ValueError(f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny model)")
+            raise ValueError(
+                f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny model)"
+            )
         if self.data and not self.model:
-            raise ValueError(f"--data {self.data!r} needs --model (the embedded tiny model knows only the embedded "
-                             "arithmetic task's characters); pass --model, or drop --data for the embedded task")
+            raise ValueError(
+                f"--data {self.data!r} needs --model (the embedded tiny model knows only the embedded "
+                "arithmetic task's characters); pass --model, or drop --data for the embedded task"
+            )
         return self
 
     def to_dict(self) -> dict:
@@ -244,8 +318,21 @@ class TrainConfig:
 
 
 # Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
-RESUME_MAY_CHANGE = ("steps", "save_every", "save_total_limit", "threads", "device", "vllm_gpu_memory_utilization",
-                     "out", "resume", "overwrite", "report_to", "log_level", "verbose", "mechanism_metrics")
+RESUME_MAY_CHANGE = (
+    "steps",
+    "save_every",
+    "save_total_limit",
+    "threads",
+    "device",
+    "vllm_gpu_memory_utilization",
+    "out",
+    "resume",
+    "overwrite",
+    "report_to",
+    "log_level",
+    "verbose",
+    "mechanism_metrics",
+)
 
 
 def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:

@@ -255,8 +255,12 @@ class Trainer:
                     # A NaN/inf gradient would poison the weights (and AdamW's moments) for good:
                     # skip this optimizer step and say so; the record keeps the non-finite loss.
                     skipped_steps += 1
-                    logger.warning("step %d: non-finite gradient norm (%s, mini-batch loss %s); optimizer step "
-                                   "skipped", self.step, float(grad_norm), mb_loss)
+                    logger.warning(
+                        "step %d: non-finite gradient norm (%s, mini-batch loss %s); optimizer step skipped",
+                        self.step,
+                        float(grad_norm),
+                        mb_loss,
+                    )
                 losses.append(mb_loss)
                 grad_norms.append(float(grad_norm))
                 first = False
@@ -278,15 +282,22 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def _post_update_pass(self, batch: RolloutBatch, parts: list[torch.Tensor], before: list[torch.Tensor],
-                          stats: MechanismStats, settings: dict[str, float]) -> None:
+    def _post_update_pass(
+        self,
+        batch: RolloutBatch,
+        parts: list[torch.Tensor],
+        before: list[torch.Tensor],
+        stats: MechanismStats,
+        settings: dict[str, float],
+    ) -> None:
         """Score the mini-batch just trained (``parts``: its micro-batches' rows; ``before``: their log-probs
         before the step) with the updated weights."""
         cfg = self.config
         for part, logp_old in zip(parts, before):
             micro = batch.select(part).to(self.device)
-            rows, valid, mu, adv = op_rows(response_logits(self.model, micro), micro, cfg.mode, cfg.temperature,
-                                           settings)
+            rows, valid, mu, adv = op_rows(
+                response_logits(self.model, micro), micro, cfg.mode, cfg.temperature, settings
+            )
             stats.add_post_update(rows.logp, logp_old, valid, mu, adv)
 
     @torch.no_grad()
@@ -343,7 +354,9 @@ class Trainer:
             record["sync_s"] = self.sync_engine()
         else:
             # no update, but a lagged engine still moves one step along the trainer's history
-            record.update(update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0)
+            record.update(
+                update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0
+            )
         record["trained_seqs"] = len(keep)
         self.step += 1
         return record
@@ -394,13 +407,20 @@ class Trainer:
         finally:
             reporter.close()
 
-    def _run(self, writer: MetricsWriter, reporter: Reporter, start: float, resumed: bool, *, progress: bool) -> dict[str, Any]:
+    def _run(
+        self, writer: MetricsWriter, reporter: Reporter, start: float, resumed: bool, *, progress: bool
+    ) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         cfg = self.config
         if not resumed:
             result = self.evaluate()
-            record = {"step": 0, "eval_acc": result.accuracy, "eval_response_len": result.response_len, "eval_s": result.seconds}
+            record = {
+                "step": 0,
+                "eval_acc": result.accuracy,
+                "eval_response_len": result.response_len,
+                "eval_s": result.seconds,
+            }
             writer.write(record)
             reporter.write(record)
             logger.info("held-out accuracy at start: %.3f", result.accuracy)

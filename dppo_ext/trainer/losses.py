@@ -60,10 +60,16 @@ LOSSES: dict[str, LossSpec] = {
     "grpo_clip": LossSpec("ratio", delta_low=0.2, delta_high=0.2, source="GRPO: Stable-RL ppo, symmetric clip"),
     "grpo_clip_higher": LossSpec("ratio", delta_low=0.2, delta_high=0.28, source="GRPO clip-higher: Stable-RL ppo"),
     "minirl": LossSpec(
-        "ratio", anchor="recompute", delta_low=0.2, delta_high=0.28, ratio_cap=math.inf,
-        source="MiniRL: Stable-RL ppo_recompute without the cap"),
+        "ratio",
+        anchor="recompute",
+        delta_low=0.2,
+        delta_high=0.28,
+        ratio_cap=math.inf,
+        source="MiniRL: Stable-RL ppo_recompute without the cap",
+    ),
     "minirl_tis": LossSpec(
-        "ratio", anchor="recompute", delta_low=0.2, delta_high=0.28, source="MiniRL-TIS: Stable-RL ppo_recompute"),
+        "ratio", anchor="recompute", delta_low=0.2, delta_high=0.28, source="MiniRL-TIS: Stable-RL ppo_recompute"
+    ),
     "dppo_binary_tv": LossSpec("binary_tv", source="Stable-RL dppo_binary_tv"),
     "dppo_binary_kl": LossSpec("binary_kl", source="Stable-RL dppo_binary_kl"),
     "dppo_topk_tv": LossSpec("topk_tv", source="Stable-RL dppo_topk_tv"),

@@ -90,10 +90,14 @@ def _parse(path: Path, *, allow_truncated_tail: bool) -> tuple[list[dict[str, An
             if last and allow_truncated_tail:
                 truncated = line
                 continue
-            what = "cut off (the writer stopped mid-line)" if last else f"invalid JSON ({err.msg} at column {err.colno})"
+            what = (
+                "cut off (the writer stopped mid-line)" if last else f"invalid JSON ({err.msg} at column {err.colno})"
+            )
             raise MetricsFormatError(f"{path}:{lineno}: {what}") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise MetricsFormatError(f"{path}:{lineno}: expected a JSON object with an integer 'step', got {line[:80]!r}")
+            raise MetricsFormatError(
+                f"{path}:{lineno}: expected a JSON object with an integer 'step', got {line[:80]!r}"
+            )
         records.append(record)
     return records, truncated
 
@@ -122,7 +126,11 @@ def prepare_for_resume(path: str | Path, resume_step: int) -> list[dict[str, Any
             os.fsync(handle.fileno())
         logger.warning(
             "%s: %d record(s) of steps after the resumed checkpoint (step %d) were written after it and are "
-            "trained again; they moved to %s", path, len(later), resume_step, dropped,
+            "trained again; they moved to %s",
+            path,
+            len(later),
+            resume_step,
+            dropped,
         )
     unterminated = path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     if truncated is not None or later or unterminated:
@@ -131,6 +139,8 @@ def prepare_for_resume(path: str | Path, resume_step: int) -> list[dict[str, Any
     if last_step is None or last_step < resume_step:
         logger.warning(
             "%s: records end at step %s but the checkpoint is at step %d; the curve has a gap",
-            path, last_step, resume_step,
+            path,
+            last_step,
+            resume_step,
         )
     return kept

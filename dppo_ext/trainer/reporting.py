@@ -68,7 +68,7 @@ class TensorBoardReporter:
 def tensorboard_tag(key: str) -> str:
     """The TensorBoard tag of a metrics-record field: ``eval/acc``, ``time/rollout_s``, ``train/loss``."""
     if key.startswith("eval_") and not key.endswith("_s"):
-        return f"eval/{key[len('eval_'):]}"
+        return f"eval/{key[len('eval_') :]}"
     if key.endswith("_s"):
         return f"time/{key}"
     return f"train/{key}"

@@ -23,8 +23,16 @@ def _dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def batch_inputs(device, dtype, mode: str, *, seed: int = 0, per_sequence_adv: bool = False,
-                 noncontiguous: bool = True, anchor: bool = False) -> dict:
+def batch_inputs(
+    device,
+    dtype,
+    mode: str,
+    *,
+    seed: int = 0,
+    per_sequence_adv: bool = False,
+    noncontiguous: bool = True,
+    anchor: bool = False,
+) -> dict:
     """dppo_loss keyword arguments for [B, T, V] logits (V = 129).
 
     Sequence 1 is right-padded after 6 tokens, sequence 3 is fully masked. With ``noncontiguous``
@@ -83,10 +91,15 @@ def _no_mask_ties(kw: dict) -> bool:
         "rollout_logprobs": kw["rollout_logprobs"].reshape(-1).double(),
         "advantages": adv.reshape(-1).double(),
         "topk_ids": None if kw["topk_ids"] is None else kw["topk_ids"].reshape(-1, kw["topk_ids"].shape[-1]),
-        "topk_logprobs": None if kw["topk_logprobs"] is None else kw["topk_logprobs"].reshape(-1, kw["topk_ids"].shape[-1]).double(),
+        "topk_logprobs": None
+        if kw["topk_logprobs"] is None
+        else kw["topk_logprobs"].reshape(-1, kw["topk_ids"].shape[-1]).double(),
         "anchor_logprobs": None if kw["anchor_logprobs"] is None else kw["anchor_logprobs"].reshape(-1).double(),
-        "mode": kw["mode"], "temperature": kw["temperature"], "delta_low": kw["delta_low"],
-        "delta_high": kw["delta_high"], "ratio_cap": kw["ratio_cap"],
+        "mode": kw["mode"],
+        "temperature": kw["temperature"],
+        "delta_low": kw["delta_low"],
+        "delta_high": kw["delta_high"],
+        "ratio_cap": kw["ratio_cap"],
     }
     return not ambiguous_rows(flat, reference_outputs(flat)).any()
 
@@ -171,8 +184,17 @@ def test_metrics_by_hand():
     rollout = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.05, 0.6, 0.2]], dtype=torch.float64))
     adv = torch.tensor([[1.0, -1.0, -1.0], [1.0, 2.0, -3.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    loss, m = dppo_loss(logits, tokens, rollout, adv, response_mask=mask, mode="binary_tv",
-                        delta_low=0.05, delta_high=0.1, ratio_cap=3.0)
+    loss, m = dppo_loss(
+        logits,
+        tokens,
+        rollout,
+        adv,
+        response_mask=mask,
+        mode="binary_tv",
+        delta_low=0.05,
+        delta_high=0.1,
+        ratio_cap=3.0,
+    )
     # |pi - mu| over the 5 valid tokens: 0.3, 0, 0.1, 0.15, 0.4.
     # Masked: (A>0, pi>mu, D>0.1) -> token (1,0) [0.15]; (A<=0, pi<mu, D>0.05) -> none
     # ((0,2): pi > mu; (0,1): D = 0). A>0 tokens: (0,0) pi<mu kept, (1,0) masked, (1,1) pi<mu kept.
@@ -247,16 +269,25 @@ def test_loss_scale_factor_end_to_end():
         torch.testing.assert_close(scaled, base * T / 25.0, rtol=1e-12, atol=0)
         want, _ = dppo_loss_full_reference(**kw, loss_agg_mode=agg, loss_scale_factor=25.0)
         torch.testing.assert_close(scaled, want, rtol=1e-9, atol=1e-12)
-        crit = DPPOLoss(mode="binary_tv", temperature=kw["temperature"], delta_low=kw["delta_low"],
-                        delta_high=kw["delta_high"], ratio_cap=kw["ratio_cap"], loss_agg_mode=agg,
-                        loss_scale_factor=25.0)
-        got, _ = crit(kw["logits"], kw["tokens"], kw["rollout_logprobs"], kw["advantages"],
-                      response_mask=kw["response_mask"])
+        crit = DPPOLoss(
+            mode="binary_tv",
+            temperature=kw["temperature"],
+            delta_low=kw["delta_low"],
+            delta_high=kw["delta_high"],
+            ratio_cap=kw["ratio_cap"],
+            loss_agg_mode=agg,
+            loss_scale_factor=25.0,
+        )
+        got, _ = crit(
+            kw["logits"], kw["tokens"], kw["rollout_logprobs"], kw["advantages"], response_mask=kw["response_mask"]
+        )
         torch.testing.assert_close(got, scaled, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("alias, mode", [("dppo_tv", "binary_tv"), ("dppo_kl", "binary_kl"),
-                                         ("dppo_binary_tv", "binary_tv"), ("dppo_topk_kl", "topk_kl")])
+@pytest.mark.parametrize(
+    "alias, mode",
+    [("dppo_tv", "binary_tv"), ("dppo_kl", "binary_kl"), ("dppo_binary_tv", "binary_tv"), ("dppo_topk_kl", "topk_kl")],
+)
 def test_mode_aliases(alias, mode):
     """verl's loss_mode names (dppo_tv / dppo_kl) and the fork's (dppo_binary_tv, ...) select our modes, with the
     mode's default thresholds, in the function, the module and the raw op wrapper."""
@@ -271,24 +302,44 @@ def test_mode_aliases(alias, mode):
     assert crit.mode == mode
     flat = {k: kw[k] for k in ("tokens", "rollout_logprobs")}
     v = kw["logits"].shape[-1]
-    op_kw = dict(tokens=flat["tokens"].reshape(-1), rollout_logprobs=flat["rollout_logprobs"].reshape(-1),
-                 advantages=torch.zeros(B * T, dtype=torch.float64), temperature=kw["temperature"],
-                 topk_ids=None if kw["topk_ids"] is None else kw["topk_ids"].reshape(B * T, -1),
-                 topk_logprobs=None if kw["topk_logprobs"] is None else kw["topk_logprobs"].reshape(B * T, -1))
+    op_kw = dict(
+        tokens=flat["tokens"].reshape(-1),
+        rollout_logprobs=flat["rollout_logprobs"].reshape(-1),
+        advantages=torch.zeros(B * T, dtype=torch.float64),
+        temperature=kw["temperature"],
+        topk_ids=None if kw["topk_ids"] is None else kw["topk_ids"].reshape(B * T, -1),
+        topk_logprobs=None if kw["topk_logprobs"] is None else kw["topk_logprobs"].reshape(B * T, -1),
+    )
     logits = kw["logits"].reshape(B * T, v)
-    torch.testing.assert_close(dppo_ext.dppo_loss_per_row(logits, mode=alias, **op_kw).divergence,
-                               dppo_ext.dppo_loss_per_row(logits, mode=mode, **op_kw).divergence, rtol=0, atol=0)
+    torch.testing.assert_close(
+        dppo_ext.dppo_loss_per_row(logits, mode=alias, **op_kw).divergence,
+        dppo_ext.dppo_loss_per_row(logits, mode=mode, **op_kw).divergence,
+        rtol=0,
+        atol=0,
+    )
     with pytest.raises(ValueError, match=r"mode must be one of .*or an alias.*got 'dppo'"):
         dppo_loss(**dict(kw, mode="dppo"))
 
 
 def test_module_matches_function():
     kw = batch_inputs("cpu", torch.float32, "topk_tv", seed=4)
-    crit = DPPOLoss(mode="topk_tv", temperature=kw["temperature"], delta_low=kw["delta_low"],
-                    delta_high=kw["delta_high"], ratio_cap=kw["ratio_cap"], loss_agg_mode="seq-mean-token-sum")
-    loss_m, metrics_m = crit(kw["logits"], kw["tokens"], kw["rollout_logprobs"], kw["advantages"],
-                             response_mask=kw["response_mask"], topk_ids=kw["topk_ids"],
-                             topk_logprobs=kw["topk_logprobs"])
+    crit = DPPOLoss(
+        mode="topk_tv",
+        temperature=kw["temperature"],
+        delta_low=kw["delta_low"],
+        delta_high=kw["delta_high"],
+        ratio_cap=kw["ratio_cap"],
+        loss_agg_mode="seq-mean-token-sum",
+    )
+    loss_m, metrics_m = crit(
+        kw["logits"],
+        kw["tokens"],
+        kw["rollout_logprobs"],
+        kw["advantages"],
+        response_mask=kw["response_mask"],
+        topk_ids=kw["topk_ids"],
+        topk_logprobs=kw["topk_logprobs"],
+    )
     loss_f, metrics_f = dppo_loss(**kw, loss_agg_mode="seq-mean-token-sum")
     torch.testing.assert_close(loss_m, loss_f, rtol=0, atol=0)
     for key in METRIC_KEYS:

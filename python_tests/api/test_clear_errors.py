@@ -172,16 +172,28 @@ def test_vllm_output_without_a_sampled_log_prob_names_sequence_and_position():
 def test_vllm_output_missing_the_sampled_token_names_the_sequence():
     outputs = [_request([4, 5], [-0.5, -1.0]), _request([6, 7], [-0.2, -0.1])]
     outputs[1].outputs[0].logprobs[1] = {3: SimpleNamespace(logprob=-0.1, rank=1)}
-    with pytest.raises(ValueError, match=r"request 1, completion 0: vLLM returned no log-prob for the sampled token 7 "
-                                         r"at position 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"request 1, completion 0: vLLM returned no log-prob for the sampled token 7 "
+        r"at position 1",
+    ):
         vllm_rollout_tensors(outputs)
 
 
 def test_packing_a_sample_without_a_sampled_log_prob_names_sample_and_position():
     from dppo_ext.rollout import RolloutSample, pack_rollout_samples
 
-    samples = [RolloutSample(prompt_ids=[1], response_ids=[4, 5, 6], logprobs=[-0.5, -0.2, None], topk_ids=None,
-                             topk_logprobs=None, text="", finish_reason="stop")]
+    samples = [
+        RolloutSample(
+            prompt_ids=[1],
+            response_ids=[4, 5, 6],
+            logprobs=[-0.5, -0.2, None],
+            topk_ids=None,
+            topk_logprobs=None,
+            text="",
+            finish_reason="stop",
+        )
+    ]
     with pytest.raises(ValueError, match=r"sample 0, position 2: no rollout log-prob \(None\) for the sampled token 6"):
         pack_rollout_samples(samples, pad_token_id=0, with_topk=False)
 

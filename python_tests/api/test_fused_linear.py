@@ -46,8 +46,14 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 DIFFERENTIABLE = ("loss", "logp", "entropy")
 OUTPUTS = ("loss", "logp", "divergence", "mask", "weight", "entropy", "lse")
 # Thresholds giving a mix of masked and kept rows on these inputs.
-DELTAS = {"binary_tv": (0.05, 0.08), "binary_kl": (0.05, 0.08), "topk_tv": (0.15, 0.2), "topk_kl": (0.2, 0.3),
-          "ratio": (0.2, 0.28), "none": (0.2, 0.2)}
+DELTAS = {
+    "binary_tv": (0.05, 0.08),
+    "binary_kl": (0.05, 0.08),
+    "topk_tv": (0.15, 0.2),
+    "topk_kl": (0.2, 0.3),
+    "ratio": (0.2, 0.28),
+    "none": (0.2, 0.2),
+}
 # Gradient tolerances of the matmul'd gradients (relative to the gradient's scale, see _close_enough).
 GRAD_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # name: (N, V, H, chunk_size, vocab_chunk_size, memory_budget_bytes)
@@ -63,8 +69,9 @@ def _id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_inputs(n: int, v: int, h: int, mode: str, *, seed: int = 0, temperature: float = 0.8,
-                anchor: bool = False) -> dict:
+def make_inputs(
+    n: int, v: int, h: int, mode: str, *, seed: int = 0, temperature: float = 0.8, anchor: bool = False
+) -> dict:
     """float64 inputs: hidden [N, H], weight [V, H], bias [V] and the op's per-row inputs.
 
     The rollout distribution is the model's logits plus noise (mixed masks); tokens are sampled from it; the
@@ -84,10 +91,19 @@ def make_inputs(n: int, v: int, h: int, mode: str, *, seed: int = 0, temperature
     anchor_logprobs = (rollout_logprobs + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=0.0)
     delta_low, delta_high = DELTAS[mode]
     return {
-        "hidden": hidden, "weight": weight, "bias": bias, "tokens": tokens,
-        "rollout_logprobs": rollout_logprobs, "advantages": torch.randn(n, generator=g, dtype=torch.float64),
-        "topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "anchor_logprobs": anchor_logprobs if anchor else None,
-        "mode": mode, "temperature": temperature, "delta_low": delta_low, "delta_high": delta_high,
+        "hidden": hidden,
+        "weight": weight,
+        "bias": bias,
+        "tokens": tokens,
+        "rollout_logprobs": rollout_logprobs,
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "topk_ids": topk_ids,
+        "topk_logprobs": topk_logprobs,
+        "anchor_logprobs": anchor_logprobs if anchor else None,
+        "mode": mode,
+        "temperature": temperature,
+        "delta_low": delta_low,
+        "delta_high": delta_high,
         "ratio_cap": 10.0 if mode != "none" else 2.0,
     }
 
@@ -104,8 +120,19 @@ def cast(inputs: dict, dtype: torch.dtype) -> dict:
 
 
 def _op_kwargs(inputs: dict) -> dict:
-    keys = ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs", "anchor_logprobs", "mode",
-            "temperature", "delta_low", "delta_high", "ratio_cap")
+    keys = (
+        "tokens",
+        "rollout_logprobs",
+        "advantages",
+        "topk_ids",
+        "topk_logprobs",
+        "anchor_logprobs",
+        "mode",
+        "temperature",
+        "delta_low",
+        "delta_high",
+        "ratio_cap",
+    )
     return {k: inputs[k] for k in keys}
 
 
@@ -121,16 +148,25 @@ def reference_path(hidden, weight, bias, inputs: dict) -> dict:
 
 def fused_path(chunk_size=None, vocab_chunk_size=None, budget=None):
     def run(hidden, weight, bias, inputs: dict) -> dict:
-        return fused_linear_dppo_loss_per_row(hidden, weight, bias=bias, chunk_size=chunk_size,
-                                              vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=budget,
-                                              **_op_kwargs(inputs))._asdict()
+        return fused_linear_dppo_loss_per_row(
+            hidden,
+            weight,
+            bias=bias,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+            memory_budget_bytes=budget,
+            **_op_kwargs(inputs),
+        )._asdict()
+
     return run
 
 
 def run_with_grads(path, inputs: dict, upstream: dict) -> tuple[dict, dict]:
     """Outputs and (hidden, weight, bias) gradients of ``sum(out[k] * upstream[k])`` over loss/logp/entropy."""
-    leaves = {k: None if inputs[k] is None else inputs[k].detach().clone().requires_grad_(True)
-              for k in ("hidden", "weight", "bias")}
+    leaves = {
+        k: None if inputs[k] is None else inputs[k].detach().clone().requires_grad_(True)
+        for k in ("hidden", "weight", "bias")
+    }
     out = path(leaves["hidden"], leaves["weight"], leaves["bias"], inputs)
     total = sum((out[k] * upstream[k].to(out[k].dtype)).sum() for k in DIFFERENTIABLE)
     total.backward()
@@ -207,8 +243,13 @@ def test_float64_matches_op_free_reference(mode):
     want_out, want_grad = run_with_grads(reference_path, inputs, up)
     got_out, got_grad = run_with_grads(fused_path(8, 13), inputs, up)
     for key in OUTPUTS:
-        torch.testing.assert_close(got_out[key][~tie], want_out[key][~tie].to(torch.float64), rtol=1e-9, atol=1e-10,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            got_out[key][~tie],
+            want_out[key][~tie].to(torch.float64),
+            rtol=1e-9,
+            atol=1e-10,
+            msg=lambda m: f"{key}: {m}",
+        )
     for key in ("hidden", "weight", "bias"):
         torch.testing.assert_close(got_grad[key], want_grad[key], rtol=1e-8, atol=1e-10, msg=lambda m: f"{key}: {m}")
 
@@ -239,8 +280,11 @@ def test_noncontiguous_hidden_and_expanded_upstream_grads():
         wide.requires_grad_(True)
         weight = inputs["weight"].clone().requires_grad_(True)
         hidden = wide[:, 3:27]
-        out = (fused_linear_dppo_loss_per_row(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw) if fused
-               else dppo_loss_per_row(hidden @ weight.t(), **kw))
+        out = (
+            fused_linear_dppo_loss_per_row(hidden, weight, chunk_size=8, vocab_chunk_size=40, **kw)
+            if fused
+            else dppo_loss_per_row(hidden @ weight.t(), **kw)
+        )
         (out.loss.sum() + out.entropy.sum() - out.logp.sum()).backward()
         return wide.grad, weight.grad
 
@@ -345,10 +389,17 @@ def _batch(b=3, t=7, h=16, v=61, seed=4, mode="binary_tv"):
     mask[0, 4:] = False
     mask[2] = False
     topk_lp, topk_ids = rollout_all.topk(4, dim=-1) if mode in TOPK_MODES else (None, None)
-    return dict(hidden=hidden, weight=weight, bias=bias, tokens=tokens, rollout_logprobs=rollout,
-                advantages=torch.randn(b, generator=g, dtype=torch.float64).abs() * (-1.0) ** torch.arange(b),
-                response_mask=mask,
-                topk_ids=topk_ids, topk_logprobs=topk_lp)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        tokens=tokens,
+        rollout_logprobs=rollout,
+        advantages=torch.randn(b, generator=g, dtype=torch.float64).abs() * (-1.0) ** torch.arange(b),
+        response_mask=mask,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+    )
 
 
 def _logits_and_fused(d: dict, flat: bool, **kw):
@@ -366,9 +417,18 @@ def _logits_and_fused(d: dict, flat: bool, **kw):
         elif kw.get("loss_agg_mode", "").startswith("seq"):
             adv = d["advantages"]  # [B]: per-sequence advantages
         if fused:
-            loss, metrics = fused_linear_dppo_loss(hidden, leaves["weight"], rest.pop("tokens"),
-                                                   rest.pop("rollout_logprobs"), adv, bias=leaves["bias"],
-                                                   chunk_size=4, vocab_chunk_size=9, **rest, **kw)
+            loss, metrics = fused_linear_dppo_loss(
+                hidden,
+                leaves["weight"],
+                rest.pop("tokens"),
+                rest.pop("rollout_logprobs"),
+                adv,
+                bias=leaves["bias"],
+                chunk_size=4,
+                vocab_chunk_size=9,
+                **rest,
+                **kw,
+            )
         else:
             logits = hidden @ leaves["weight"].t() + leaves["bias"]
             loss, metrics = dppo_loss(logits, rest.pop("tokens"), rest.pop("rollout_logprobs"), adv, **rest, **kw)
@@ -384,7 +444,8 @@ def test_fused_linear_dppo_loss_matches_dppo_loss(agg, flat):
     and the hidden/weight/bias gradients, with the per-mode default thresholds (none given)."""
     d = _batch()
     (loss_l, metrics_l, grads_l), (loss_f, metrics_f, grads_f) = _logits_and_fused(
-        d, flat, loss_agg_mode=agg, mode="binary_tv", temperature=0.9)
+        d, flat, loss_agg_mode=agg, mode="binary_tv", temperature=0.9
+    )
     assert loss_f.dim() == 0
     torch.testing.assert_close(loss_f, loss_l, rtol=1e-10, atol=1e-12)
     assert metrics_f.keys() == metrics_l.keys()
@@ -400,7 +461,8 @@ def test_fused_linear_dppo_loss_modes_and_aliases(mode):
     """Per-mode defaults and verl's mode names, through the fused path as through dppo_loss."""
     d = _batch(mode=dppo_ext.MODE_ALIASES.get(mode, mode), seed=8)
     (loss_l, metrics_l, grads_l), (loss_f, metrics_f, grads_f) = _logits_and_fused(
-        d, False, mode=mode, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=11.0)
+        d, False, mode=mode, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=11.0
+    )
     torch.testing.assert_close(loss_f, loss_l, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(metrics_f["masked_frac"], metrics_l["masked_frac"], rtol=0, atol=0)
     for got, want in zip(grads_f, grads_l):
@@ -416,15 +478,28 @@ def test_same_signature_as_dppo_loss():
         return {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
 
     logits_fn = params(dppo_loss, ("logits", "inplace_backward"))
-    fused_fn = params(fused_linear_dppo_loss, ("hidden", "weight", "bias", "chunk_size", "vocab_chunk_size",
-                                               "memory_budget_bytes", "accum_dtype", "weight_context"))
+    fused_fn = params(
+        fused_linear_dppo_loss,
+        (
+            "hidden",
+            "weight",
+            "bias",
+            "chunk_size",
+            "vocab_chunk_size",
+            "memory_budget_bytes",
+            "accum_dtype",
+            "weight_context",
+        ),
+    )
     assert fused_fn == logits_fn
     logits_mod = params(DPPOLoss.__init__, ("self", "inplace_backward"))
-    fused_mod = params(FusedLinearDPPOLoss.__init__, ("self", "chunk_size", "vocab_chunk_size", "memory_budget_bytes",
-                                                        "accum_dtype"))
+    fused_mod = params(
+        FusedLinearDPPOLoss.__init__, ("self", "chunk_size", "vocab_chunk_size", "memory_budget_bytes", "accum_dtype")
+    )
     assert fused_mod == logits_mod
     assert set(params(DPPOLoss.forward, ("self", "logits"))) | {"bias", "weight", "weight_context"} == set(
-        params(FusedLinearDPPOLoss.forward, ("self", "hidden")))
+        params(FusedLinearDPPOLoss.forward, ("self", "hidden"))
+    )
 
 
 def test_per_row_family_signatures():
@@ -457,8 +532,7 @@ def test_module_form():
     with torch.no_grad():
         head.weight.copy_(d["weight"])
         head.bias.copy_(d["bias"])
-    crit = FusedLinearDPPOLoss(mode="dppo_kl", temperature=0.8, loss_agg_mode="seq-mean-token-mean",
-                               chunk_size=5)
+    crit = FusedLinearDPPOLoss(mode="dppo_kl", temperature=0.8, loss_agg_mode="seq-mean-token-mean", chunk_size=5)
     assert crit.mode == "binary_kl" and "binary_kl" in repr(crit)
     args = (d["tokens"], d["rollout_logprobs"], d["advantages"])
     loss_m, metrics_m = crit(d["hidden"], head.weight, *args, bias=head.bias, response_mask=d["response_mask"])
@@ -466,7 +540,8 @@ def test_module_form():
     grad_m = head.weight.grad.clone()
     head.weight.grad = None
     loss_l, _ = DPPOLoss(mode="binary_kl", temperature=0.8, loss_agg_mode="seq-mean-token-mean")(
-        head(d["hidden"]), *args, response_mask=d["response_mask"])
+        head(d["hidden"]), *args, response_mask=d["response_mask"]
+    )
     loss_l.backward()
     torch.testing.assert_close(loss_m, loss_l, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad_m, head.weight.grad, rtol=1e-9, atol=1e-12)
@@ -475,8 +550,13 @@ def test_module_form():
 
 def _args(**over):
     base = make_inputs(5, 11, 4, "binary_tv")
-    kw = dict(hidden=base["hidden"], weight=base["weight"], tokens=base["tokens"],
-              rollout_logprobs=base["rollout_logprobs"], advantages=base["advantages"])
+    kw = dict(
+        hidden=base["hidden"],
+        weight=base["weight"],
+        tokens=base["tokens"],
+        rollout_logprobs=base["rollout_logprobs"],
+        advantages=base["advantages"],
+    )
     kw.update(over)
     return kw
 
@@ -520,19 +600,35 @@ def test_aggregated_error_messages():
 # gradients in the forward (the aggregated entry point when autograd will differentiate it) -----------------------
 
 
-def _train_step(d: dict, fused: bool, dtype: torch.dtype, *, needs=("hidden", "weight", "bias"), scale=1.7,
-                chunk_size=None, agg="token-mean", step=None, accum_dtype=None):
+def _train_step(
+    d: dict,
+    fused: bool,
+    dtype: torch.dtype,
+    *,
+    needs=("hidden", "weight", "bias"),
+    scale=1.7,
+    chunk_size=None,
+    agg="token-mean",
+    step=None,
+    accum_dtype=None,
+):
     """(loss, metrics, {name: grad}) of ``scale * loss`` through fused_linear_dppo_loss (the default plan unless
     ``chunk_size``) or dppo_loss on ``hidden @ weight.T + bias``; ``needs``: the leaves that require grad."""
     leaves = {k: d[k].detach().to(dtype).requires_grad_(k in needs) for k in ("hidden", "weight", "bias")}
     args = (d["tokens"], d["rollout_logprobs"], d["advantages"])
-    kw = dict(response_mask=d["response_mask"], topk_ids=d["topk_ids"], topk_logprobs=d["topk_logprobs"],
-              loss_agg_mode=agg, temperature=0.9)
+    kw = dict(
+        response_mask=d["response_mask"],
+        topk_ids=d["topk_ids"],
+        topk_logprobs=d["topk_logprobs"],
+        loss_agg_mode=agg,
+        temperature=0.9,
+    )
 
     def run(hidden, weight, bias):
         if fused:
-            return fused_linear_dppo_loss(hidden, weight, *args, bias=bias, chunk_size=chunk_size,
-                                          accum_dtype=accum_dtype, **kw)
+            return fused_linear_dppo_loss(
+                hidden, weight, *args, bias=bias, chunk_size=chunk_size, accum_dtype=accum_dtype, **kw
+            )
         return dppo_loss(hidden @ weight.t() + bias, *args, **kw)
 
     loss, metrics = (step or run)(leaves["hidden"], leaves["weight"], leaves["bias"])
@@ -571,9 +667,14 @@ def test_grads_in_forward_only_what_is_needed(needs):
 
 @pytest.mark.parametrize(
     "dtype, accum_dtype, sum_block_rows",
-    [(torch.float32, None, None), (torch.bfloat16, None, None), (torch.bfloat16, torch.float32, None),
-     (torch.bfloat16, torch.float32, 7)],
-    ids=("f32", "bf16", "bf16-float32-sums", "bf16-float32-sums-blocks-of-7"))
+    [
+        (torch.float32, None, None),
+        (torch.bfloat16, None, None),
+        (torch.bfloat16, torch.float32, None),
+        (torch.bfloat16, torch.float32, 7),
+    ],
+    ids=("f32", "bf16", "bf16-float32-sums", "bf16-float32-sums-blocks-of-7"),
+)
 def test_grads_in_forward_low_precision(dtype, accum_dtype, sum_block_rows, monkeypatch):
     """float32 and bfloat16 over 6 chunks (bf16: the weight gradient summed in bf16, the default, or in float32
     with each chunk's bf16 product in one block or in blocks of 7 of the 200 vocabulary rows): the error against
@@ -646,10 +747,17 @@ def test_accum_dtype_decides_the_float32_weight_accumulator(accum_dtype):
 @pytest.mark.parametrize(
     "dtype, accum_dtype, error",
     [
-        (torch.bfloat16, torch.float16, "accum_dtype must be None, torch.float32 or torch.bfloat16 (hidden's dtype) "
-                                        "for torch.bfloat16 hidden, got torch.float16"),
-        (torch.float32, torch.bfloat16, "accum_dtype must be None or torch.float32 for torch.float32 hidden, got "
-                                        "torch.bfloat16"),
+        (
+            torch.bfloat16,
+            torch.float16,
+            "accum_dtype must be None, torch.float32 or torch.bfloat16 (hidden's dtype) "
+            "for torch.bfloat16 hidden, got torch.float16",
+        ),
+        (
+            torch.float32,
+            torch.bfloat16,
+            "accum_dtype must be None or torch.float32 for torch.float32 hidden, got torch.bfloat16",
+        ),
         (torch.float32, "bf16", "accum_dtype must be None or a floating-point torch.dtype, got 'bf16'"),
         (torch.float32, torch.int32, "accum_dtype must be None or a floating-point torch.dtype, got torch.int32"),
     ],
@@ -699,8 +807,9 @@ def test_grads_in_forward_second_backward():
     first) recomputes them, with the second upstream gradient."""
     d = _batch(seed=5)
     leaves = [d[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
-    loss, _ = fused_linear_dppo_loss(leaves[0], leaves[1], d["tokens"], d["rollout_logprobs"], d["advantages"],
-                                     bias=leaves[2], chunk_size=4)
+    loss, _ = fused_linear_dppo_loss(
+        leaves[0], leaves[1], d["tokens"], d["rollout_logprobs"], d["advantages"], bias=leaves[2], chunk_size=4
+    )
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     second = torch.autograd.grad(3.0 * loss, leaves)
     for a, b in zip(first, second):
@@ -714,15 +823,30 @@ def test_no_grad_forward_and_per_row_api_keep_the_recompute_path():
     n, h, v = d["tokens"].numel(), d["hidden"].shape[-1], d["weight"].shape[0]
     loss_grad, _, _ = _train_step(d, True, torch.float64)
     with torch.no_grad():
-        loss_nograd, _ = fused_linear_dppo_loss(d["hidden"], d["weight"], d["tokens"], d["rollout_logprobs"],
-                                                d["advantages"], bias=d["bias"], response_mask=d["response_mask"],
-                                                temperature=0.9)
+        loss_nograd, _ = fused_linear_dppo_loss(
+            d["hidden"],
+            d["weight"],
+            d["tokens"],
+            d["rollout_logprobs"],
+            d["advantages"],
+            bias=d["bias"],
+            response_mask=d["response_mask"],
+            temperature=0.9,
+        )
     torch.testing.assert_close(loss_nograd, loss_grad, rtol=0, atol=0)
 
     def blocked(hidden, weight, bias):
-        return fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"],
-                                      bias=bias, response_mask=d["response_mask"], temperature=0.9,
-                                      vocab_chunk_size=9)
+        return fused_linear_dppo_loss(
+            hidden,
+            weight,
+            d["tokens"],
+            d["rollout_logprobs"],
+            d["advantages"],
+            bias=bias,
+            response_mask=d["response_mask"],
+            temperature=0.9,
+            vocab_chunk_size=9,
+        )
 
     with _Products() as count:
         _, _, grads_b = _train_step(d, True, torch.float64, step=blocked)
@@ -743,9 +867,18 @@ def test_torch_compile_fullgraph_training_step(dtype, accum_dtype):
     d = _batch(seed=9)
 
     def step(hidden, weight, bias):
-        return fused_linear_dppo_loss(hidden, weight, d["tokens"], d["rollout_logprobs"], d["advantages"], bias=bias,
-                                      response_mask=d["response_mask"], temperature=0.9, chunk_size=4,
-                                      accum_dtype=accum_dtype)
+        return fused_linear_dppo_loss(
+            hidden,
+            weight,
+            d["tokens"],
+            d["rollout_logprobs"],
+            d["advantages"],
+            bias=bias,
+            response_mask=d["response_mask"],
+            temperature=0.9,
+            chunk_size=4,
+            accum_dtype=accum_dtype,
+        )
 
     torch._dynamo.reset()
     loss_c, metrics_c, grads_c = _train_step(d, True, dtype, step=torch.compile(step, fullgraph=True))
@@ -799,9 +932,21 @@ def test_vocab_parallel_fused_matches_single_device(tmp_path):
     torch.save(d, tmp_path / "inputs.pt")
     loss_s, metrics_s, grads_s = _train_step(d, True, torch.float64)
     procs = [
-        subprocess.Popen([sys.executable, "-c", _VOCAB_PARALLEL_RANK, str(tmp_path / "store"), str(rank),
-                          str(tmp_path / f"rank{rank}.pt"), str(tmp_path / "inputs.pt")],
-                         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _VOCAB_PARALLEL_RANK,
+                str(tmp_path / "store"),
+                str(rank),
+                str(tmp_path / f"rank{rank}.pt"),
+                str(tmp_path / "inputs.pt"),
+            ],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     for proc in procs:

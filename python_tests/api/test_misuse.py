@@ -55,6 +55,7 @@ def _grad_of(fn, kw: dict, upstream: dict[str, torch.Tensor]) -> tuple[dict, tor
 
 # ---- non-finite logits ------------------------------------------------------------------------
 
+
 def _poison(logits: torch.Tensor, token: int, kind: str) -> torch.Tensor:
     """Row BAD_ROW of ``logits`` made non-finite in one of the ways the contract names."""
     z = logits.clone()
@@ -82,14 +83,24 @@ def _poison(logits: torch.Tensor, token: int, kind: str) -> torch.Tensor:
     return z
 
 
-NONFINITE_KINDS = ("nan_target", "nan_entry", "nan_tail", "nan_block", "posinf_entry", "posinf_target", "nan_row",
-                   "neginf_row")
+NONFINITE_KINDS = (
+    "nan_target",
+    "nan_entry",
+    "nan_tail",
+    "nan_block",
+    "posinf_entry",
+    "posinf_target",
+    "nan_row",
+    "neginf_row",
+)
 
 
 def _upstream(n: int, acc: torch.dtype, device) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(n)
-    return {key: torch.randn(n, generator=gen, dtype=torch.float64).to(device=device, dtype=acc)
-            for key in ("loss", "logp", "entropy")}
+    return {
+        key: torch.randn(n, generator=gen, dtype=torch.float64).to(device=device, dtype=acc)
+        for key in ("loss", "logp", "entropy")
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -212,9 +223,13 @@ def _fused_inputs(n: int = 9, v: int = 37, h: int = 8, seed: int = 0) -> dict:
     weight = 0.5 * torch.randn(v, h, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, v, (n,), generator=gen)
     logp = torch.log_softmax(hidden @ weight.t() + 0.3 * torch.randn(n, v, generator=gen, dtype=torch.float64), -1)
-    return {"hidden": hidden, "weight": weight, "tokens": tokens,
-            "rollout_logprobs": logp.gather(1, tokens[:, None]).squeeze(1),
-            "advantages": torch.randn(n, generator=gen, dtype=torch.float64)}
+    return {
+        "hidden": hidden,
+        "weight": weight,
+        "tokens": tokens,
+        "rollout_logprobs": logp.gather(1, tokens[:, None]).squeeze(1),
+        "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
+    }
 
 
 @pytest.mark.parametrize("vocab_chunk_size", (None, 8), ids=("one_block", "vocab_blocks"))
@@ -242,6 +257,7 @@ def test_fused_linear_nan_weight_row_makes_the_loss_nan(vocab_chunk_size):
 
 
 # ---- inplace_backward -------------------------------------------------------------------------
+
 
 def _op_entry(logits, kw, **extra):
     return dppo_loss_per_row(**dict(kw, logits=logits), **extra).loss.sum()
@@ -272,8 +288,7 @@ def _inplace_inputs() -> dict:
 def test_inplace_backward_refuses_logits_their_producer_saved(entry, producer):
     kw = _inplace_inputs()
     x = kw["logits"].detach().clone().requires_grad_(True)
-    logits = {"exp": lambda t: t.exp(), "softmax": lambda t: t.softmax(-1),
-              "sigmoid": torch.sigmoid}[producer](x)
+    logits = {"exp": lambda t: t.exp(), "softmax": lambda t: t.softmax(-1), "sigmoid": torch.sigmoid}[producer](x)
     with pytest.raises(ValueError, match=r"inplace_backward=True cannot be used on logits produced by \w+Backward"):
         ENTRIES[entry](logits, kw, inplace_backward=True)
     # The same without inplace_backward: the correct gradient.
@@ -346,14 +361,19 @@ def test_inplace_backward_valid_use_is_exact_and_bumps_the_version(entry):
 
 # ---- double backward, torch.func ----------------------------------------------------------------
 
+
 def test_double_backward_is_a_clear_error_and_first_order_stays_exact():
     kw = sample_inputs("cpu", torch.float64, "binary_kl", "v129", seed=31)
     logits = kw["logits"].detach().clone().requires_grad_(True)
     out = dppo_loss_per_row(**dict(kw, logits=logits))
     (g,) = torch.autograd.grad(out.loss.sum() + out.entropy.sum(), logits, create_graph=True)
-    (want,) = torch.autograd.grad((lambda o: o.loss.sum() + o.entropy.sum())(dppo_loss_per_row(**dict(kw, logits=logits))), logits)
+    (want,) = torch.autograd.grad(
+        (lambda o: o.loss.sum() + o.entropy.sum())(dppo_loss_per_row(**dict(kw, logits=logits))), logits
+    )
     torch.testing.assert_close(g.detach(), want, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"DPPO loss op \(torch.ops.dppo.dppo_loss_forward\) does not support double backward"):
+    with pytest.raises(
+        RuntimeError, match=r"DPPO loss op \(torch.ops.dppo.dppo_loss_forward\) does not support double backward"
+    ):
         torch.autograd.grad(g.pow(2).sum(), logits)
     loss, _ = dppo_loss(**dict(kw, logits=logits))
     (g,) = torch.autograd.grad(loss, logits, create_graph=True)
@@ -383,8 +403,11 @@ def test_torch_func_transforms_are_refused_plainly():
     with pytest.raises(RuntimeError, match=r"does not support torch.func transforms"):
         torch.func.grad(lambda t: dppo_loss(t, **rest)[0])(z)
     with pytest.raises(RuntimeError, match=r"does not support torch.func transforms"):
-        torch.vmap(lambda t: dppo_loss_per_row(t, **{k: v[:1] if isinstance(v, torch.Tensor) else v
-                                                     for k, v in rest.items()}).loss)(z[:, None])
+        torch.vmap(
+            lambda t: (
+                dppo_loss_per_row(t, **{k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in rest.items()}).loss
+            )
+        )(z[:, None])
     fk = _fused_inputs()
     with pytest.raises(RuntimeError, match=r"fused_linear_dppo_loss does not support torch.func transforms"):
         torch.func.grad(lambda w: fused_linear_dppo_loss_per_row(**dict(fk, weight=w)).loss.sum())(fk["weight"])
@@ -393,6 +416,7 @@ def test_torch_func_transforms_are_refused_plainly():
 
 
 # ---- token ids, defaults, settings, advantages --------------------------------------------------
+
 
 def test_fractional_float_tokens_are_refused():
     kw = sample_inputs("cpu", torch.float32, "topk_tv", "v129", seed=33)
@@ -442,8 +466,19 @@ def test_every_entry_point_uses_the_mode_defaults(mode):
     n, v = kw["logits"].shape
     hidden = torch.randn(n, 6, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, 6, generator=gen, dtype=torch.float64)
-    fused = {k: implicit[k] for k in ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs",
-                                      "mode", "temperature", "ratio_cap")}
+    fused = {
+        k: implicit[k]
+        for k in (
+            "tokens",
+            "rollout_logprobs",
+            "advantages",
+            "topk_ids",
+            "topk_logprobs",
+            "mode",
+            "temperature",
+            "ratio_cap",
+        )
+    }
     got = fused_linear_dppo_loss_per_row(hidden, weight, **fused)
     want = fused_linear_dppo_loss_per_row(hidden, weight, **fused, delta_low=low, delta_high=high)
     torch.testing.assert_close(got.mask, want.mask, rtol=0, atol=0)

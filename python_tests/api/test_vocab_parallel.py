@@ -26,8 +26,16 @@ from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import child_env, sample_inputs
-from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
-                                          split_offsets, tie_rows, upstream)
+from dppo_testing.vocab_parallel import (
+    compare_grads,
+    compare_outputs,
+    owners,
+    place_tokens,
+    single_device,
+    split_offsets,
+    tie_rows,
+    upstream,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "dist_scripts" / "vocab_parallel_worker.py"
@@ -40,15 +48,28 @@ def simulate(inputs: dict, offsets: list[int], g: dict[str, torch.Tensor], inpla
     mode = inputs["mode"]
     ids = inputs["topk_ids"] if mode in TOPK_MODES else None
     slices = [logits[:, a:b].clone() for a, b in zip(offsets, offsets[1:])]
-    stats = torch.stack([torch.ops.dppo.dppo_vocab_parallel_stats(s, tokens, ids, a, t, True)
-                         for s, a in zip(slices, offsets)])
+    stats = torch.stack(
+        [torch.ops.dppo.dppo_vocab_parallel_stats(s, tokens, ids, a, t, True) for s, a in zip(slices, offsets)]
+    )
     out = torch.ops.dppo.dppo_vocab_parallel_epilogue(
-        stats, offsets, tokens, inputs["rollout_logprobs"], inputs["advantages"], ids,
-        inputs["topk_logprobs"] if ids is not None else None, inputs["anchor_logprobs"], mode, inputs["delta_low"],
-        inputs["delta_high"], inputs["ratio_cap"], True)
+        stats,
+        offsets,
+        tokens,
+        inputs["rollout_logprobs"],
+        inputs["advantages"],
+        ids,
+        inputs["topk_logprobs"] if ids is not None else None,
+        inputs["anchor_logprobs"],
+        mode,
+        inputs["delta_low"],
+        inputs["delta_high"],
+        inputs["ratio_cap"],
+        True,
+    )
     out = dict(zip(("loss", "logp", "divergence", "mask", "weight", "entropy", "lse"), out))
-    gt, ge, ent = grad_args(True, inputs["advantages"], out["mask"], out["weight"], g["loss"], g["logp"],
-                            g["entropy"], out["entropy"])
+    gt, ge, ent = grad_args(
+        True, inputs["advantages"], out["mask"], out["weight"], g["loss"], g["logp"], g["entropy"], out["entropy"]
+    )
     grads = []
     for s, a in zip(slices, offsets):
         local, foreign = _local_tokens(tokens, a, s.shape[1])
@@ -201,37 +222,70 @@ def test_opcheck(mode):
     ids = inputs["topk_ids"]
     z = inputs["logits"][:, 50:]
     torch.library.opcheck(torch.ops.dppo.dppo_vocab_parallel_stats.default, (z, inputs["tokens"], ids, 50, 0.7, True))
-    stats = torch.stack([torch.ops.dppo.dppo_vocab_parallel_stats(inputs["logits"][:, a:b], inputs["tokens"], ids, a,
-                                                                  1.0, True) for a, b in ((0, 50), (50, 129))])
-    torch.library.opcheck(torch.ops.dppo.dppo_vocab_parallel_epilogue.default, (
-        stats, [0, 50, 129], inputs["tokens"], inputs["rollout_logprobs"], inputs["advantages"], ids,
-        inputs["topk_logprobs"], inputs["anchor_logprobs"], mode, 0.1, 0.2, 10.0, True))
+    stats = torch.stack(
+        [
+            torch.ops.dppo.dppo_vocab_parallel_stats(inputs["logits"][:, a:b], inputs["tokens"], ids, a, 1.0, True)
+            for a, b in ((0, 50), (50, 129))
+        ]
+    )
+    torch.library.opcheck(
+        torch.ops.dppo.dppo_vocab_parallel_epilogue.default,
+        (
+            stats,
+            [0, 50, 129],
+            inputs["tokens"],
+            inputs["rollout_logprobs"],
+            inputs["advantages"],
+            ids,
+            inputs["topk_logprobs"],
+            inputs["anchor_logprobs"],
+            mode,
+            0.1,
+            0.2,
+            10.0,
+            True,
+        ),
+    )
 
 
 def _epilogue_args(**over):
     inputs = sample_inputs("cpu", torch.float32, "topk_kl", "v129")
     stats = torch.zeros(2, 37, 4 + inputs["topk_ids"].shape[1])
-    args = dict(stats=stats, vocab_offsets=[0, 50, 129], tokens=inputs["tokens"],
-                rollout_logprobs=inputs["rollout_logprobs"], advantages=inputs["advantages"],
-                topk_ids=inputs["topk_ids"], topk_logprobs=inputs["topk_logprobs"], anchor_logprobs=None,
-                mode="topk_kl", delta_low=0.1, delta_high=0.1, ratio_cap=10.0, compute_entropy=True)
+    args = dict(
+        stats=stats,
+        vocab_offsets=[0, 50, 129],
+        tokens=inputs["tokens"],
+        rollout_logprobs=inputs["rollout_logprobs"],
+        advantages=inputs["advantages"],
+        topk_ids=inputs["topk_ids"],
+        topk_logprobs=inputs["topk_logprobs"],
+        anchor_logprobs=None,
+        mode="topk_kl",
+        delta_low=0.1,
+        delta_high=0.1,
+        ratio_cap=10.0,
+        compute_entropy=True,
+    )
     args.update(over)
     return list(args.values())
 
 
-@pytest.mark.parametrize("over, err, match", [
-    ({"vocab_offsets": [0, 50]}, ValueError, r"vocab_offsets must have W \+ 1 = 3 entries"),
-    ({"vocab_offsets": [0, 50, 50]}, ValueError, "strictly increasing"),
-    ({"vocab_offsets": [1, 50, 129]}, ValueError, r"vocab_offsets\[0\] must be 0"),
-    ({"stats": torch.zeros(2, 37, 3)}, ValueError, r"stats must be 3-D \[W, N, 4 \+ K\]"),
-    ({"stats": torch.zeros(2, 37, 5)}, ValueError, "stats must have 4 \\+ K = 9 columns"),
-    ({"stats": torch.zeros(2, 37, 9, dtype=torch.float16)}, TypeError, "stats must be float32 or float64"),
-    ({"tokens": torch.full((37,), 129)}, IndexError, r"tokens must hold ids in \[0, V=129\)"),
-    ({"rollout_logprobs": torch.zeros(36)}, ValueError, "rollout_logprobs must be 1-D with N=37"),
-    ({"advantages": torch.zeros(37, dtype=torch.float64)}, TypeError, "advantages must have dtype Float"),
-    ({"topk_ids": None, "topk_logprobs": None}, ValueError, "needs the rollout's top-K"),
-    ({"mode": "tv"}, ValueError, "mode must be one of"),
-])
+@pytest.mark.parametrize(
+    "over, err, match",
+    [
+        ({"vocab_offsets": [0, 50]}, ValueError, r"vocab_offsets must have W \+ 1 = 3 entries"),
+        ({"vocab_offsets": [0, 50, 50]}, ValueError, "strictly increasing"),
+        ({"vocab_offsets": [1, 50, 129]}, ValueError, r"vocab_offsets\[0\] must be 0"),
+        ({"stats": torch.zeros(2, 37, 3)}, ValueError, r"stats must be 3-D \[W, N, 4 \+ K\]"),
+        ({"stats": torch.zeros(2, 37, 5)}, ValueError, "stats must have 4 \\+ K = 9 columns"),
+        ({"stats": torch.zeros(2, 37, 9, dtype=torch.float16)}, TypeError, "stats must be float32 or float64"),
+        ({"tokens": torch.full((37,), 129)}, IndexError, r"tokens must hold ids in \[0, V=129\)"),
+        ({"rollout_logprobs": torch.zeros(36)}, ValueError, "rollout_logprobs must be 1-D with N=37"),
+        ({"advantages": torch.zeros(37, dtype=torch.float64)}, TypeError, "advantages must have dtype Float"),
+        ({"topk_ids": None, "topk_logprobs": None}, ValueError, "needs the rollout's top-K"),
+        ({"mode": "tv"}, ValueError, "mode must be one of"),
+    ],
+)
 def test_epilogue_errors(over, err, match):
     with pytest.raises(err, match=match):
         torch.ops.dppo.dppo_vocab_parallel_epilogue(*_epilogue_args(**over))
@@ -264,8 +318,13 @@ def test_api_needs_process_group():
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
-        dppo_loss(inputs["logits"], inputs["tokens"], inputs["rollout_logprobs"], inputs["advantages"],
-                  vocab_parallel_group=object())
+        dppo_loss(
+            inputs["logits"],
+            inputs["tokens"],
+            inputs["rollout_logprobs"],
+            inputs["advantages"],
+            vocab_parallel_group=object(),
+        )
 
 
 # ---- 2 and 3 gloo processes -------------------------------------------------------------------------
@@ -279,13 +338,28 @@ def _free_port() -> int:
 
 def run_workers(world: int, out_dir: Path, timeout: int = 420) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "python_tests")]),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "python_tests")]),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+    )
     procs = []
     for rank in range(world):
         out = out_dir / f"rank{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), "--out", str(out)], env=dict(env, RANK=str(rank)),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), "--out", str(out)],
+                    env=dict(env, RANK=str(rank)),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+                out,
+            )
+        )
     results = []
     try:
         for proc, out in procs:
@@ -349,7 +423,12 @@ def test_vocab_parallel_calls_use_no_deprecated_collective(tmp_path):
     """The forward's one all-gather uses torch.distributed's current collective: neither vocab-parallel entry point
     (logits, fused linear; forward and backward) emits a deprecation warning (torch 2.13 deprecated
     all_gather_into_tensor). One gloo rank in a child process."""
-    proc = subprocess.run([sys.executable, "-c", _ONE_RANK, str(tmp_path / "store")], env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK, str(tmp_path / "store")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout

@@ -66,14 +66,30 @@ def run_agreement_workers(world: int, out_dir: Path, only: str = "", timeout: in
     """Every rank's results (None for a rank that wrote none) and logs; the ranks are killed (process group and
     all) if they outlive ``timeout``, so that a hang fails the test instead of leaving processes behind."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "python_tests")]),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "python_tests")]),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+    )
     procs = []
     for rank in range(world):
         out = out_dir / f"rank{rank}.json"
         cmd = [sys.executable, str(WORKER), "--out", str(out)] + (["--only", only] if only else [])
-        procs.append((subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, start_new_session=True), out))
+        procs.append(
+            (
+                subprocess.Popen(
+                    cmd,
+                    env=dict(env, RANK=str(rank)),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                ),
+                out,
+            )
+        )
     results, logs = [], []
     try:
         for proc, out in procs:
@@ -116,8 +132,10 @@ def test_every_rank_raises_when_one_rank_differs(world, tmp_path):
                 if outcome["raised"] is not None:
                     problems.append(f"{name}: rank {rank} raised {outcome['raised']}: {outcome['message'][:300]}")
             elif outcome["raised"] != want[0] or not re.search(want[1], outcome["message"]):
-                problems.append(f"{name}: rank {rank} got {outcome['raised']}: {outcome['message'][:300]!r}, "
-                                f"expected {want[0]} matching {want[1]!r}")
+                problems.append(
+                    f"{name}: rank {rank} got {outcome['raised']}: {outcome['message'][:300]!r}, "
+                    f"expected {want[0]} matching {want[1]!r}"
+                )
         if name in EXPECTED and all(name in g for g in got):
             messages = {g[name]["message"] for g in got}
             if len(messages) != 1:
@@ -161,8 +179,12 @@ def test_narrow_logits_without_a_group_raise_on_a_foreign_token_id():
     """What a slice alone can reveal: a token id beyond its columns is out of range (the op's own check)."""
     inputs = sample_inputs("cpu", torch.float32, "binary_tv", "v129")
     with pytest.raises(IndexError, match=r"tokens must hold ids in \[0, V=50\)"):
-        dppo_loss(inputs["logits"][:, :50], inputs["tokens"].clamp(min=0) + 49, inputs["rollout_logprobs"],
-                  inputs["advantages"])
+        dppo_loss(
+            inputs["logits"][:, :50],
+            inputs["tokens"].clamp(min=0) + 49,
+            inputs["rollout_logprobs"],
+            inputs["advantages"],
+        )
 
 
 def test_fingerprint_is_deterministic_and_sees_one_bit():

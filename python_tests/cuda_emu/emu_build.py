@@ -31,8 +31,14 @@ REPO = HERE.parents[1]
 VARIANTS = ("plain", "asan", "tsan", "traffic")
 LIB_NAME = "dppo_cuda_emu.so"
 SOURCES = ("emu_ops.cpp",)
-KERNEL_HEADERS = ("entry_points.cuh", "launch_policy.cuh", "common.cuh", "dppo_loss_forward_kernels.cuh",
-                  "dppo_loss_backward_kernels.cuh", "vocab_parallel_kernels.cuh")
+KERNEL_HEADERS = (
+    "entry_points.cuh",
+    "launch_policy.cuh",
+    "common.cuh",
+    "dppo_loss_forward_kernels.cuh",
+    "dppo_loss_backward_kernels.cuh",
+    "vocab_parallel_kernels.cuh",
+)
 
 
 def _cxx() -> str:
@@ -42,9 +48,19 @@ def _cxx() -> str:
 def _flags(variant: str) -> list[str]:
     # -ffp-contract=off: the kernels' __fmul_rn / __dmul_rn are plain products here and must not be
     # fused into an FMA with the subtraction that follows (the nvcc build relies on the same rounding).
-    flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-fvisibility=hidden",
-             "-fvisibility-inlines-hidden", "-Wall", "-Wno-unknown-pragmas", "-pthread",
-             "-U_FORTIFY_SOURCE"]  # fiber switches _longjmp between stacks, which fortify forbids
+    flags = [
+        "-std=c++20",
+        "-O1",
+        "-fPIC",
+        "-shared",
+        "-ffp-contract=off",
+        "-fvisibility=hidden",
+        "-fvisibility-inlines-hidden",
+        "-Wall",
+        "-Wno-unknown-pragmas",
+        "-pthread",
+        "-U_FORTIFY_SOURCE",
+    ]  # fiber switches _longjmp between stacks, which fortify forbids
     if variant == "plain":
         flags.append("-g0")
     elif variant == "asan":
@@ -53,9 +69,15 @@ def _flags(variant: str) -> list[str]:
         flags += ["-g1", "-fsanitize=thread"]
     elif variant == "traffic":
         # Every load and store becomes a call into cuda_emu_traffic.h's hooks (no sanitizer runtime).
-        flags += ["-g0", "-DCUDA_EMU_TRAFFIC", "-fsanitize=kernel-address", "--param=asan-stack=0",
-                  "--param=asan-globals=0", "--param=asan-instrumentation-with-call-threshold=0",
-                  "--param=asan-instrument-allocas=0"]
+        flags += [
+            "-g0",
+            "-DCUDA_EMU_TRAFFIC",
+            "-fsanitize=kernel-address",
+            "--param=asan-stack=0",
+            "--param=asan-globals=0",
+            "--param=asan-instrumentation-with-call-threshold=0",
+            "--param=asan-instrument-allocas=0",
+        ]
     else:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     return flags
@@ -73,8 +95,17 @@ def command(variant: str, csrc: Path, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [_cxx(), *_flags(variant), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           "-I", str(HERE / "stubs"), "-I", str(csrc / "cuda"), "-I", str(HERE)]
+    cmd = [
+        _cxx(),
+        *_flags(variant),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-I",
+        str(HERE / "stubs"),
+        "-I",
+        str(csrc / "cuda"),
+        "-I",
+        str(HERE),
+    ]
     for inc in cpp_extension.include_paths():
         cmd += ["-isystem", inc]
     cmd += [str(HERE / src) for src in SOURCES] + ["-o", str(out)]
@@ -141,8 +172,9 @@ def sanitizer_env(variant: str) -> dict[str, str]:
     # intercept __cxa_throw (the first C++ exception then aborts the process).
     paths = []
     for name in ({"asan": "libasan.so", "tsan": "libtsan.so"}[variant], "libstdc++.so"):
-        path = subprocess.run([_cxx(), f"-print-file-name={name}"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        path = subprocess.run(
+            [_cxx(), f"-print-file-name={name}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         if not os.path.isabs(path):
             raise RuntimeError(f"{_cxx()} does not know where {name} is (got {path!r})")
         paths.append(os.path.realpath(path))

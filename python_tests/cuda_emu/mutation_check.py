@@ -45,8 +45,8 @@ class Mutant:
     why: str
     old: str
     new: str
-    variant: str   # how the tests run against it: fiber | asan | tsan
-    expect: str    # a regex the failing run's output must contain
+    variant: str  # how the tests run against it: fiber | asan | tsan
+    expect: str  # a regex the failing run's output must contain
     select: str = "match_reference"  # pytest -k: which tests run against it
     header: str = FORWARD  # the kernels header (under csrc/) it is planted in
 
@@ -56,114 +56,225 @@ VP_WRONG_VALUES = r"vocab-parallel (stats|forward) [\w -]+: \d+/\d+ off|mask dif
 VP_SELECT = "vocab_parallel_emulated_kernels_match_reference"
 
 MUTANTS = [
-    Mutant("no-syncthreads", "block reduction reads the other warps' partials without __syncthreads",
-           "    sm[2][warp] = st.wsum;\n  }\n  __syncthreads();\n",
-           "    sm[2][warp] = st.wsum;\n  }\n",
-           "fiber", WRONG_VALUES, header=COMMON),
-    Mutant("split-range+1", "each vocabulary split reads one 16-byte vector past its share (double counting)",
-           "  const int64_t ve = vb + per < nvec ? vb + per : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
-           "  const int64_t ve = vb + per + 1 < nvec ? vb + per + 1 : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
-           "fiber", WRONG_VALUES),
-    Mutant("butterfly-stops-at-2", "the warp butterfly stops before offset 1 (lanes merge only half the warp)",
-           "  for (int off = kWarp / 2; off > 0; off /= 2) {\n    EntState<acc_t> o;",
-           "  for (int off = kWarp / 2; off > 1; off /= 2) {\n    EntState<acc_t> o;",
-           "fiber", WRONG_VALUES, header=COMMON),
-    Mutant("lane-mask-0x7fffffff", "the shuffle's member mask leaves out lane 31",
-           "    o.mx = __shfl_xor_sync(0xffffffffu, st.mx, off);",
-           "    o.mx = __shfl_xor_sync(0x7fffffffu, st.mx, off);",
-           "fiber", r"__shfl_xor_sync: lane \d+ (calls it with|reads lane \d+, which) mask 0x7fffffff", header=COMMON),
+    Mutant(
+        "no-syncthreads",
+        "block reduction reads the other warps' partials without __syncthreads",
+        "    sm[2][warp] = st.wsum;\n  }\n  __syncthreads();\n",
+        "    sm[2][warp] = st.wsum;\n  }\n",
+        "fiber",
+        WRONG_VALUES,
+        header=COMMON,
+    ),
+    Mutant(
+        "split-range+1",
+        "each vocabulary split reads one 16-byte vector past its share (double counting)",
+        "  const int64_t ve = vb + per < nvec ? vb + per : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
+        "  const int64_t ve = vb + per + 1 < nvec ? vb + per + 1 : nvec;\n  EntState<acc_t> st = empty_state<acc_t>();",
+        "fiber",
+        WRONG_VALUES,
+    ),
+    Mutant(
+        "butterfly-stops-at-2",
+        "the warp butterfly stops before offset 1 (lanes merge only half the warp)",
+        "  for (int off = kWarp / 2; off > 0; off /= 2) {\n    EntState<acc_t> o;",
+        "  for (int off = kWarp / 2; off > 1; off /= 2) {\n    EntState<acc_t> o;",
+        "fiber",
+        WRONG_VALUES,
+        header=COMMON,
+    ),
+    Mutant(
+        "lane-mask-0x7fffffff",
+        "the shuffle's member mask leaves out lane 31",
+        "    o.mx = __shfl_xor_sync(0xffffffffu, st.mx, off);",
+        "    o.mx = __shfl_xor_sync(0x7fffffffu, st.mx, off);",
+        "fiber",
+        r"__shfl_xor_sync: lane \d+ (calls it with|reads lane \d+, which) mask 0x7fffffff",
+        header=COMMON,
+    ),
     # Seen twice: by AddressSanitizer past the end of a contiguous tensor, and by the NaN gaps of a
     # strided buffer (which ASan cannot see), each on its own.
-    Mutant("backward-tail-v+1 (asan)", "the last split's scalar tail of the backward writes one element past the row",
-           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v, rg);",
-           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v + 1, rg);",
-           "asan", r"AddressSanitizer: heap-buffer-overflow", "match_reference and contig", BACKWARD),
-    Mutant("backward-tail-v+1 (gaps)", "the same, on rows with gaps between them",
-           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v, rg);",
-           "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v + 1, rg);",
-           # The out-of-place gradient is contiguous: there the extra element lands on the next row's first gradient
-           # (a NaN read from the input's gap), which the backward check sees before the in-place one's gap test.
-           "fiber", r"wrote into the gaps between rows|" + WRONG_VALUES, "match_reference and strided", BACKWARD),
-    Mutant("finish-skips-splits", "the finishing kernel's threads stride over 2 x 128 splits (splits 128..255 lost)",
-           "  for (int64_t s = threadIdx.x; s < n_split; s += kFinishThreads) {",
-           "  for (int64_t s = threadIdx.x; s < n_split; s += 2 * kFinishThreads) {",
-           "fiber", WRONG_VALUES),
-    Mutant("misaligned-head", "the unaligned head is computed for 8-byte instead of 16-byte vectors",
-           "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 16) / sizeof(scalar_t));",
-           "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 8) / sizeof(scalar_t));",
-           "fiber", r"is not 16-byte aligned", header=COMMON),
+    Mutant(
+        "backward-tail-v+1 (asan)",
+        "the last split's scalar tail of the backward writes one element past the row",
+        "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v, rg);",
+        "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v + 1, rg);",
+        "asan",
+        r"AddressSanitizer: heap-buffer-overflow",
+        "match_reference and contig",
+        BACKWARD,
+    ),
+    Mutant(
+        "backward-tail-v+1 (gaps)",
+        "the same, on rows with gaps between them",
+        "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v, rg);",
+        "  if (s == n_split - 1) backward_scalars(in, out, head + nvec * kVec, v + 1, rg);",
+        # The out-of-place gradient is contiguous: there the extra element lands on the next row's first gradient
+        # (a NaN read from the input's gap), which the backward check sees before the in-place one's gap test.
+        "fiber",
+        r"wrote into the gaps between rows|" + WRONG_VALUES,
+        "match_reference and strided",
+        BACKWARD,
+    ),
+    Mutant(
+        "finish-skips-splits",
+        "the finishing kernel's threads stride over 2 x 128 splits (splits 128..255 lost)",
+        "  for (int64_t s = threadIdx.x; s < n_split; s += kFinishThreads) {",
+        "  for (int64_t s = threadIdx.x; s < n_split; s += 2 * kFinishThreads) {",
+        "fiber",
+        WRONG_VALUES,
+    ),
+    Mutant(
+        "misaligned-head",
+        "the unaligned head is computed for 8-byte instead of 16-byte vectors",
+        "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 16) / sizeof(scalar_t));",
+        "  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(row) % 8) / sizeof(scalar_t));",
+        "fiber",
+        r"is not 16-byte aligned",
+        header=COMMON,
+    ),
 ]
 # The vocabulary-parallel kernels (vocab_parallel_kernels.cuh), against their own tests.
 MUTANTS += [
-    Mutant("vp-no-syncthreads", "vp_block_reduce reads the other warps' partials without __syncthreads",
-           "  if (lane == 0) smem[warp] = x;\n  __syncthreads();\n",
-           "  if (lane == 0) smem[warp] = x;\n",
-           "fiber", VP_WRONG_VALUES, VP_SELECT, COMMON),
-    Mutant("vp-owned-target<=", "a rank takes the first column of the next rank's slice for its own target",
-           "(a >= start && a < start + v)", "(a >= start && a <= start + v)",
-           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
-    Mutant("vp-target-in-other", "the non-target sum keeps the sampled token's term (j != al exclusion dropped)",
-           "      if (j != al) sum += e;\n", "      sum += e;\n",
-           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
-    Mutant("vp-topk-id<=", "a rank gathers the top-K id just past its slice as its own",
-           "(id >= 0 && id < v)", "(id >= 0 && id <= v)",
-           "fiber", VP_WRONG_VALUES, VP_SELECT, VP_HEADER),
+    Mutant(
+        "vp-no-syncthreads",
+        "vp_block_reduce reads the other warps' partials without __syncthreads",
+        "  if (lane == 0) smem[warp] = x;\n  __syncthreads();\n",
+        "  if (lane == 0) smem[warp] = x;\n",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        COMMON,
+    ),
+    Mutant(
+        "vp-owned-target<=",
+        "a rank takes the first column of the next rank's slice for its own target",
+        "(a >= start && a < start + v)",
+        "(a >= start && a <= start + v)",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    Mutant(
+        "vp-target-in-other",
+        "the non-target sum keeps the sampled token's term (j != al exclusion dropped)",
+        "      if (j != al) sum += e;\n",
+        "      sum += e;\n",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    Mutant(
+        "vp-topk-id<=",
+        "a rank gathers the top-K id just past its slice as its own",
+        "(id >= 0 && id < v)",
+        "(id >= 0 && id <= v)",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
 ]
 # One per blind spot the grid once had: each compiles, passes the grid as it was before that coverage existed
 # (run with --tests <that version> --select match_reference to see it), and is caught by the coverage named.
 MUTANTS += [
     # -inf logits inside a vector (make_inputs' row 6), entropy on: exp(-inf) * -inf = 0 * -inf = NaN.
-    Mutant("entropy-no-floor (fwd)", "the forward's entropy moment uses s - max unfloored: a -inf logit gives 0 * -inf",
-           "        const acc_t x = std::fmax(scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm, "
-           "shift_floor<acc_t>());",
-           "        const acc_t x = scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm;",
-           "fiber", WRONG_VALUES),
-    Mutant("entropy-no-floor (bwd)", "the backward's entropy term uses log p unfloored: a -inf logit gives 0 * -inf",
-           "      const acc_t l = std::fmax(scale_logit(z, inv_t) - lse, shift_floor<acc_t>());",
-           "      const acc_t l = scale_logit(z, inv_t) - lse;",
-           "fiber", WRONG_VALUES, header=BACKWARD),
+    Mutant(
+        "entropy-no-floor (fwd)",
+        "the forward's entropy moment uses s - max unfloored: a -inf logit gives 0 * -inf",
+        "        const acc_t x = std::fmax(scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm, "
+        "shift_floor<acc_t>());",
+        "        const acc_t x = scale_logit(static_cast<acc_t>(pk[u].v[k]), inv_t) - cm;",
+        "fiber",
+        WRONG_VALUES,
+    ),
+    Mutant(
+        "entropy-no-floor (bwd)",
+        "the backward's entropy term uses log p unfloored: a -inf logit gives 0 * -inf",
+        "      const acc_t l = std::fmax(scale_logit(z, inv_t) - lse, shift_floor<acc_t>());",
+        "      const acc_t l = scale_logit(z, inv_t) - lse;",
+        "fiber",
+        WRONG_VALUES,
+        header=BACKWARD,
+    ),
     # Shares whose length ends in the last quarter of a round (test_vector_loop_residues).
-    Mutant("unrolled-loop-bound<=", "the forward's unrolled loop runs while its last vector is <= the share's end: "
-           "one thread reads one vector past its share when the share ends in the round's last quarter",
-           "  for (; vi + (kUnroll - 1) * nthr < ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
-           "    bool has_target",
-           "  for (; vi + (kUnroll - 1) * nthr <= ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
-           "    bool has_target",
-           "fiber", WRONG_VALUES, "vector_loop_residues"),
+    Mutant(
+        "unrolled-loop-bound<=",
+        "the forward's unrolled loop runs while its last vector is <= the share's end: "
+        "one thread reads one vector past its share when the share ends in the round's last quarter",
+        "  for (; vi + (kUnroll - 1) * nthr < ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "  for (; vi + (kUnroll - 1) * nthr <= ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "fiber",
+        WRONG_VALUES,
+        "vector_loop_residues",
+    ),
     # More rows than one epilogue block (test_vocab_parallel_more_rows_than_one_block).
-    Mutant("vp-epilogue-row=threadIdx", "the vocabulary-parallel epilogue indexes rows by threadIdx.x alone "
-           "(rows past the first block are never written)",
-           "  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;",
-           "  const int64_t i = threadIdx.x;",
-           "fiber", VP_WRONG_VALUES, "more_rows_than_one_block", VP_HEADER),
+    Mutant(
+        "vp-epilogue-row=threadIdx",
+        "the vocabulary-parallel epilogue indexes rows by threadIdx.x alone "
+        "(rows past the first block are never written)",
+        "  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;",
+        "  const int64_t i = threadIdx.x;",
+        "fiber",
+        VP_WRONG_VALUES,
+        "more_rows_than_one_block",
+        VP_HEADER,
+    ),
     # Row offsets past 2^31 elements (test_row_offsets_beyond_2_31_elements).
-    Mutant("row-offset-int32", "the backward forms its input row's offset i * ld in 32 bits",
-           "  const scalar_t* in = p.logits + i * p.ld_in;",
-           "  const scalar_t* in = p.logits + static_cast<int32_t>(i * p.ld_in);",
-           "fiber", r"Segmentation fault|" + WRONG_VALUES, "beyond_2_31", BACKWARD),
+    Mutant(
+        "row-offset-int32",
+        "the backward forms its input row's offset i * ld in 32 bits",
+        "  const scalar_t* in = p.logits + i * p.ld_in;",
+        "  const scalar_t* in = p.logits + static_cast<int32_t>(i * p.ld_in);",
+        "fiber",
+        r"Segmentation fault|" + WRONG_VALUES,
+        "beyond_2_31",
+        BACKWARD,
+    ),
     # Tolerances from the precision: a bf16 gradient rounded toward zero is off by up to one ulp (2^-7
     # relative), which the old bound of 2e-2 of the row's largest gradient let through; half an ulp does not.
-    Mutant("bf16-grad-round-toward-zero", "the backward's bf16 gradient is truncated to its top 16 bits (round "
-           "toward zero, as __float2bfloat16_rz) instead of rounded to nearest",
-           "      for (int k = 0; k < kVec; ++k) o.v[k] = static_cast<scalar_t>(rg.nontarget(static_cast<acc_t>("
-           "pk[u].v[k])));",
-           "      for (int k = 0; k < kVec; ++k) {\n"
-           "        acc_t g = rg.nontarget(static_cast<acc_t>(pk[u].v[k]));\n"
-           "        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {\n"
-           "          uint32_t bits;\n          std::memcpy(&bits, &g, 4);\n          bits &= 0xffff0000u;\n"
-           "          std::memcpy(&g, &bits, 4);\n        }\n"
-           "        o.v[k] = static_cast<scalar_t>(g);\n      }",
-           "fiber", WRONG_VALUES, header=BACKWARD),
+    Mutant(
+        "bf16-grad-round-toward-zero",
+        "the backward's bf16 gradient is truncated to its top 16 bits (round "
+        "toward zero, as __float2bfloat16_rz) instead of rounded to nearest",
+        "      for (int k = 0; k < kVec; ++k) o.v[k] = static_cast<scalar_t>(rg.nontarget(static_cast<acc_t>("
+        "pk[u].v[k])));",
+        "      for (int k = 0; k < kVec; ++k) {\n"
+        "        acc_t g = rg.nontarget(static_cast<acc_t>(pk[u].v[k]));\n"
+        "        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {\n"
+        "          uint32_t bits;\n          std::memcpy(&bits, &g, 4);\n          bits &= 0xffff0000u;\n"
+        "          std::memcpy(&g, &bits, 4);\n        }\n"
+        "        o.v[k] = static_cast<scalar_t>(g);\n      }",
+        "fiber",
+        WRONG_VALUES,
+        header=BACKWARD,
+    ),
 ]
 TSAN_MUTANTS = [
-    Mutant("no-syncthreads (tsan)", "as no-syncthreads, seen by ThreadSanitizer",
-           MUTANTS[0].old, MUTANTS[0].new, "tsan", r"ThreadSanitizer: data race", header=COMMON),
+    Mutant(
+        "no-syncthreads (tsan)",
+        "as no-syncthreads, seen by ThreadSanitizer",
+        MUTANTS[0].old,
+        MUTANTS[0].new,
+        "tsan",
+        r"ThreadSanitizer: data race",
+        header=COMMON,
+    ),
     # Fibers run a block's threads round robin, so every thread reads the previous reduction's shared
     # partials before warp 0 overwrites them: only OS threads under TSan can see this one.
-    Mutant("vp-no-syncthreads-before-reuse (tsan)",
-           "vp_block_reduce overwrites the shared partials while other warps may still read the previous ones",
-           "  __syncthreads();  // smem may still be read by a previous reduction\n", "",
-           "tsan", r"ThreadSanitizer: data race", VP_SELECT, COMMON),
+    Mutant(
+        "vp-no-syncthreads-before-reuse (tsan)",
+        "vp_block_reduce overwrites the shared partials while other warps may still read the previous ones",
+        "  __syncthreads();  // smem may still be read by a previous reduction\n",
+        "",
+        "tsan",
+        r"ThreadSanitizer: data race",
+        VP_SELECT,
+        COMMON,
+    ),
 ]
 
 
@@ -175,8 +286,10 @@ def plant(mutant: Mutant, dest: Path) -> Path:
     text = header.read_text()
     count = text.count(mutant.old)
     if count != 1:
-        raise SystemExit(f"mutant {mutant.name}: the piece to replace occurs {count} times in {mutant.header} "
-                         f"(expected once): update mutation_check.py to the header")
+        raise SystemExit(
+            f"mutant {mutant.name}: the piece to replace occurs {count} times in {mutant.header} "
+            f"(expected once): update mutation_check.py to the header"
+        )
     header.write_text(text.replace(mutant.old, mutant.new))
     return csrc
 
@@ -184,16 +297,31 @@ def plant(mutant: Mutant, dest: Path) -> Path:
 def run_tests(mutant: Mutant, csrc: Path, out_dir: Path, tests: Path, select: str | None) -> tuple[int, str]:
     variant = {"fiber": "plain"}.get(mutant.variant, mutant.variant)
     emu_build.build(variant, csrc, out_dir)
-    env = dict(os.environ, DPPO_CUDA_EMU=mutant.variant, DPPO_CUDA_EMU_CSRC=str(csrc), DPPO_CUDA_EMU_OUT=str(out_dir),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        DPPO_CUDA_EMU=mutant.variant,
+        DPPO_CUDA_EMU_CSRC=str(csrc),
+        DPPO_CUDA_EMU_OUT=str(out_dir),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("DPPO_CUDA_SPLIT", None)
     env.update(emu_build.sanitizer_env(variant))
     if mutant.variant == "tsan":
         env["OMP_NUM_THREADS"] = "1"
     cmd = emu_build.tsan_prefix() if mutant.variant == "tsan" else []
     # -s: a sanitizer reports on fd 2 and aborts; pytest's output capture would swallow the report.
-    cmd += [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(tests),
-            "-k", select or mutant.select] + (["-s"] if variant != "plain" else [])
+    cmd += [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tests),
+        "-k",
+        select or mutant.select,
+    ] + (["-s"] if variant != "plain" else [])
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -204,8 +332,12 @@ def main() -> None:
     ap.add_argument("--tsan", action="store_true", help="also the missing-__syncthreads mutants under TSan")
     ap.add_argument("--keep", action="store_true", help="keep the mutant trees and logs")
     ap.add_argument("--jobs", type=int, default=0, help="mutants at once (default: one per core)")
-    ap.add_argument("--tests", type=Path, default=HERE / "test_cuda_emu.py",
-                    help="the test file to run against each mutant (e.g. an older version of test_cuda_emu.py)")
+    ap.add_argument(
+        "--tests",
+        type=Path,
+        default=HERE / "test_cuda_emu.py",
+        help="the test file to run against each mutant (e.g. an older version of test_cuda_emu.py)",
+    )
     ap.add_argument("--select", default=None, help="pytest -k expression for every mutant (default: each its own)")
     args = ap.parse_args()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]

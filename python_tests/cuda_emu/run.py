@@ -36,7 +36,9 @@ def pytest_step(step: str, extra: list[str]) -> int:
     t0 = time.monotonic()
     emu_build.build(variant)
     t_build = time.monotonic() - t0
-    env = dict(os.environ, DPPO_CUDA_EMU=step, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, DPPO_CUDA_EMU=step, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
     env.pop("DPPO_CUDA_SPLIT", None)
     env.update(emu_build.sanitizer_env(variant))
     cmd = []
@@ -59,8 +61,8 @@ def main() -> None:
     args = sys.argv[1:]
     extra = []
     if "--" in args:
-        extra = args[args.index("--") + 1:]
-        args = args[:args.index("--")]
+        extra = args[args.index("--") + 1 :]
+        args = args[: args.index("--")]
     tsan_mutant = "--tsan-mutant" in args
     steps = [a for a in args if a != "--tsan-mutant"] or ["fiber"]
     bad = [s for s in steps if s not in STEPS]

@@ -106,8 +106,15 @@ def forward_tol(logits: torch.Tensor, lanes: int) -> torch.Tensor:
     return 4.0 * (u * (terms + 2.0 * s_max) + X_SPAN * delta_t + reference)
 
 
-def grad_bound(want: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, gt: torch.Tensor,
-               gh: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor | None) -> torch.Tensor:
+def grad_bound(
+    want: torch.Tensor,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    gt: torch.Tensor,
+    gh: torch.Tensor | None,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+) -> torch.Tensor:
     """[N, V] bound on |kernel - float64 formula| for each gradient element, given the kernel's own lse and
     entropy (the formula is evaluated from the same s = z * fl(1 / T) and lse, see reference_grad).
 
@@ -150,9 +157,11 @@ class Case:
     @property
     def id(self) -> str:
         topk = f"-k{self.k}" if self.mode in TOPK_MODES else ""
-        return (f"{str(self.dtype)[6:]}-v{self.v}-{'strided' if self.strided else 'contig'}-{self.mode}{topk}"
-                f"-ent{int(self.entropy)}-anc{int(self.anchor)}-split{self.split or 'auto'}"
-                f"{'-huge' if self.extreme else ''}")
+        return (
+            f"{str(self.dtype)[6:]}-v{self.v}-{'strided' if self.strided else 'contig'}-{self.mode}{topk}"
+            f"-ent{int(self.entropy)}-anc{int(self.anchor)}-split{self.split or 'auto'}"
+            f"{'-huge' if self.extreme else ''}"
+        )
 
 
 DIMS = {
@@ -191,14 +200,16 @@ def pairwise_grid(seed: int = 0) -> list[Case]:
     needed = set()
     for a, b in itertools.combinations(names, 2):
         for va, vb in itertools.product(DIMS[a], DIMS[b]):
-            if any(t.get(a, va) == va and t.get(b, vb) == vb and _counts(a, b, {**t, a: va, b: vb})
-                   for t in triples):
+            if any(t.get(a, va) == va and t.get(b, vb) == vb and _counts(a, b, {**t, a: va, b: vb}) for t in triples):
                 needed.add(((a, va), (b, vb)))
 
     def gain(row: dict) -> int:
         keys = [d for d in names if d in row]
-        return sum(((a, row[a]), (b, row[b])) in needed
-                   for a, b in itertools.combinations(keys, 2) if "mode" not in row or _counts(a, b, row))
+        return sum(
+            ((a, row[a]), (b, row[b])) in needed
+            for a, b in itertools.combinations(keys, 2)
+            if "mode" not in row or _counts(a, b, row)
+        )
 
     rows = []
     while needed:
@@ -268,6 +279,7 @@ def split_env(monkeypatch):
             monkeypatch.delenv("DPPO_CUDA_SPLIT", raising=False)
         else:
             monkeypatch.setenv("DPPO_CUDA_SPLIT", str(split))
+
     return set_split
 
 
@@ -281,8 +293,8 @@ def make_inputs(c: Case, seed: int) -> dict:
     acc = torch.float64 if c.dtype == torch.float64 else torch.float32
     z = torch.randn(n, v, generator=g, dtype=torch.float64) * 3.0
     tokens = torch.randint(0, v, (n,), generator=g)
-    tokens[2] = -100                      # padding row
-    z[1, tokens[1]] = z[1].max() + 30.0   # pi -> 1
+    tokens[2] = -100  # padding row
+    z[1, tokens[1]] = z[1].max() + 30.0  # pi -> 1
     if v > 1:
         z[3, tokens[3]] = z[3].min() - 30.0  # pi -> 0
         # -inf mixed with finite logits inside the same 16-byte vectors: every third column (a padded or
@@ -293,44 +305,74 @@ def make_inputs(c: Case, seed: int) -> dict:
         z[6, neg] = -math.inf
     if c.extreme:
         huge = 3e4 if c.dtype == torch.float16 else 1e30
-        z[4, tokens[4]] = huge            # all the mass on the target
-        z[5] = -huge                      # a flat, hugely negative row
+        z[4, tokens[4]] = huge  # all the mass on the target
+        z[5] = -huge  # a flat, hugely negative row
         z[5, (int(tokens[5]) + 1) % v] = huge
-        z[0, ::2] = huge / 2              # half the row tied at a huge value
+        z[0, ::2] = huge / 2  # half the row tied at a huge value
     col_off, width = (3, v + 5) if c.strided else (0, v)
     buf = torch.full((n, width), math.nan, dtype=c.dtype)
-    buf[:, col_off:col_off + v] = z.to(c.dtype)
+    buf[:, col_off : col_off + v] = z.to(c.dtype)
     k = min(c.k, v)
     rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
     topk_lp, topk_ids = rollout.topk(k, dim=-1)
     roll_lp = rollout.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
-    roll_lp[0] = -math.inf                # mu = 0
+    roll_lp[0] = -math.inf  # mu = 0
     anchor = (roll_lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=0.0)
     anchor[0] = -0.5
-    return dict(buf=buf, col_off=col_off, v=v, tokens=tokens, rollout=roll_lp.to(acc),
-                adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc),
-                topk_ids=topk_ids, topk_lp=topk_lp.to(acc), anchor=anchor.to(acc))
+    return dict(
+        buf=buf,
+        col_off=col_off,
+        v=v,
+        tokens=tokens,
+        rollout=roll_lp.to(acc),
+        adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc),
+        topk_ids=topk_ids,
+        topk_lp=topk_lp.to(acc),
+        anchor=anchor.to(acc),
+    )
 
 
 def logits_of(x: dict, buf: torch.Tensor | None = None) -> torch.Tensor:
     buf = x["buf"] if buf is None else buf
-    return buf[:, x["col_off"]:x["col_off"] + x["v"]]
+    return buf[:, x["col_off"] : x["col_off"] + x["v"]]
 
 
 def op_args(x: dict, c: Case) -> tuple:
     topk = c.mode in TOPK_MODES
-    return (logits_of(x), x["tokens"], x["rollout"], x["adv"], x["topk_ids"] if topk else None,
-            x["topk_lp"] if topk else None, x["anchor"] if c.anchor else None, c.mode, TEMPERATURE, DELTA_LOW,
-            DELTA_HIGH, RATIO_CAP, c.entropy)
+    return (
+        logits_of(x),
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        x["topk_ids"] if topk else None,
+        x["topk_lp"] if topk else None,
+        x["anchor"] if c.anchor else None,
+        c.mode,
+        TEMPERATURE,
+        DELTA_LOW,
+        DELTA_HIGH,
+        RATIO_CAP,
+        c.entropy,
+    )
 
 
 def reference_forward(x: dict, c: Case) -> tuple:
     topk = c.mode in TOPK_MODES
     out = dppo_loss_reference(
-        logits_of(x).double(), x["tokens"], x["rollout"].double(), x["adv"].double(),
-        topk_ids=x["topk_ids"] if topk else None, topk_logprobs=x["topk_lp"].double() if topk else None,
-        anchor_logprobs=x["anchor"].double() if c.anchor else None, mode=c.mode, temperature=TEMPERATURE,
-        delta_low=DELTA_LOW, delta_high=DELTA_HIGH, ratio_cap=RATIO_CAP, compute_entropy=c.entropy)
+        logits_of(x).double(),
+        x["tokens"],
+        x["rollout"].double(),
+        x["adv"].double(),
+        topk_ids=x["topk_ids"] if topk else None,
+        topk_logprobs=x["topk_lp"].double() if topk else None,
+        anchor_logprobs=x["anchor"].double() if c.anchor else None,
+        mode=c.mode,
+        temperature=TEMPERATURE,
+        delta_low=DELTA_LOW,
+        delta_high=DELTA_HIGH,
+        ratio_cap=RATIO_CAP,
+        compute_entropy=c.entropy,
+    )
     return tuple(out[name].detach() for name in NAMES)
 
 
@@ -362,12 +404,15 @@ def check_close(tag: str, got: torch.Tensor, want: torch.Tensor, tol, skip: torc
     bad &= ~(got.isinf() & want.isinf() & (got.sign() == want.sign()))
     if skip is not None:
         bad &= ~skip
-    assert not bad.any(), (f"{tag}: {int(bad.sum())}/{bad.numel()} off, rows {bad.nonzero().flatten().tolist()[:8]}: "
-                           f"kernel {got[bad][:4].tolist()} exact {want[bad][:4].tolist()}")
+    assert not bad.any(), (
+        f"{tag}: {int(bad.sum())}/{bad.numel()} off, rows {bad.nonzero().flatten().tolist()[:8]}: "
+        f"kernel {got[bad][:4].tolist()} exact {want[bad][:4].tolist()}"
+    )
 
 
-def check_forward(tag: str, out: tuple, want: tuple, mu_lp: torch.Tensor, tol,
-                  tokens: torch.Tensor | None = None) -> None:
+def check_forward(
+    tag: str, out: tuple, want: tuple, mu_lp: torch.Tensor, tol, tokens: torch.Tensor | None = None
+) -> None:
     """The seven forward outputs against `want` (the reference's, or another kernel's): each within `tol`
     (forward_tol), except the loss and mask of rows whose mask flipped, and a mask may flip only where the
     divergence (or pi - mu) sits on a threshold. Padding rows (tokens -100) must be exactly 0."""
@@ -377,8 +422,9 @@ def check_forward(tag: str, out: tuple, want: tuple, mu_lp: torch.Tensor, tol,
     near = (pi - mu).abs() < 1e-5
     for t in (DELTA_LOW, DELTA_HIGH, 1 - DELTA_LOW, 1 + DELTA_HIGH):
         near |= (div - t).abs() < 1e-3
-    assert not (flipped & ~near).any(), (f"{tag}: mask differs away from a threshold at rows "
-                                         f"{flipped.nonzero().flatten().tolist()}")
+    assert not (flipped & ~near).any(), (
+        f"{tag}: mask differs away from a threshold at rows {flipped.nonzero().flatten().tolist()}"
+    )
     if tokens is not None:
         pad = tokens == -100
         for name, got in zip(NAMES, out):
@@ -392,9 +438,11 @@ def check_grad(tag: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Ten
     got = got.double()
     err = (got - want).abs()
     bad = ~(err <= bound)
-    assert not bad.any(), (f"{tag}: {int(bad.sum())} off, first at {bad.nonzero()[0].tolist()}: "
-                           f"kernel {got[bad][:4].tolist()} exact {want[bad][:4].tolist()} "
-                           f"bound {bound[bad][:4].tolist()}")
+    assert not bad.any(), (
+        f"{tag}: {int(bad.sum())} off, first at {bad.nonzero()[0].tolist()}: "
+        f"kernel {got[bad][:4].tolist()} exact {want[bad][:4].tolist()} "
+        f"bound {bound[bad][:4].tolist()}"
+    )
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -441,7 +489,7 @@ def check_case(emu, x: dict, case: Case, fresh=None) -> None:
         emu.dppo_loss_backward_(gt, ghg, logits_of(x, buf2), x["tokens"], lse, eg, TEMPERATURE)
         check_grad(f"in-place backward entropy_grad={with_ent}", logits_of(x, buf2), want_g, bound)
         outside = torch.ones(buf2.shape, dtype=torch.bool)
-        outside[:, x["col_off"]:x["col_off"] + x["v"]] = False
+        outside[:, x["col_off"] : x["col_off"] + x["v"]] = False
         assert same_bits(buf2[outside], untouched[outside]), "the in-place backward wrote into the gaps between rows"
 
 
@@ -500,8 +548,9 @@ def test_row_offsets_beyond_2_31_elements(emu, split_env, split):
     logits = logits_of(x)
     for start, (a, b) in ((0, (0, 2000)), (2000, (2000, 4099))):
         got = emu.dppo_vocab_parallel_stats(logits[:, a:b], x["tokens"], x["topk_ids"], start, TEMPERATURE, True)
-        want = torch.ops.dppo.dppo_vocab_parallel_stats(logits[:, a:b].contiguous(), x["tokens"], x["topk_ids"],
-                                                        start, TEMPERATURE, True)
+        want = torch.ops.dppo.dppo_vocab_parallel_stats(
+            logits[:, a:b].contiguous(), x["tokens"], x["topk_ids"], start, TEMPERATURE, True
+        )
         tol = forward_tol(logits[:, a:b], THREADS) + forward_tol(logits[:, a:b], 8)
         check_close("vocab-parallel stats at a row stride past 2^31", got, want, tol)
 
@@ -532,8 +581,8 @@ def test_split_override_sets_the_grid(emu, split_env):
         return s[:2]
 
     fwd = lambda: emu.dppo_loss_forward(*op_args(x, c))  # noqa: E731
-    assert blocks(1, fwd) == [1, N_ROWS]                       # one block per row, no workspace
-    assert blocks(7, fwd) == [2, N_ROWS * 7 + N_ROWS]          # partial (N, 7) + finishing (N)
+    assert blocks(1, fwd) == [1, N_ROWS]  # one block per row, no workspace
+    assert blocks(7, fwd) == [2, N_ROWS * 7 + N_ROWS]  # partial (N, 7) + finishing (N)
     # The policy: 4 x 132 SMs target blocks, at most V / (4 * 256 * 2) = 16 splits of work.
     assert blocks(None, fwd) == [2, N_ROWS * 16 + N_ROWS]
     out = emu.dppo_loss_forward(*op_args(x, c))
@@ -561,8 +610,13 @@ def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
 def test_schemas_match_the_real_ops(emu):
     """The emulator's ops keep the schemas of torch.ops.dppo (ops.cpp), so the tests call the
     kernels exactly as users do."""
-    for name in ("dppo_loss_forward", "dppo_loss_backward", "dppo_loss_backward_", "dppo_vocab_parallel_stats",
-                 "dppo_vocab_parallel_epilogue"):
+    for name in (
+        "dppo_loss_forward",
+        "dppo_loss_backward",
+        "dppo_loss_backward_",
+        "dppo_vocab_parallel_stats",
+        "dppo_vocab_parallel_epilogue",
+    ):
         real = str(getattr(torch.ops.dppo, name).default._schema).split("(", 1)[1]
         emulated = str(getattr(emu, name).default._schema).split("(", 1)[1]
         assert emulated == real, f"{name}: emulator schema ({emulated}) differs from ops.cpp ({real})"
@@ -585,10 +639,24 @@ def test_topk_kl_rest_mass_precision(emu, split_env, split):
     p[1] *= 0.9
     tokens = torch.tensor([0, 0])
     roll, adv = torch.log(p[:, 0]), torch.tensor([1.0, -1.0])
-    got = emu.dppo_loss_forward(z.float(), tokens, roll.float(), adv.float(), ids, torch.log(p).float(), None,
-                                "topk_kl", 1.0, 0.2, 0.2, 10.0, False)[2]
-    want = dppo_loss_reference(z.float().double(), tokens, roll, adv, topk_ids=ids, topk_logprobs=torch.log(p),
-                               mode="topk_kl")["divergence"]
+    got = emu.dppo_loss_forward(
+        z.float(),
+        tokens,
+        roll.float(),
+        adv.float(),
+        ids,
+        torch.log(p).float(),
+        None,
+        "topk_kl",
+        1.0,
+        0.2,
+        0.2,
+        10.0,
+        False,
+    )[2]
+    want = dppo_loss_reference(
+        z.float().double(), tokens, roll, adv, topk_ids=ids, topk_logprobs=torch.log(p), mode="topk_kl"
+    )["divergence"]
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=0), f"topk_kl {got.tolist()} vs float64 {want.tolist()}"
 
 
@@ -613,16 +681,19 @@ class VpCase:
 
     @property
     def id(self) -> str:
-        return (f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
-                f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}")
+        return (
+            f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
+            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}"
+        )
 
 
 VP_ROWS = 10
 # Every mode x dtype x entropy x W; the entropy cases take V = 700, so a rank's slice is wider than the
 # 256-thread block (the strided loops and the block reduction over all 8 warps), and the others V = 37 (most
 # threads of the block own no column). One case with K = 300 > 256 top-K ids per row.
-VP_GRID = [VpCase(d, m, e, w, 700 if e else 37)
-           for d in DTYPES for m in MODES for e in (True, False) for w in (1, 2, 3)]
+VP_GRID = [
+    VpCase(d, m, e, w, 700 if e else 37) for d in DTYPES for m in MODES for e in (True, False) for w in (1, 2, 3)
+]
 VP_GRID.append(VpCase(torch.float32, "topk_kl", True, 3, 700, 300))
 VP_ASAN = [c for c in VP_GRID if c.world == 3 and c.dtype in (torch.float32, torch.bfloat16)]
 VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
@@ -660,16 +731,25 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
     roll_lp[0] = -math.inf
     anchor = (roll_lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=0.0)
     anchor[0] = -0.5
-    return dict(logits=z.to(c.dtype), offsets=offsets, tokens=tokens, rollout=roll_lp.to(acc),
-                adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc), topk_ids=topk_ids,
-                topk_lp=topk_lp.to(acc), anchor=anchor.to(acc))
+    return dict(
+        logits=z.to(c.dtype),
+        offsets=offsets,
+        tokens=tokens,
+        rollout=roll_lp.to(acc),
+        adv=torch.randn(n, generator=g, dtype=torch.float64).to(acc),
+        topk_ids=topk_ids,
+        topk_lp=topk_lp.to(acc),
+        anchor=anchor.to(acc),
+    )
 
 
 def vp_slices(logits: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
     """Each rank's [N, V_r] columns: even ranks a view at the full row stride (the kernel's ld), odd ranks a
     contiguous copy (so AddressSanitizer sees a read past a slice's end)."""
-    return [logits[:, a:b] if r % 2 == 0 else logits[:, a:b].contiguous()
-            for r, (a, b) in enumerate(zip(offsets, offsets[1:]))]
+    return [
+        logits[:, a:b] if r % 2 == 0 else logits[:, a:b].contiguous()
+        for r, (a, b) in enumerate(zip(offsets, offsets[1:]))
+    ]
 
 
 def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
@@ -678,21 +758,47 @@ def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
     topk = c.mode in TOPK_MODES
     ids = x["topk_ids"] if topk else None
     offsets = x["offsets"]
-    stats = torch.stack([ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy)
-                         for s, a in zip(vp_slices(x["logits"], offsets), offsets)])
-    out = ops.dppo_vocab_parallel_epilogue(stats, offsets, x["tokens"], x["rollout"], x["adv"], ids,
-                                           x["topk_lp"] if topk else None, x["anchor"] if c.anchor else None, c.mode,
-                                           DELTA_LOW, DELTA_HIGH, RATIO_CAP, c.entropy)
+    stats = torch.stack(
+        [
+            ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy)
+            for s, a in zip(vp_slices(x["logits"], offsets), offsets)
+        ]
+    )
+    out = ops.dppo_vocab_parallel_epilogue(
+        stats,
+        offsets,
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        ids,
+        x["topk_lp"] if topk else None,
+        x["anchor"] if c.anchor else None,
+        c.mode,
+        DELTA_LOW,
+        DELTA_HIGH,
+        RATIO_CAP,
+        c.entropy,
+    )
     return stats, tuple(out)
 
 
 def vp_reference(x: dict, c: VpCase) -> tuple:
     topk = c.mode in TOPK_MODES
     out = dppo_loss_reference(
-        x["logits"].double(), x["tokens"], x["rollout"].double(), x["adv"].double(),
-        topk_ids=x["topk_ids"] if topk else None, topk_logprobs=x["topk_lp"].double() if topk else None,
-        anchor_logprobs=x["anchor"].double() if c.anchor else None, mode=c.mode, temperature=TEMPERATURE,
-        delta_low=DELTA_LOW, delta_high=DELTA_HIGH, ratio_cap=RATIO_CAP, compute_entropy=c.entropy)
+        x["logits"].double(),
+        x["tokens"],
+        x["rollout"].double(),
+        x["adv"].double(),
+        topk_ids=x["topk_ids"] if topk else None,
+        topk_logprobs=x["topk_lp"].double() if topk else None,
+        anchor_logprobs=x["anchor"].double() if c.anchor else None,
+        mode=c.mode,
+        temperature=TEMPERATURE,
+        delta_low=DELTA_LOW,
+        delta_high=DELTA_HIGH,
+        ratio_cap=RATIO_CAP,
+        compute_entropy=c.entropy,
+    )
     return tuple(out[name].detach() for name in NAMES)
 
 
@@ -746,11 +852,28 @@ def test_vocab_parallel_more_rows_than_one_block(emu, mode):
     case = VpCase(torch.float32, mode, False, 2, 37)
     x = vp_inputs(case, seed=13, n=2 * 128 + 37)
     check_vp(emu, x, case)
-    stats = torch.stack([emu.dppo_vocab_parallel_stats(z, x["tokens"], None, a, TEMPERATURE, False)
-                         for z, a in zip(vp_slices(x["logits"], x["offsets"]), x["offsets"])])
+    stats = torch.stack(
+        [
+            emu.dppo_vocab_parallel_stats(z, x["tokens"], None, a, TEMPERATURE, False)
+            for z, a in zip(vp_slices(x["logits"], x["offsets"]), x["offsets"])
+        ]
+    )
     emu.stats(True)
-    emu.dppo_vocab_parallel_epilogue(stats, x["offsets"], x["tokens"], x["rollout"], x["adv"], None, None, None,
-                                     "binary_kl", DELTA_LOW, DELTA_HIGH, RATIO_CAP, False)
+    emu.dppo_vocab_parallel_epilogue(
+        stats,
+        x["offsets"],
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        None,
+        None,
+        None,
+        "binary_kl",
+        DELTA_LOW,
+        DELTA_HIGH,
+        RATIO_CAP,
+        False,
+    )
     assert emu.stats(True)[:2] == [1, 3], "the epilogue of 293 rows should run as 3 blocks of 128 rows"
 
 
@@ -764,10 +887,10 @@ def test_vocab_parallel_emulated_non_finite_rows(emu, dtype, mode):
     c = VpCase(dtype, mode, True, 3, 700)
     x = vp_inputs(c, seed=5)
     offsets, logits = x["offsets"], x["logits"].clone()
-    logits[0, offsets[2] + 7] = math.nan        # rank 2 only
-    logits[6, offsets[0] + 300] = math.inf      # rank 0 only, past the first 256 columns
-    logits[7] = -math.inf                       # every rank
-    logits[8, offsets[0]:offsets[1]] = -math.inf  # rank 0's slice empty, the row finite (its token elsewhere)
+    logits[0, offsets[2] + 7] = math.nan  # rank 2 only
+    logits[6, offsets[0] + 300] = math.inf  # rank 0 only, past the first 256 columns
+    logits[7] = -math.inf  # every rank
+    logits[8, offsets[0] : offsets[1]] = -math.inf  # rank 0's slice empty, the row finite (its token elsewhere)
     x["logits"] = logits
     x["tokens"][8] = offsets[2] + 1
     _, out = vp_run(emu, x, c)
@@ -780,8 +903,13 @@ def test_vocab_parallel_emulated_non_finite_rows(emu, dtype, mode):
         assert torch.equal(cpu.isnan(), nan_rows), f"{name}: CPU op NaN rows {cpu.isnan().tolist()}"
     keep = ~want[0].isnan()
     mu = x["rollout"][keep]
-    check_forward("non-finite rows: the others vs reference", tuple(o[keep] for o in out),
-                  tuple(w[keep] for w in want), mu, vp_tol(x)[keep])
+    check_forward(
+        "non-finite rows: the others vs reference",
+        tuple(o[keep] for o in out),
+        tuple(w[keep] for w in want),
+        mu,
+        vp_tol(x)[keep],
+    )
 
 
 @not_tsan
@@ -791,13 +919,31 @@ def test_vocab_parallel_emulated_empty_batch(emu, world):
     offsets = vp_offsets(7, world)
     ids = torch.zeros(0, 2, dtype=torch.long)
     emu.stats(True)
-    stats = torch.stack([emu.dppo_vocab_parallel_stats(torch.zeros(0, b - a, dtype=torch.bfloat16),
-                                                       torch.zeros(0, dtype=torch.long), ids, a, 1.0, True)
-                         for a, b in zip(offsets, offsets[1:])])
+    stats = torch.stack(
+        [
+            emu.dppo_vocab_parallel_stats(
+                torch.zeros(0, b - a, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.long), ids, a, 1.0, True
+            )
+            for a, b in zip(offsets, offsets[1:])
+        ]
+    )
     assert stats.shape == (world, 0, 6) and stats.dtype == torch.float32
     empty = torch.zeros(0)
-    out = emu.dppo_vocab_parallel_epilogue(stats, offsets, torch.zeros(0, dtype=torch.long), empty, empty, ids,
-                                           torch.zeros(0, 2), None, "topk_tv", 0.2, 0.2, 10.0, True)
+    out = emu.dppo_vocab_parallel_epilogue(
+        stats,
+        offsets,
+        torch.zeros(0, dtype=torch.long),
+        empty,
+        empty,
+        ids,
+        torch.zeros(0, 2),
+        None,
+        "topk_tv",
+        0.2,
+        0.2,
+        10.0,
+        True,
+    )
     assert len(out) == 7 and all(o.shape == (0,) and o.dtype == torch.float32 for o in out)
     assert emu.stats(True)[0] == 0, "an empty batch launched a kernel"
 
@@ -814,8 +960,21 @@ def test_vocab_parallel_emulated_launch_shape(emu):
     s = emu.stats(True)
     assert s[:3] == [1, VP_ROWS, VP_ROWS * 256], s
     assert s[4] > 0, f"no __shared__ bytes poisoned: {s}"
-    emu.dppo_vocab_parallel_epilogue(stats[None], [0, c.v], x["tokens"], x["rollout"], x["adv"], None, None, None,
-                                     "binary_tv", DELTA_LOW, DELTA_HIGH, RATIO_CAP, True)
+    emu.dppo_vocab_parallel_epilogue(
+        stats[None],
+        [0, c.v],
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        None,
+        None,
+        None,
+        "binary_tv",
+        DELTA_LOW,
+        DELTA_HIGH,
+        RATIO_CAP,
+        True,
+    )
     assert emu.stats(True)[:3] == [1, 1, 128]
 
 
@@ -870,9 +1029,16 @@ def test_traffic_forward_reads_each_logit_once(emu, split_env, dtype, mode, spli
     k = TRAFFIC_K if mode in TOPK_MODES else 0
     emu.traffic(True)
     out = emu.dppo_loss_forward(*op_args(x, case))
-    named = dict(logits=x["buf"], tokens=x["tokens"], rollout=x["rollout"], adv=x["adv"], anchor=x["anchor"],
-                 topk_ids=x["topk_ids"] if k else None, topk_lp=x["topk_lp"] if k else None,
-                 **{f"out:{name}": o for name, o in zip(NAMES, out)})
+    named = dict(
+        logits=x["buf"],
+        tokens=x["tokens"],
+        rollout=x["rollout"],
+        adv=x["adv"],
+        anchor=x["anchor"],
+        topk_ids=x["topk_ids"] if k else None,
+        topk_lp=x["topk_lp"] if k else None,
+        **{f"out:{name}": o for name, o in zip(NAMES, out)},
+    )
     launches = traffic_launches(emu, named)
     kernels = [kname for kname, _ in launches]
     if split == 1:
@@ -909,10 +1075,16 @@ def test_traffic_forward_reads_each_logit_once(emu, split_env, dtype, mode, spli
         assert b["store"] == 0 or name.startswith("out:"), f"the finishing kernel wrote into {name}: {b}"
     total = sum(b["load_unique"] + b["store_unique"] for _, bufs in launches for b in bufs.values())
     logit_bytes = sum(bufs["logits"]["load_unique"] for _, bufs in launches[:1])
-    traffic_rows.append(dict(kernel="forward" + ("" if split == 1 else f" split {split}"), mode=mode,
-                             dtype=str(dtype)[6:], logit_bytes=logit_bytes / (valid * v),
-                             row_bytes=(total - logit_bytes - valid * k * (8 + a)) / n,
-                             topk_bytes=(8 + a) if k else 0))
+    traffic_rows.append(
+        dict(
+            kernel="forward" + ("" if split == 1 else f" split {split}"),
+            mode=mode,
+            dtype=str(dtype)[6:],
+            logit_bytes=logit_bytes / (valid * v),
+            row_bytes=(total - logit_bytes - valid * k * (8 + a)) / n,
+            topk_bytes=(8 + a) if k else 0,
+        )
+    )
 
 
 @traffic_only
@@ -938,13 +1110,14 @@ def test_traffic_backward_reads_and_writes_each_once(emu, split_env, dtype, entr
         grad = logits
     else:
         grad = emu.dppo_loss_backward(gt, gh, logits, x["tokens"], lse, eg, TEMPERATURE)
-    launches = traffic_launches(emu, dict(logits=logits, grad=None if inplace else grad, tokens=x["tokens"], lse=lse,
-                                          gt=gt, gh=gh, ent=eg))
+    launches = traffic_launches(
+        emu, dict(logits=logits, grad=None if inplace else grad, tokens=x["tokens"], lse=lse, gt=gt, gh=gh, ent=eg)
+    )
     assert len(launches) == 1 and launches[0][0].startswith("dppo_loss_backward_kernel<"), launches
     bufs = launches[0][1]
     src, dst = bufs["logits"], bufs["logits" if inplace else "grad"]
-    assert src["load"] == src["load_unique"] == valid * v * e, src           # each logit read once
-    assert dst["store"] == dst["store_unique"] == n * v * e, dst              # each gradient written once
+    assert src["load"] == src["load_unique"] == valid * v * e, src  # each logit read once
+    assert dst["store"] == dst["store_unique"] == n * v * e, dst  # each gradient written once
     if not inplace:
         assert src["store"] == 0 and dst["load"] == 0
     assert unique(bufs, "tokens") == n * 8
@@ -954,11 +1127,16 @@ def test_traffic_backward_reads_and_writes_each_once(emu, split_env, dtype, entr
     assert not others, f"the backward touched buffers it was not given: {others}"
     total = sum(b["load_unique"] + b["store_unique"] for b in bufs.values())
     logit_bytes = src["load_unique"] + dst["store_unique"]
-    traffic_rows.append(dict(kernel="backward" + (" in-place" if inplace else "") + (" + entropy grad"
-                                                                                       if entropy_grad else ""),
-                             mode="any", dtype=str(dtype)[6:],
-                             logit_bytes=src["load_unique"] / (valid * v) + dst["store_unique"] / (n * v),
-                             row_bytes=(total - logit_bytes) / n, topk_bytes=0))
+    traffic_rows.append(
+        dict(
+            kernel="backward" + (" in-place" if inplace else "") + (" + entropy grad" if entropy_grad else ""),
+            mode="any",
+            dtype=str(dtype)[6:],
+            logit_bytes=src["load_unique"] / (valid * v) + dst["store_unique"] / (n * v),
+            row_bytes=(total - logit_bytes) / n,
+            topk_bytes=0,
+        )
+    )
 
 
 @traffic_only
@@ -980,16 +1158,30 @@ def test_traffic_vocab_parallel(emu, dtype):
         st = emu.dppo_vocab_parallel_stats(z, x["tokens"], x["topk_ids"], lo, TEMPERATURE, True)
         ((kernel, bufs),) = traffic_launches(emu, dict(logits=z, tokens=x["tokens"], ids=x["topk_ids"], stats=st))
         assert kernel.startswith("vp_stats_kernel<"), kernel
-        owned = (((x["tokens"] >= lo) & (x["tokens"] < hi)).sum() +
-                 ((x["topk_ids"] >= lo) & (x["topk_ids"] < hi) & valid[:, None]).sum())
+        owned = ((x["tokens"] >= lo) & (x["tokens"] < hi)).sum() + (
+            (x["topk_ids"] >= lo) & (x["topk_ids"] < hi) & valid[:, None]
+        ).sum()
         assert bufs["logits"]["load_unique"] == nv * (hi - lo) * e, bufs["logits"]
         assert bufs["logits"]["load"] == 2 * nv * (hi - lo) * e + int(owned) * e, bufs["logits"]
         assert bufs["stats"]["store"] == bufs["stats"]["store_unique"] == n * (4 + k) * a, bufs["stats"]
         stats.append(st)
     stats = torch.stack(stats)
     emu.traffic(True)
-    out = emu.dppo_vocab_parallel_epilogue(stats, x["offsets"], x["tokens"], x["rollout"], x["adv"], x["topk_ids"],
-                                           x["topk_lp"], None, case.mode, DELTA_LOW, DELTA_HIGH, RATIO_CAP, True)
+    out = emu.dppo_vocab_parallel_epilogue(
+        stats,
+        x["offsets"],
+        x["tokens"],
+        x["rollout"],
+        x["adv"],
+        x["topk_ids"],
+        x["topk_lp"],
+        None,
+        case.mode,
+        DELTA_LOW,
+        DELTA_HIGH,
+        RATIO_CAP,
+        True,
+    )
     ((kernel, bufs),) = traffic_launches(emu, dict(stats=stats, **{f"out:{nm}": o for nm, o in zip(NAMES, out)}))
     assert kernel.startswith("vp_epilogue_kernel<"), kernel
     for name in NAMES:
@@ -1009,16 +1201,23 @@ def test_traffic_report(emu):
     rows = sorted(traffic_rows, key=lambda r: (r["kernel"], r["mode"], r["dtype"]))
     print(f"\n{'kernel':34s} {'mode':10s} {'dtype':9s} {'B/logit':>8s} {'B/row':>7s} {'B/top-K id':>10s}")
     for r in rows:
-        print(f"{r['kernel']:34s} {r['mode']:10s} {r['dtype']:9s} {r['logit_bytes']:8.3f} {r['row_bytes']:7.1f} "
-              f"{r['topk_bytes']:10d}")
-    doc = {"about": "Global-memory bytes of each CUDA kernel path, counted by the CPU emulator's traffic build "
-                    "(python_tests/cuda_emu/run.py traffic), distinct bytes per launch: logit_bytes per logit (the "
-                    "logits read, per logit of a valid row, plus the gradient written, per logit of any row), "
-                    "row_bytes per row (every other buffer: per-row inputs, outputs, workspace; one row in seven "
-                    "is padding), topk_bytes per top-K id and its log-prob.",
-           "shape": {"n": N_ROWS, "v": TRAFFIC_V, "k": TRAFFIC_K, "split": TRAFFIC_SPLIT}, "rows": rows}
+        print(
+            f"{r['kernel']:34s} {r['mode']:10s} {r['dtype']:9s} {r['logit_bytes']:8.3f} {r['row_bytes']:7.1f} "
+            f"{r['topk_bytes']:10d}"
+        )
+    doc = {
+        "about": "Global-memory bytes of each CUDA kernel path, counted by the CPU emulator's traffic build "
+        "(python_tests/cuda_emu/run.py traffic), distinct bytes per launch: logit_bytes per logit (the "
+        "logits read, per logit of a valid row, plus the gradient written, per logit of any row), "
+        "row_bytes per row (every other buffer: per-row inputs, outputs, workspace; one row in seven "
+        "is padding), topk_bytes per top-K id and its log-prob.",
+        "shape": {"n": N_ROWS, "v": TRAFFIC_V, "k": TRAFFIC_K, "split": TRAFFIC_SPLIT},
+        "rows": rows,
+    }
     if os.environ.get("DPPO_CUDA_EMU_WRITE_TRAFFIC") == "1":
         TRAFFIC_JSON.write_text(json.dumps(doc, indent=1) + "\n")
     committed = json.loads(TRAFFIC_JSON.read_text())
-    assert committed == doc, (f"{TRAFFIC_JSON} differs from what the emulator measured: rerun "
-                              "DPPO_CUDA_EMU_WRITE_TRAFFIC=1 python python_tests/cuda_emu/run.py traffic")
+    assert committed == doc, (
+        f"{TRAFFIC_JSON} differs from what the emulator measured: rerun "
+        "DPPO_CUDA_EMU_WRITE_TRAFFIC=1 python python_tests/cuda_emu/run.py traffic"
+    )

@@ -39,8 +39,14 @@ class PolicyWithDPPO(nn.Module):
     def __init__(self, path: str) -> None:
         super().__init__()
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=32,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=32,
             tie_word_embeddings=True,
         )
         with torch.random.fork_rng(devices=[]):

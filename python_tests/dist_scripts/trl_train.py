@@ -69,8 +69,13 @@ def main() -> None:
     params = dict(trainer.model.named_parameters())
     changed = sum(not torch.equal(before[name], p.detach()) for name, p in params.items())
     fingerprint = torch.tensor(
-        [[v for name in sorted(params) for v in (params[name].double().sum().item(),
-                                                 params[name].double().norm().item())]],
+        [
+            [
+                v
+                for name in sorted(params)
+                for v in (params[name].double().sum().item(), params[name].double().norm().item())
+            ]
+        ],
         dtype=torch.float64,
     )
     prints = trainer.accelerator.gather(fingerprint)

@@ -30,10 +30,14 @@ def _inputs(mode: str, anchor: bool = False) -> tuple[torch.Tensor, dict, list[i
     world, rank = dist.get_world_size(), dist.get_rank()
     offsets = split_offsets(129, world)
     inputs = place_tokens(sample_inputs("cpu", torch.float32, mode, "v129", seed=5, anchor=anchor), offsets)
-    kw = {k: v for k, v in inputs.items() if k in ("tokens", "rollout_logprobs", "advantages", "topk_ids",
-                                                    "topk_logprobs", "anchor_logprobs") and v is not None}
+    kw = {
+        k: v
+        for k, v in inputs.items()
+        if k in ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs", "anchor_logprobs")
+        and v is not None
+    }
     kw["mode"] = mode
-    return inputs["logits"][:, offsets[rank]:offsets[rank + 1]].contiguous(), kw, offsets
+    return inputs["logits"][:, offsets[rank] : offsets[rank + 1]].contiguous(), kw, offsets
 
 
 def _odd() -> bool:
@@ -56,8 +60,9 @@ def per_row_call(mode: str, derive: bool = False, anchor: bool = False, **change
     local, kw, offsets = _inputs(mode, anchor)
     for name, fn in change.items():
         kw[name] = fn(kw[name])
-    out = dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
-                            vocab_offsets=None if derive else offsets)
+    out = dppo_loss_per_row(
+        local, **kw, vocab_parallel_group=dist.group.WORLD, vocab_offsets=None if derive else offsets
+    )
     return out.loss.sum()
 
 
@@ -65,8 +70,7 @@ def scenario_rows():
     local, kw, offsets = _inputs("binary_tv")
     if _odd():
         local, kw = local[:-1], {k: (v[:-1] if torch.is_tensor(v) else v) for k, v in kw.items()}
-    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
-                             vocab_offsets=offsets).loss.sum()
+    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets).loss.sum()
 
 
 def scenario_rows_derived_offsets():
@@ -88,8 +92,9 @@ def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, over: dic
         mask[0, 1] = False
     shaped.update(over or {})
     logits = local[:n].reshape(b, t, -1)
-    loss, _ = dppo_loss(logits, **shaped, response_mask=mask, vocab_parallel_group=dist.group.WORLD,
-                        vocab_offsets=offsets)
+    loss, _ = dppo_loss(
+        logits, **shaped, response_mask=mask, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
+    )
     return loss
 
 
@@ -99,7 +104,7 @@ def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_w
     gen = torch.Generator().manual_seed(11)
     n, h = 9, 6
     hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(129, h, generator=gen, dtype=torch.float64)[offsets[rank]:offsets[rank + 1]]
+    weight = torch.randn(129, h, generator=gen, dtype=torch.float64)[offsets[rank] : offsets[rank + 1]]
     tokens = torch.randint(0, 129, (n,), generator=gen)
     rollout = torch.full((n,), -4.0, dtype=torch.float64)
     adv = torch.randn(n, generator=gen, dtype=torch.float64)
@@ -110,10 +115,12 @@ def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_w
     if rows_differ:
         if _odd():
             hidden, tokens, rollout, adv = hidden[:-1], tokens[:-1], rollout[:-1], adv[:-1]
-        return fused_linear_dppo_loss_per_row(hidden, weight, tokens, rollout, adv,
-                                              vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets).loss.sum()
-    loss, _ = fused_linear_dppo_loss(hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD,
-                                     vocab_offsets=offsets)
+        return fused_linear_dppo_loss_per_row(
+            hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
+        ).loss.sum()
+    loss, _ = fused_linear_dppo_loss(
+        hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
+    )
     return loss
 
 
@@ -121,8 +128,7 @@ def scenario_empty_slice():
     local, kw, offsets = _inputs("binary_tv")
     if _odd():
         local = local[:, :0]
-    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
-                             vocab_offsets=offsets).loss.sum()
+    return dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets).loss.sum()
 
 
 def _bad_advantages_shape(t: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,17 @@ from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss, fused
 from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, accumulation_dtype
 from dppo_ext.vocab_parallel import even_vocab_offsets
 from dppo_testing import TOL, assert_decisive, sample_inputs
-from dppo_testing.vocab_parallel import (compare_grads, compare_outputs, owners, place_tokens, single_device,
-                                          split_offsets, tie_rows, upstream, weighted_sum)
+from dppo_testing.vocab_parallel import (
+    compare_grads,
+    compare_outputs,
+    owners,
+    place_tokens,
+    single_device,
+    split_offsets,
+    tie_rows,
+    upstream,
+    weighted_sum,
+)
 
 
 def gather_columns(local: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -43,11 +52,16 @@ def check_rowwise(mode: str, dtype: torch.dtype, inplace: bool, derive_offsets: 
     inputs = place_tokens(sample_inputs("cpu", dtype, mode, "v129", seed=3, anchor=mode == "binary_kl"), offsets)
     g = upstream(inputs["tokens"].shape[0], accumulation_dtype(dtype), tie_rows(inputs))
     want_out, want_grad = single_device(inputs, g)
-    leaf = inputs["logits"][:, offsets[rank]:offsets[rank + 1]].detach().clone().requires_grad_(True)
+    leaf = inputs["logits"][:, offsets[rank] : offsets[rank + 1]].detach().clone().requires_grad_(True)
     local = leaf * 1  # a non-leaf, as a model's logits are (the in-place backward consumes them)
     kw = {k: v for k, v in inputs.items() if k != "logits"}
-    out = dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD, inplace_backward=inplace,
-                            vocab_offsets=None if derive_offsets else offsets)
+    out = dppo_loss_per_row(
+        local,
+        **kw,
+        vocab_parallel_group=dist.group.WORLD,
+        inplace_backward=inplace,
+        vocab_offsets=None if derive_offsets else offsets,
+    )
     weighted_sum(out._asdict(), g).backward()
     assert leaf.grad.shape == (inputs["logits"].shape[0], offsets[rank + 1] - offsets[rank])
     gathered = gather_columns(leaf.grad, offsets)  # collectives first: a failed comparison must not skip one
@@ -67,16 +81,23 @@ def _sequence_inputs(mode: str, dtype: torch.dtype) -> dict:
     valid[5:9] = False  # sequence 0 ends early
     valid[18:27] = False  # sequence 2 has no response token
     rows = {k: (v[: b * t] if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    assert_decisive(f"sequence inputs {mode}/{dtype}",
-                    dict(rows, tokens=torch.where(valid, rows["tokens"], -100), delta_low=DEFAULT_DELTAS[mode][0],
-                         delta_high=DEFAULT_DELTAS[mode][1]))
+    assert_decisive(
+        f"sequence inputs {mode}/{dtype}",
+        dict(
+            rows,
+            tokens=torch.where(valid, rows["tokens"], -100),
+            delta_low=DEFAULT_DELTAS[mode][0],
+            delta_high=DEFAULT_DELTAS[mode][1],
+        ),
+    )
     out = {
         "logits": inputs["logits"][: b * t].reshape(b, t, -1),
         "tokens": inputs["tokens"][: b * t].clamp(min=0).reshape(b, t),
         "rollout_logprobs": inputs["rollout_logprobs"][: b * t].reshape(b, t),
         "advantages": torch.linspace(-1.5, 2.0, b, dtype=accumulation_dtype(dtype)),
         "response_mask": valid.reshape(b, t),
-        "mode": mode, "temperature": inputs["temperature"],
+        "mode": mode,
+        "temperature": inputs["temperature"],
     }
     if inputs["topk_ids"] is not None:
         out["topk_ids"] = inputs["topk_ids"][: b * t].reshape(b, t, -1)
@@ -93,9 +114,15 @@ def check_aggregated(mode: str, agg: str, dtype: torch.dtype, losses: list) -> N
     kw = {k: x for k, x in inputs.items() if k != "logits"}
     want_loss, want_metrics = dppo_loss(full, **kw, loss_agg_mode=agg)
     want_loss.backward()
-    leaf = inputs["logits"][..., offsets[rank]:offsets[rank + 1]].detach().clone().requires_grad_(True)
-    loss, metrics = dppo_loss(leaf * 1, **kw, loss_agg_mode=agg, vocab_parallel_group=dist.group.WORLD,
-                              vocab_offsets=offsets, inplace_backward=True)
+    leaf = inputs["logits"][..., offsets[rank] : offsets[rank + 1]].detach().clone().requires_grad_(True)
+    loss, metrics = dppo_loss(
+        leaf * 1,
+        **kw,
+        loss_agg_mode=agg,
+        vocab_parallel_group=dist.group.WORLD,
+        vocab_offsets=offsets,
+        inplace_backward=True,
+    )
     loss.backward()
     losses.append(loss.item().hex())
     got = gather_columns(leaf.grad.reshape(-1, leaf.shape[-1]), offsets)
@@ -103,8 +130,13 @@ def check_aggregated(mode: str, agg: str, dtype: torch.dtype, losses: list) -> N
     torch.testing.assert_close(loss, want_loss, rtol=tol["fwd_rtol"], atol=tol["fwd_atol"])
     assert metrics.keys() == want_metrics.keys()
     for key in metrics:
-        torch.testing.assert_close(metrics[key], want_metrics[key], rtol=tol["fwd_rtol"], atol=tol["fwd_atol"],
-                                   msg=lambda m, key=key: f"metric {key}: {m}")
+        torch.testing.assert_close(
+            metrics[key],
+            want_metrics[key],
+            rtol=tol["fwd_rtol"],
+            atol=tol["fwd_atol"],
+            msg=lambda m, key=key: f"metric {key}: {m}",
+        )
     torch.testing.assert_close(got, full.grad.reshape(-1, v), rtol=tol["grad_rtol"], atol=tol["grad_atol"])
 
 
@@ -119,10 +151,16 @@ def check_fused_linear(mode: str, dtype: torch.dtype, chunk_size: int | None) ->
     offsets = split_offsets(v, world)
     acc = accumulation_dtype(dtype)
     valid = inputs["tokens"] != -100
-    kw = dict(tokens=inputs["tokens"].clamp(min=0), rollout_logprobs=inputs["rollout_logprobs"].to(acc),
-              advantages=inputs["advantages"].to(acc), response_mask=valid, mode=mode,
-              topk_ids=inputs["topk_ids"], topk_logprobs=None if inputs["topk_logprobs"] is None
-              else inputs["topk_logprobs"].to(acc), chunk_size=chunk_size)
+    kw = dict(
+        tokens=inputs["tokens"].clamp(min=0),
+        rollout_logprobs=inputs["rollout_logprobs"].to(acc),
+        advantages=inputs["advantages"].to(acc),
+        response_mask=valid,
+        mode=mode,
+        topk_ids=inputs["topk_ids"],
+        topk_logprobs=None if inputs["topk_logprobs"] is None else inputs["topk_logprobs"].to(acc),
+        chunk_size=chunk_size,
+    )
 
     def run(w: torch.Tensor, b: torch.Tensor, **extra):
         hidden = hidden0.clone().requires_grad_(True)
@@ -207,7 +245,7 @@ def check_fused_per_row_unreduced_hidden_grad() -> None:
         return hidden.grad
 
     want = hidden_grad(weight0)
-    local = weight0[offsets[rank]:offsets[rank + 1]]
+    local = weight0[offsets[rank] : offsets[rank + 1]]
     sharded = dict(vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets)
     reduced = hidden_grad(local, **sharded)
     part = hidden_grad(local, **sharded, reduce_hidden_grad=False)
@@ -223,11 +261,12 @@ def check_wrong_offsets_raise_everywhere() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     inputs = sample_inputs("cpu", torch.float32, "binary_tv", "v129")
     offsets = split_offsets(129, world)
-    local = inputs["logits"][:, offsets[rank]:offsets[rank + 1]]
+    local = inputs["logits"][:, offsets[rank] : offsets[rank + 1]]
     kw = {k: v for k, v in inputs.items() if k != "logits"}
     try:
-        dppo_loss_per_row(local, **kw, vocab_parallel_group=dist.group.WORLD,
-                          vocab_offsets=even_vocab_offsets(129, world))
+        dppo_loss_per_row(
+            local, **kw, vocab_parallel_group=dist.group.WORLD, vocab_offsets=even_vocab_offsets(129, world)
+        )
     except ValueError as exc:
         assert "vocab-parallel split mismatch" in str(exc), str(exc)
     else:
@@ -247,14 +286,23 @@ def main() -> None:
     for mode in MODES:
         for dtype in (torch.float64, torch.bfloat16):
             for inplace in (False, True):
-                plan.append((f"rowwise/{mode}/{dtype}/inplace={inplace}",
-                             lambda m=mode, d=dtype, i=inplace: check_rowwise(m, d, i, derive_offsets=i)))
+                plan.append(
+                    (
+                        f"rowwise/{mode}/{dtype}/inplace={inplace}",
+                        lambda m=mode, d=dtype, i=inplace: check_rowwise(m, d, i, derive_offsets=i),
+                    )
+                )
     for i, agg in enumerate(AGG_MODES):
         for mode in ("binary_tv", "topk_kl"):
-            plan.append((f"aggregated/{mode}/{agg}", lambda m=mode, a=agg: check_aggregated(m, a, torch.float64,
-                                                                                           losses)))
-    plan.append(("aggregated/binary_kl/token-mean/bf16",
-                 lambda: check_aggregated("binary_kl", "token-mean", torch.bfloat16, losses)))
+            plan.append(
+                (f"aggregated/{mode}/{agg}", lambda m=mode, a=agg: check_aggregated(m, a, torch.float64, losses))
+            )
+    plan.append(
+        (
+            "aggregated/binary_kl/token-mean/bf16",
+            lambda: check_aggregated("binary_kl", "token-mean", torch.bfloat16, losses),
+        )
+    )
     for mode in ("topk_tv", "binary_kl"):
         for dtype in (torch.float64, torch.float32):
             plan.append((f"fused_linear/{mode}/{dtype}/chunk=5", lambda m=mode, d=dtype: check_fused_linear(m, d, 5)))
@@ -280,8 +328,17 @@ def main() -> None:
         "max_topk_owners_per_row": max(len(set(r.tolist())) for r in owners(inputs["topk_ids"], offsets)),
     }
     with open(args.out, "w") as f:
-        json.dump({"rank": rank, "world": world, "planned": [p[0] for p in plan], "checks": checks,
-                   "coverage": coverage, "losses": losses}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "world": world,
+                "planned": [p[0] for p in plan],
+                "checks": checks,
+                "coverage": coverage,
+                "losses": losses,
+            },
+            f,
+        )
     exit_after(dist.barrier)  # not gloo's teardown: see clean_exit.py
 
 

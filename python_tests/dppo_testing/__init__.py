@@ -192,14 +192,29 @@ def sample_inputs(
         if n >= 3:
             anchor_logprobs[2] = -0.5  # anchor defined where the rollout log-prob is -inf
     delta_low, delta_high = DELTAS[mode]
-    rows = dict(logits=z, tokens=tokens, rollout_logprobs=rollout_logprobs, advantages=advantages, topk_ids=topk_ids,
-                topk_logprobs=topk_logprobs, anchor_logprobs=anchor_logprobs, mode=mode, temperature=t,
-                ratio_cap=10.0 if mode != "none" else 2.0)
+    rows = dict(
+        logits=z,
+        tokens=tokens,
+        rollout_logprobs=rollout_logprobs,
+        advantages=advantages,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+        anchor_logprobs=anchor_logprobs,
+        mode=mode,
+        temperature=t,
+        ratio_cap=10.0 if mode != "none" else 2.0,
+    )
     designed = range(6) if c.extreme else range(4) if on_policy else range(0)
-    _move_rows_off_ties(rows, rollout, keep=designed, anchor_noise=0.3,
-                        gen=torch.Generator().manual_seed(seed * 7919 + sum(map(ord, case)) + 1))
+    _move_rows_off_ties(
+        rows,
+        rollout,
+        keep=designed,
+        anchor_noise=0.3,
+        gen=torch.Generator().manual_seed(seed * 7919 + sum(map(ord, case)) + 1),
+    )
     tokens, rollout_logprobs, topk_ids, topk_logprobs, anchor_logprobs = (
-        rows[key] for key in ("tokens", "rollout_logprobs", "topk_ids", "topk_logprobs", "anchor_logprobs"))
+        rows[key] for key in ("tokens", "rollout_logprobs", "topk_ids", "topk_logprobs", "anchor_logprobs")
+    )
 
     def to_dev(x: torch.Tensor | None, dt: torch.dtype | None = None) -> torch.Tensor | None:
         if x is None:
@@ -251,12 +266,15 @@ def assert_decisive(name: str, inputs: dict) -> None:
     """
     tie = tie_rows_for(inputs)
     if tie.any():
-        raise AssertionError(f"{name}: rows {tie.nonzero().flatten().tolist()} decide their mask at a tie "
-                             f"(within {MASK_MARGIN} relative of a threshold or of pi = mu); move them off it")
+        raise AssertionError(
+            f"{name}: rows {tie.nonzero().flatten().tolist()} decide their mask at a tie "
+            f"(within {MASK_MARGIN} relative of a threshold or of pi = mu); move them off it"
+        )
 
 
-def _move_rows_off_ties(rows: dict, rollout: torch.Tensor, keep: range, anchor_noise: float,
-                        gen: torch.Generator) -> None:
+def _move_rows_off_ties(
+    rows: dict, rollout: torch.Tensor, keep: range, anchor_noise: float, gen: torch.Generator
+) -> None:
     """Redraw the rollout distribution (sampled token, log-probs, top-K, anchor) of every row whose mask decision
     sits at a tie for the mode's test thresholds (``DELTAS``) or its defaults (``DEFAULT_DELTAS``), until none
     does. Rows in ``keep`` are designed edge rows and are left as they are (``test_sample_inputs_are_decisive``
@@ -331,8 +349,14 @@ def reference_outputs(inputs: dict, dtype: torch.dtype | None = None) -> dict[st
 
 
 def assert_no_worse(
-    name: str, got: torch.Tensor, want: torch.Tensor, base: torch.Tensor, atol: float, rtol: float,
-    select: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    base: torch.Tensor,
+    atol: float,
+    rtol: float,
+    select: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
 ) -> None:
     """|got - want| <= 2 * max|base - want| + atol + rtol * |want| (+ extra) elementwise (on ``select``).
 
@@ -345,7 +369,9 @@ def assert_no_worse(
         got, want, base, extra = got[select], want[select], base[select], extra[select]
     if got.numel() == 0:
         return
-    assert not torch.isnan(got).any(), f"{name}: NaN in the op's output at rows {torch.isnan(got).nonzero().flatten().tolist()}"
+    assert not torch.isnan(got).any(), (
+        f"{name}: NaN in the op's output at rows {torch.isnan(got).nonzero().flatten().tolist()}"
+    )
     err = torch.where(got == want, torch.zeros_like(got), (got - want).abs())
     base_err = torch.where(base == want, torch.zeros_like(base), (base - want).abs())
     finite = torch.isfinite(base_err)
@@ -357,7 +383,8 @@ def assert_no_worse(
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{bad.numel()} elements off; first at flat {i}: op={got.flatten()[i].item()!r} "
             f"ref64={want.flatten()[i].item()!r} same-precision ref={base.flatten()[i].item()!r}; "
-            f"max err {err.max().item():.3e}, same-precision max err {base_worst.item():.3e}")
+            f"max err {err.max().item():.3e}, same-precision max err {base_worst.item():.3e}"
+        )
 
 
 def lse_rounding_allowance(inputs64: dict, upstream: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -112,12 +112,17 @@ def compare_outputs(name: str, inputs: dict, got: dict[str, torch.Tensor], want:
         assert a.dtype == accumulation_dtype(dtype), f"{name}: {key} dtype {a.dtype}"
         if key in MASK_DEPENDENT:
             a, b = a[keep], b[keep]
-        torch.testing.assert_close(a, b, rtol=tol["fwd_rtol"], atol=tol["fwd_atol"], equal_nan=True,
-                                   msg=lambda m, key=key: f"{name}: output {key}: {m}")
+        torch.testing.assert_close(
+            a,
+            b,
+            rtol=tol["fwd_rtol"],
+            atol=tol["fwd_atol"],
+            equal_nan=True,
+            msg=lambda m, key=key: f"{name}: output {key}: {m}",
+        )
 
 
-def compare_grads(name: str, inputs: dict, g: dict[str, torch.Tensor], got: torch.Tensor,
-                  want: torch.Tensor) -> None:
+def compare_grads(name: str, inputs: dict, g: dict[str, torch.Tensor], got: torch.Tensor, want: torch.Tensor) -> None:
     """The gathered vocab-parallel gradient vs the single-device op's (float64: to rounding; else no worse
     than 2x the single-device op's error against the float64 reference)."""
     dtype = inputs["logits"].dtype
@@ -126,8 +131,9 @@ def compare_grads(name: str, inputs: dict, g: dict[str, torch.Tensor], got: torc
     valid = inputs["tokens"] != -100
     assert (got[~valid] == 0).all(), f"{name}: padding rows must get an exactly zero gradient"
     if dtype == torch.float64:
-        torch.testing.assert_close(got, want, rtol=tol["grad_rtol"], atol=tol["grad_atol"],
-                                   msg=lambda m: f"{name}: grad: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=tol["grad_rtol"], atol=tol["grad_atol"], msg=lambda m: f"{name}: grad: {m}"
+        )
         return
     _, grad64 = reference64(inputs, g)
     inputs64 = as_dtype(inputs, torch.float64)

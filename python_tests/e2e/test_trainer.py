@@ -30,8 +30,16 @@ SYNC_TOL = 1e-4
 
 def _config(tmp_path: Path, **overrides) -> TrainConfig:
     settings = dict(
-        out=str(tmp_path), engine="vllm", steps=3, prompts_per_step=8, group_size=4, max_new_tokens=4,
-        num_minibatches=2, lr=3e-3, seed=1, max_model_len=64,
+        out=str(tmp_path),
+        engine="vllm",
+        steps=3,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=4,
+        num_minibatches=2,
+        lr=3e-3,
+        seed=1,
+        max_model_len=64,
     )
     settings.update(overrides)
     return TrainConfig(**settings).validate()
@@ -47,12 +55,16 @@ def restore_engine(vllm_engine, tiny_model_dir):
 
 
 @pytest.mark.parametrize(("loss", "top_k"), [("dppo_binary_tv", 0), ("dppo_topk_kl", 4)])
-def test_vllm_training_steps_change_weights_and_stay_in_sync(tmp_path, tiny_model, tiny_model_dir, restore_engine, loss, top_k):
+def test_vllm_training_steps_change_weights_and_stay_in_sync(
+    tmp_path, tiny_model, tiny_model_dir, restore_engine, loss, top_k
+):
     from transformers import AutoTokenizer
 
     engine = restore_engine
     config = _config(tmp_path, loss=loss, top_k=top_k)
-    trainer = Trainer(config, tiny_model, AutoTokenizer.from_pretrained(tiny_model_dir), leading_digit_task(), engine, tmp_path)
+    trainer = Trainer(
+        config, tiny_model, AutoTokenizer.from_pretrained(tiny_model_dir), leading_digit_task(), engine, tmp_path
+    )
     before = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
     records = [trainer.train_step() for _ in range(config.steps)]
     assert any(not torch.equal(before[name], p) for name, p in tiny_model.named_parameters())
@@ -89,14 +101,18 @@ def test_weight_sync_makes_vllm_logprobs_match_the_trainer(tmp_path, tiny_model,
     advantages = (rewards - rewards.mean(dim=1, keepdim=True)).reshape(-1).tolist()
     trainer.update(collate_rollouts(samples, advantages, pad_id=0, with_topk=False))
 
-    stale = [s for group in engine.generate(prompts, n=4, temperature=temperature, max_tokens=4, seed=11) for s in group]
+    stale = [
+        s for group in engine.generate(prompts, n=4, temperature=temperature, max_tokens=4, seed=11) for s in group
+    ]
     trainer_lp, batch = _trainer_logprobs(tiny_model, stale, temperature)
     stale_gap = (trainer_lp - batch.rollout_logprobs).abs()[batch.response_mask].max().item()
     assert stale_gap > 1e-2, f"the update did not move the log-probs enough for a meaningful check ({stale_gap})"
 
     seconds = engine.sync_weights(tiny_model)
     assert seconds >= 0
-    fresh = [s for group in engine.generate(prompts, n=4, temperature=temperature, max_tokens=4, seed=11) for s in group]
+    fresh = [
+        s for group in engine.generate(prompts, n=4, temperature=temperature, max_tokens=4, seed=11) for s in group
+    ]
     trainer_lp, batch = _trainer_logprobs(tiny_model, fresh, temperature)
     gap = (trainer_lp - batch.rollout_logprobs).abs()[batch.response_mask].max().item()
     assert gap < SYNC_TOL, f"vLLM log-probs after sync differ from the trainer's by {gap} (> {SYNC_TOL})"

@@ -50,12 +50,33 @@ def launch(script: str, args: list[str], out: Path, processes: int = 2, timeout:
     if processes == 1:
         cmd = [sys.executable, str(SCRIPTS / script)]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), str(SCRIPTS / script)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+            str(SCRIPTS / script),
+        ]
     # Own session: on a timeout the whole tree goes (the launcher and its ranks), not only the launcher.
-    proc = subprocess.Popen([*cmd, *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(), cwd=str(out.parent), start_new_session=True)
+    proc = subprocess.Popen(
+        [*cmd, *args, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=str(out.parent),
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -102,8 +123,7 @@ def test_trl_trainer_two_processes(tmp_path):
     from dppo_ext.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny")
-    result = launch("trl_train.py", ["--model", str(model_dir), "--steps", "2"], tmp_path / "trl.json",
-                    timeout=400)
+    result = launch("trl_train.py", ["--model", str(model_dir), "--steps", "2"], tmp_path / "trl.json", timeout=400)
     assert result["world"] == 2
     assert result["changed"] == result["num_params"], "every parameter must be updated"
     rank0, rank1 = result["fingerprints"]

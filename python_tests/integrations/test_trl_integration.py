@@ -50,9 +50,16 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml"
 EXAMPLE_TEST_FLAGS = ("--steps", "100")
 # The public names of dppo_ext.integrations.trl when it was one module (trl.py): each still imports from there.
 PUBLIC_NAMES = {
-    "DPPOGRPOConfig": "config", "VLLM_DTYPES": "config", "DPPOForwardOutput": "head", "add_dppo_head": "head",
-    "split_vllm_logprobs": "generation", "DPPOGRPOTrainer": "trainer", "SUPPORTED_TRL": "versions",
-    "TESTED_TRL": "versions", "TESTED_VLLM": "versions", "check_trl_version": "versions",
+    "DPPOGRPOConfig": "config",
+    "VLLM_DTYPES": "config",
+    "DPPOForwardOutput": "head",
+    "add_dppo_head": "head",
+    "split_vllm_logprobs": "generation",
+    "DPPOGRPOTrainer": "trainer",
+    "SUPPORTED_TRL": "versions",
+    "TESTED_TRL": "versions",
+    "TESTED_VLLM": "versions",
+    "check_trl_version": "versions",
 }
 
 
@@ -67,14 +74,27 @@ def count_ones(completions, **_):
 
 def make_trainer(model_dir: str, out_dir, **config) -> DPPOGRPOTrainer:
     settings = dict(
-        output_dir=str(out_dir), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        max_steps=2, learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
         seed=0,
     )
     args = DPPOGRPOConfig(**{**settings, **config})
     dataset = Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]})
-    return DPPOGRPOTrainer(model=model_dir, reward_funcs=count_ones, args=args, train_dataset=dataset,
-                           processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return DPPOGRPOTrainer(
+        model=model_dir,
+        reward_funcs=count_ones,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
 
 
 @pytest.mark.parametrize("fused", (True, False), ids=("fused_linear", "logits"))
@@ -107,9 +127,13 @@ def _fixed_batch(trainer: DPPOGRPOTrainer, seed: int = 0) -> dict:
     completion_mask[2, 2:] = 0
     old = -torch.rand(3, 6, generator=g) * 4
     return {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-        "completion_mask": completion_mask, "advantages": torch.tensor([1.0, -0.5, 0.7]),
-        "old_per_token_logps": old, "num_items_in_batch": completion_mask.sum().float(),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.7]),
+        "old_per_token_logps": old,
+        "num_items_in_batch": completion_mask.sum().float(),
     }
 
 
@@ -117,8 +141,7 @@ def _fixed_batch(trainer: DPPOGRPOTrainer, seed: int = 0) -> dict:
 @pytest.mark.parametrize("mode", ("binary_tv", "ratio"))
 def test_loss_matches_reference_on_model_logits(tiny_model, tmp_path, fused, mode):
     # bf16=False: TRL 1.16 defaults to bf16 autocast, which would round the backbone differently per path.
-    trainer = make_trainer(tiny_model, tmp_path, dppo_fused_linear=fused, dppo_mode=mode, temperature=0.9,
-                           bf16=False)
+    trainer = make_trainer(tiny_model, tmp_path, dppo_fused_linear=fused, dppo_mode=mode, temperature=0.9, bf16=False)
     inputs = _fixed_batch(trainer)
     trainer.model.eval()  # eval: no gradient-accumulation scaling, same as a single micro-batch
     loss = trainer._compute_loss(trainer.model, inputs)
@@ -130,10 +153,15 @@ def test_loss_matches_reference_on_model_logits(tiny_model, tmp_path, fused, mod
     mask = inputs["completion_mask"].bool()
     low, high = DEFAULT_DELTAS[mode]
     ref = dppo_loss_reference(
-        logits.reshape(18, -1).double(), inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        logits.reshape(18, -1).double(),
+        inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
         inputs["old_per_token_logps"].reshape(-1).double(),
         inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
-        mode=mode, temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
+        mode=mode,
+        temperature=0.9,
+        delta_low=low,
+        delta_high=high,
+        ratio_cap=10.0,
     )
     want = ref["loss"].sum() / mask.sum()
     torch.testing.assert_close(loss.double(), want, rtol=1e-4, atol=1e-6)
@@ -153,10 +181,15 @@ def test_aggregation_modes(tiny_model, tmp_path):
     mask = inputs["completion_mask"].bool()
     low, high = DEFAULT_DELTAS["binary_tv"]
     ref = dppo_loss_reference(
-        logits.reshape(18, -1).double(), inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        logits.reshape(18, -1).double(),
+        inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
         inputs["old_per_token_logps"].reshape(-1).double(),
         inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
-        mode="binary_tv", temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
+        mode="binary_tv",
+        temperature=0.9,
+        delta_low=low,
+        delta_high=high,
+        ratio_cap=10.0,
     )["loss"].reshape(3, 6)
     trainer.current_gradient_accumulation_steps = 2
     for agg in AGG_MODES:
@@ -164,16 +197,22 @@ def test_aggregation_modes(tiny_model, tmp_path):
         horizon = 6.0 if agg.endswith("-norm") else None
         want = aggregate_loss_reference(ref, mask, agg, horizon)
         trainer.model.eval()
-        torch.testing.assert_close(trainer._compute_loss(trainer.model, inputs).double(), want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, agg=agg: f"{agg} (eval): {m}")
+        torch.testing.assert_close(
+            trainer._compute_loss(trainer.model, inputs).double(),
+            want,
+            rtol=1e-4,
+            atol=1e-6,
+            msg=lambda m, agg=agg: f"{agg} (eval): {m}",
+        )
         trainer.model.train()
         split = 1.0 if agg in ("token-sum", "token-sum-norm") else 2.0
         if agg == "token-mean":  # the generation batch's tokens, one accumulation window of steps_per_generation
             split = 2.0 / trainer.args.steps_per_generation
         with torch.no_grad():
             got = trainer._compute_loss(trainer.model, inputs).double()
-        torch.testing.assert_close(got, want / split, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, agg=agg: f"{agg} (train): {m}")
+        torch.testing.assert_close(
+            got, want / split, rtol=1e-4, atol=1e-6, msg=lambda m, agg=agg: f"{agg} (train): {m}"
+        )
 
 
 def test_bf16_autocast_fused_head_matches_logits_head(tiny_model, tmp_path):
@@ -192,8 +231,9 @@ def test_vllm_logprobs_anchor_and_nan_fallback(tiny_model, tmp_path):
     mask = torch.tensor([[True, True, True, False]])
     sampling = torch.tensor([[-0.5, float("nan"), -2.0, 0.0]])
     old = torch.tensor([[-0.7, -1.1, -2.2, -9.0]])
-    rollout, new_mask, recompute = trainer._dppo_rollout({"sampling_per_token_logps": sampling,
-                                                          "old_per_token_logps": old}, mask)
+    rollout, new_mask, recompute = trainer._dppo_rollout(
+        {"sampling_per_token_logps": sampling, "old_per_token_logps": old}, mask
+    )
     assert not recompute and torch.equal(new_mask, mask)
     assert torch.equal(rollout[mask], torch.tensor([-0.5, -1.1, -2.0]))
     rollout, new_mask, _ = trainer._dppo_rollout({"sampling_per_token_logps": sampling}, mask)
@@ -204,9 +244,7 @@ def test_vllm_logprobs_anchor_and_nan_fallback(tiny_model, tmp_path):
 
 def test_split_vllm_logprobs():
     # position 0: sampled token 7 is in the top-2; position 1: sampled 9 is outside, vLLM appends it third.
-    sampled, ids, lps = split_vllm_logprobs(
-        [[7, 9]], [[[-0.1, -2.5], [-0.3, None, -4.0]]], [[[3, 7], [5, 6, 9]]], k=2
-    )
+    sampled, ids, lps = split_vllm_logprobs([[7, 9]], [[[-0.1, -2.5], [-0.3, None, -4.0]]], [[[3, 7], [5, 6, 9]]], k=2)
     assert sampled == [[-2.5, -4.0]]
     # the sampled token replaces the lowest-ranked entry, as in the reference trainer's vLLM engine
     assert ids == [[[3, 7], [5, 9]]]
@@ -245,19 +283,28 @@ def test_topk_loss_matches_reference(tiny_model, tmp_path, mode):
     mask = inputs["completion_mask"].bool()
     low, high = DEFAULT_DELTAS[mode]
     ref = dppo_loss_reference(
-        logits.reshape(18, -1).double(), inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        logits.reshape(18, -1).double(),
+        inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
         inputs["old_per_token_logps"].reshape(-1).double(),
         inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
-        topk_ids=topk_ids.reshape(18, 3), topk_logprobs=topk_logprobs.reshape(18, 3).double(),
-        mode=mode, temperature=0.9, delta_low=low, delta_high=high, ratio_cap=10.0,
+        topk_ids=topk_ids.reshape(18, 3),
+        topk_logprobs=topk_logprobs.reshape(18, 3).double(),
+        mode=mode,
+        temperature=0.9,
+        delta_low=low,
+        delta_high=high,
+        ratio_cap=10.0,
     )
     torch.testing.assert_close(loss.double(), ref["loss"].sum() / mask.sum(), rtol=1e-4, atol=1e-6)
     assert trainer._metrics["eval"]["dppo/divergence_mean"][-1] > 0
 
 
 def test_config_errors(tmp_path, tiny_model):
-    with pytest.raises(ValueError, match=r"dppo_mode='topk_tv' needs the rollout's top-K log-probs: set "
-                                         r"use_vllm=True and dppo_topk=K >= 1 \(got use_vllm=False, dppo_topk=0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"dppo_mode='topk_tv' needs the rollout's top-K log-probs: set "
+        r"use_vllm=True and dppo_topk=K >= 1 \(got use_vllm=False, dppo_topk=0\)",
+    ):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="topk_tv", use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_topk must be >= 0, got -1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_topk=-1, use_cpu=True)
@@ -266,29 +313,37 @@ def test_config_errors(tmp_path, tiny_model):
     with pytest.raises(ValueError, match=r"dppo_loss_agg_mode must be one of"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_loss_agg_mode="sum", use_cpu=True)
     with pytest.raises(ValueError, match=r"divides by max_completion_length, which must be a positive int, got None"):
-        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_loss_agg_mode="token-sum-norm", max_completion_length=None,
-                       use_cpu=True)
+        DPPOGRPOConfig(
+            output_dir=str(tmp_path), dppo_loss_agg_mode="token-sum-norm", max_completion_length=None, use_cpu=True
+        )
     with pytest.raises(ValueError, match=r"dppo_delta_low must be a finite number >= 0 or None .*got -0.1"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_delta_low=-0.1, use_cpu=True)
     for gib in (0, -1.0, math.nan, math.inf, True, "1"):
-        with pytest.raises(ValueError, match=rf"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None "
-                                             rf"\(vLLM's sizing\), got {re.escape(repr(gib))}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None "
+            rf"\(vLLM's sizing\), got {re.escape(repr(gib))}",
+        ):
             DPPOGRPOConfig(output_dir=str(tmp_path), dppo_vllm_kv_cache_gib=gib, use_cpu=True)
     with pytest.raises(ValueError, match=r"does not combine DPPO with TRL's \['entropy_coef'\]"):
         make_trainer(tiny_model, tmp_path, entropy_coef=0.01)
     from trl import GRPOConfig
 
     with pytest.raises(TypeError, match=r"needs args=DPPOGRPOConfig\(\.\.\.\), got GRPOConfig"):
-        DPPOGRPOTrainer(model=tiny_model, reward_funcs=count_ones,
-                        args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
-    assert DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="binary_kl", use_cpu=True).dppo_deltas == \
-        DEFAULT_DELTAS["binary_kl"]
+        DPPOGRPOTrainer(
+            model=tiny_model, reward_funcs=count_ones, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+        )
+    assert (
+        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="binary_kl", use_cpu=True).dppo_deltas
+        == DEFAULT_DELTAS["binary_kl"]
+    )
     verl_named = DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mode="dppo_kl", use_cpu=True)  # verl's name
     assert verl_named.dppo_mode == "binary_kl" and verl_named.dppo_deltas == DEFAULT_DELTAS["binary_kl"]
 
 
 def test_trl_loss_fields(tmp_path):
     """TRL's loss_type picks the aggregation where it is one; its ratio clips are an error, never silently ignored."""
+
     def config(**kw):
         return DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **kw)
 
@@ -301,16 +356,20 @@ def test_trl_loss_fields(tmp_path):
     with pytest.raises(ValueError, match=r"set either loss_type \(TRL's name\) or dppo_loss_agg_mode, not both"):
         config(loss_type="grpo", dppo_loss_agg_mode="token-mean")
     for field, value in (("epsilon_high", 0.28), ("epsilon", 0.1), ("delta", 2.0)):
-        with pytest.raises(ValueError, match=rf"does not read TRL's ratio-clip fields \{{'{field}': {value}\}}.*"
-                                             r"Set dppo_delta_low / dppo_delta_high"):
+        with pytest.raises(
+            ValueError,
+            match=rf"does not read TRL's ratio-clip fields \{{'{field}': {value}\}}.*"
+            r"Set dppo_delta_low / dppo_delta_high",
+        ):
             config(**{field: value})
 
 
 def test_unsupported_trl_version_is_a_clear_error():
     check_trl_version("1.16.0")
     for version in ("1.15.0", "1.17.0", "0.19.1"):
-        with pytest.raises(ImportError,
-                           match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"):
+        with pytest.raises(
+            ImportError, match=rf"supports trl.*but trl {version} is installed.*pip install 'trl==1\.16\.0'"
+        ):
             check_trl_version(version)
 
 
@@ -318,9 +377,11 @@ def _vllm_logprob_error(llm, model, prompt_ids: list[list[int]], temperature: fl
     """Largest |vLLM log-prob - model log-prob| over the sampled tokens of fresh vLLM rollouts of ``prompt_ids``."""
     from vllm import SamplingParams
 
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                           SamplingParams(n=4, temperature=temperature, max_tokens=6, logprobs=0, seed=1),
-                           use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompt_ids],
+        SamplingParams(n=4, temperature=temperature, max_tokens=6, logprobs=0, seed=1),
+        use_tqdm=False,
+    )
     worst = 0.0
     for request in outputs:
         for c in request.outputs:
@@ -353,9 +414,20 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     steps = 6
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = make_trainer(tiny_model, tmp_path, max_steps=steps, dppo_mode="topk_tv", dppo_topk=3,
-                               use_vllm=True, vllm_mode="colocate", dppo_vllm_dtype="float32", bf16=False,
-                               dppo_vllm_kv_cache_gib=0.25, learning_rate=3e-2, temperature=1.3)
+        trainer = make_trainer(
+            tiny_model,
+            tmp_path,
+            max_steps=steps,
+            dppo_mode="topk_tv",
+            dppo_topk=3,
+            use_vllm=True,
+            vllm_mode="colocate",
+            dppo_vllm_dtype="float32",
+            bf16=False,
+            dppo_vllm_kv_cache_gib=0.25,
+            learning_rate=3e-2,
+            temperature=1.3,
+        )
     engine_config = trainer.vllm_generation.llm.llm_engine.vllm_config
     assert engine_config.model_config.dtype == torch.float32
     assert engine_config.cache_config.kv_cache_memory_bytes == 2**28, "dppo_vllm_kv_cache_gib reaches vLLM"
@@ -378,8 +450,9 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
     mismatch = [h["dppo/mismatch_max"] for h in steps_logged]
     logging.getLogger(__name__).info("TRL + colocated vLLM, max |pi - mu| per step after each sync: %s", mismatch)
     assert max(mismatch) < 1e-5, f"|pi - mu| after each weight sync: {mismatch}"
-    moved = [max((snapshots[i + 1][n] - snapshots[i][n]).abs().max().item() for n in snapshots[i])
-             for i in range(steps - 1)]
+    moved = [
+        max((snapshots[i + 1][n] - snapshots[i][n]).abs().max().item() for n in snapshots[i]) for i in range(steps - 1)
+    ]
     assert sum(m > 0 for m in moved) >= 3, f"the weights must change between generations: {moved}"
     for h in steps_logged:
         assert h["dppo/recompute_variant"] == 0.0 and math.isfinite(h["loss"])
@@ -406,8 +479,15 @@ def test_vllm_colocate_topk_trains_with_weight_sync(tiny_model, tmp_path, monkey
 def test_models_with_logit_transforms_are_rejected(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    config = LlamaConfig(
+        vocab_size=17,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     config.final_logit_softcapping = 30.0
     args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     with pytest.raises(ValueError, match=r"transform the LM head's logits .*'final_logit_softcapping': 30.0"):
@@ -416,8 +496,14 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
 
 def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter that imports dppo_ext as this process does."""
-    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
-                         env=child_env(), cwd=str(cwd), timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=str(cwd),
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
@@ -505,16 +591,23 @@ def test_config_rejects_nonfinite_thresholds(tmp_path, field, value, match):
 
 def test_config_warns_about_trl_loss_fields_it_ignores(tmp_path):
     """Fields of TRL's own losses that DPPO does not read (loss_type and the ratio clips: test_trl_loss_fields)."""
-    with pytest.warns(UserWarning, match=r"ignores TRL's own loss settings \{'importance_sampling_level': 'sequence', "
-                                         r"'sapo_temperature_neg': 2.0, 'vllm_importance_sampling_clip_max': 5.0\}"):
-        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, importance_sampling_level="sequence",
-                       sapo_temperature_neg=2.0, vllm_importance_sampling_clip_max=5.0)
+    with pytest.warns(
+        UserWarning,
+        match=r"ignores TRL's own loss settings \{'importance_sampling_level': 'sequence', "
+        r"'sapo_temperature_neg': 2.0, 'vllm_importance_sampling_clip_max': 5.0\}",
+    ):
+        DPPOGRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            importance_sampling_level="sequence",
+            sapo_temperature_neg=2.0,
+            vllm_importance_sampling_clip_max=5.0,
+        )
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_mode="ratio", dppo_delta_high=0.3,
-                       loss_type="grpo")
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_mode="ratio", dppo_delta_high=0.3, loss_type="grpo")
     # TRL's defaults (and the DPPO fields) make DPPO warn about nothing. Other libraries may warn
     # about the environment here (accelerate: OMP_NUM_THREADS unset, the first time it starts).
     ours = [str(w.message) for w in caught if "dppo" in w.filename.lower() or "loss settings" in str(w.message)]
@@ -524,19 +617,32 @@ def test_config_warns_about_trl_loss_fields_it_ignores(tmp_path):
 def test_add_dppo_head_rejects_a_model_without_lm_head(tmp_path):
     from transformers import LlamaConfig, LlamaModel
 
-    config = LlamaConfig(vocab_size=17, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    config = LlamaConfig(
+        vocab_size=17,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
-    with pytest.raises(ValueError, match=r"add_dppo_head needs a causal LM with an LM head .*got LlamaModel.*"
-                                         r"AutoModelForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"add_dppo_head needs a causal LM with an LM head .*got LlamaModel.*"
+        r"AutoModelForCausalLM",
+    ):
         add_dppo_head(LlamaModel(config), args, 1.0)
 
 
 def _doc_snippet() -> str:
     """The ```python block of docs/trl.md whose docs-test marker names the test below, exactly as written."""
     lines = (ROOT / "docs" / "trl.md").read_text().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == "```python"
-              and "test_doc_snippet_runs_as_written" in lines[i - 1]]
+    starts = [
+        i
+        for i, line in enumerate(lines)
+        if line.strip() == "```python" and "test_doc_snippet_runs_as_written" in lines[i - 1]
+    ]
     assert len(starts) == 1, "docs/trl.md: expected one snippet marked for test_doc_snippet_runs_as_written"
     end = lines.index("```", starts[0] + 1)
     return "\n".join(lines[starts[0] + 1 : end])
@@ -563,9 +669,20 @@ def _run_example(tmp_path: Path, *flags: str) -> tuple[dict, list[str]]:
     """examples/trl_dppo_grpo.py as a user runs it, in a process of its own: (its JSON summary, its step lines)."""
     summary = tmp_path / "summary.json"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trl_dppo_grpo.py"), *flags, "--summary", str(summary),
-         "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, env=child_env(), timeout=900, cwd=str(tmp_path),
+        [
+            sys.executable,
+            str(ROOT / "examples" / "trl_dppo_grpo.py"),
+            *flags,
+            "--summary",
+            str(summary),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=900,
+        cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(summary.read_text()), [line for line in out.stdout.splitlines() if line.startswith("step ")]
@@ -589,8 +706,9 @@ def test_example_learns(tmp_path):
 def test_example_script_runs_without_vllm(tmp_path):
     """``examples/trl_dppo_grpo.py --no-vllm`` runs, prints one line per step with the recompute variant flagged
     and reports both accuracies."""
-    summary, steps = _run_example(tmp_path, "--no-vllm", "--steps", "2", "--warm-start-steps", "5",
-                                  "--eval-problems", "8")
+    summary, steps = _run_example(
+        tmp_path, "--no-vllm", "--steps", "2", "--warm-start-steps", "5", "--eval-problems", "8"
+    )
     assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], steps
     assert all("recompute_variant 1" in line for line in steps), steps
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0, summary

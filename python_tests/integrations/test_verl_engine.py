@@ -38,8 +38,11 @@ from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
 
 TEMPERATURE = 0.7
 K = 3
-SETTINGS = ["actor_rollout_ref.actor.clip_ratio_low=0.05", "actor_rollout_ref.actor.clip_ratio_high=0.05",
-            "actor_rollout_ref.actor.clip_ratio_c=4.0"]
+SETTINGS = [
+    "actor_rollout_ref.actor.clip_ratio_low=0.05",
+    "actor_rollout_ref.actor.clip_ratio_high=0.05",
+    "actor_rollout_ref.actor.clip_ratio_c=4.0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +55,20 @@ def model_dir(tmp_path_factory):
 def engines(model_dir):
     """One engine per layout, shared by the gradient tests (they never step the optimizer); the engine does not
     depend on the loss mode, the actor config passed with the loss function does."""
-    return {flag: verl_cpu.build_actor(verl_cpu.compose(verl_cpu.actor_overrides(
-        model_dir, "dppo_topk_tv", use_remove_padding=flag)))[0] for flag in (True, False)}
+    return {
+        flag: verl_cpu.build_actor(
+            verl_cpu.compose(verl_cpu.actor_overrides(model_dir, "dppo_topk_tv", use_remove_padding=flag))
+        )[0]
+        for flag in (True, False)
+    }
 
 
 def actor_config(model_dir, mode, use_remove_padding):
     from verl.utils.config import omega_conf_to_dataclass
 
-    config = verl_cpu.compose(verl_cpu.actor_overrides(model_dir, mode, use_remove_padding=use_remove_padding)
-                              + SETTINGS)
+    config = verl_cpu.compose(
+        verl_cpu.actor_overrides(model_dir, mode, use_remove_padding=use_remove_padding) + SETTINGS
+    )
     return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 
@@ -88,18 +96,18 @@ def rollout_batch(model_dir, seed: int = 0) -> verl_cpu.RolloutBatch:
         prompt = torch.cat([torch.tensor([1]), torch.randint(4, vocab, (prompt_lens[b] - 1,), generator=g)])
         response = torch.randint(4, vocab, (response_lens[b],), generator=g)
         with torch.no_grad():
-            logits = model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1:-1] / TEMPERATURE
+            logits = model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
         log_p = torch.log_softmax(logits + 0.5 * torch.randn(logits.shape, generator=g), -1)  # "the sampler"
         top = log_p.topk(K, dim=-1)
         ids, lps = top.indices.clone(), top.values.clone()
         for t, token in enumerate(response.tolist()):
             if token not in ids[t]:
                 ids[t, -1], lps[t, -1] = token, log_p[t, token]
-        prompts[b, P - len(prompt):] = prompt
-        prompt_mask[b, P - len(prompt):] = 1
-        responses[b, :len(response)] = response
-        response_mask[b, :len(response)] = 1
-        rollout[b, :len(response)] = log_p.gather(-1, response[:, None]).squeeze(-1)
+        prompts[b, P - len(prompt) :] = prompt
+        prompt_mask[b, P - len(prompt) :] = 1
+        responses[b, : len(response)] = response
+        response_mask[b, : len(response)] = 1
+        rollout[b, : len(response)] = log_p.gather(-1, response[:, None]).squeeze(-1)
         samples.append(RolloutTopK(ids.numpy().astype("int32"), lps.numpy()))
     advantages = torch.tensor([[1.0], [-0.5], [0.8], [-1.2]]).expand(B, R) * response_mask
     # verl's recomputed old-policy log-probs, which the top-K modes must not use (their anchor is mu)
@@ -116,8 +124,9 @@ def reference_grads(model_dir, batch: verl_cpu.RolloutBatch, mode: str, low: flo
         prompt = batch.prompts[b][batch.prompt_mask[b].bool()]
         n = int(batch.response_mask[b].sum())
         response = batch.responses[b, :n]
-        log_q = torch.log_softmax(model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1:-1].float()
-                                  / TEMPERATURE, -1)
+        log_q = torch.log_softmax(
+            model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE, -1
+        )
         logp = log_q.gather(-1, response[:, None]).squeeze(-1)
         mu_log = batch.rollout_log_probs[b, :n]
         ids = torch.from_numpy(batch.topk[b].ids).long()
@@ -162,8 +171,11 @@ def batch_for_engine(batch, use_remove_padding: bool):
 def test_topk_gradients_match_the_reference(model_dir, engines, mode, use_remove_padding):
     batch = rollout_batch(model_dir)
     config = actor_config(model_dir, mode, use_remove_padding)
-    grads = engine_grads(engines[use_remove_padding], batch_for_engine(batch, use_remove_padding),
-                         functools.partial(vloss.ppo_loss, config=config))
+    grads = engine_grads(
+        engines[use_remove_padding],
+        batch_for_engine(batch, use_remove_padding),
+        functools.partial(vloss.ppo_loss, config=config),
+    )
     expected = reference_grads(model_dir, batch, mode, 0.05, 0.05, 4.0)
     assert set(grads) == set(expected)
     for name in expected:
@@ -176,29 +188,45 @@ def test_binary_tv_through_the_plugin_equals_verls_own(model_dir, engines, use_r
     engine = engines[use_remove_padding]
     batch = rollout_batch(model_dir, seed=1)
     config = actor_config(model_dir, "dppo_tv", use_remove_padding)
-    ours = engine_grads(engine, batch_for_engine(batch, use_remove_padding),
-                        functools.partial(vloss.ppo_loss, config=config))
-    verls = engine_grads(engine, batch_for_engine(batch, use_remove_padding),
-                         functools.partial(verl_ppo_loss, config=config))
+    ours = engine_grads(
+        engine, batch_for_engine(batch, use_remove_padding), functools.partial(vloss.ppo_loss, config=config)
+    )
+    verls = engine_grads(
+        engine, batch_for_engine(batch, use_remove_padding), functools.partial(verl_ppo_loss, config=config)
+    )
     for name in verls:
         torch.testing.assert_close(ours[name], verls[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().sum() > 0 for g in ours.values())
 
 
 def test_train_batch_steps_and_reports_verls_metrics(model_dir):
-    config = verl_cpu.compose(verl_cpu.actor_overrides(model_dir, "dppo_topk_kl", use_remove_padding=True)
-                              + SETTINGS + ["actor_rollout_ref.actor.entropy_coeff=0.01"])
+    config = verl_cpu.compose(
+        verl_cpu.actor_overrides(model_dir, "dppo_topk_kl", use_remove_padding=True)
+        + SETTINGS
+        + ["actor_rollout_ref.actor.entropy_coeff=0.01"]
+    )
     engine, actor_config = verl_cpu.build_actor(config)
-    before = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in engine.module.named_parameters()}
+    before = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
     data = verl_cpu.actor_batch(rollout_batch(model_dir), temperature=TEMPERATURE, calculate_entropy=True)
     data = verl_cpu.train_flags(data, use_remove_padding=True, micro_batch_size=2)
     with engine.train_mode():
         output = engine.train_batch(data, loss_function=functools.partial(vloss.ppo_loss, config=actor_config))
     metrics = output["metrics"]
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy_loss",
-            "grad_norm"} <= set(metrics)
+    assert {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/entropy_loss",
+        "grad_norm",
+    } <= set(metrics)
     assert all(torch.isfinite(torch.tensor(v)) for v in output["loss"])
-    moved = [n for n, p in engine.module.named_parameters()
-             if not torch.equal((p.full_tensor() if isinstance(p, DTensor) else p).detach(), before[n])]
+    moved = [
+        n
+        for n, p in engine.module.named_parameters()
+        if not torch.equal((p.full_tensor() if isinstance(p, DTensor) else p).detach(), before[n])
+    ]
     assert moved, "the optimizer step changed no weight"

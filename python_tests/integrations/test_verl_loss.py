@@ -49,10 +49,10 @@ def make_batch(seed: int = 0, topk: bool = True, advantage_scale: float = 1.0) -
     responses = torch.zeros(B, R, dtype=torch.long)
     response_mask = torch.zeros(B, R, dtype=torch.long)
     for b in range(B):
-        prompts[b, P - prompt_lens[b]:] = torch.randint(4, V, (prompt_lens[b],), generator=g)
-        prompt_mask[b, P - prompt_lens[b]:] = 1
-        responses[b, :response_lens[b]] = torch.randint(4, V, (response_lens[b],), generator=g)
-        response_mask[b, :response_lens[b]] = 1
+        prompts[b, P - prompt_lens[b] :] = torch.randint(4, V, (prompt_lens[b],), generator=g)
+        prompt_mask[b, P - prompt_lens[b] :] = 1
+        responses[b, : response_lens[b]] = torch.randint(4, V, (response_lens[b],), generator=g)
+        response_mask[b, : response_lens[b]] = 1
     rollout = -torch.rand(B, R, generator=g) * 3 * response_mask
     old = (rollout + 0.3 * torch.randn(B, R, generator=g)).clamp(max=0) * response_mask
     advantages = (torch.randn(B, 1, generator=g) * advantage_scale).expand(B, R) * response_mask
@@ -63,7 +63,7 @@ def make_batch(seed: int = 0, topk: bool = True, advantage_scale: float = 1.0) -
             n = response_lens[b]
             rows = []
             for token in responses[b, :n].tolist():
-                others = [i for i in (torch.randperm(V - 4, generator=g) + 4).tolist() if i != token][:K - 1]
+                others = [i for i in (torch.randperm(V - 4, generator=g) + 4).tolist() if i != token][: K - 1]
                 # the sampled token ranks first, or vLLM ranked it below K and it was forced into the last slot
                 rows.append([token, *others] if torch.rand(1, generator=g) < 0.7 else [*others, token])
             ids = torch.tensor(rows)
@@ -75,8 +75,9 @@ def make_batch(seed: int = 0, topk: bool = True, advantage_scale: float = 1.0) -
 def micro_batch(batch: verl_cpu.RolloutBatch, config, *, temperature: float = 1.0, entropy: bool = False):
     """The whole batch as one micro-batch, with the keys verl's engine adds before calling the loss."""
     data = verl_cpu.actor_batch(batch, temperature=temperature, calculate_entropy=entropy)
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()),
-                         **{vloss.ENTROPY_FLAG: entropy})
+    tu.assign_non_tensor(
+        data, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()), **{vloss.ENTROPY_FLAG: entropy}
+    )
     return data
 
 
@@ -149,8 +150,9 @@ def metric_value(metric) -> float:
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("inplace", [False, True], ids=["autograd", "inplace"])
 def test_topk_modes_match_the_fork_formula(mode, agg, inplace):
-    config = verl_cpu.actor_config_for(mode, loss_agg_mode=agg, clip_ratio_low=0.1, clip_ratio_high=0.12,
-                                       clip_ratio_c=5.0)
+    config = verl_cpu.actor_config_for(
+        mode, loss_agg_mode=agg, clip_ratio_low=0.1, clip_ratio_high=0.12, clip_ratio_c=5.0
+    )
     data = micro_batch(make_batch(), config)
     logits = packed_logits(data)
     loss, metrics, grad = run_plugin(config, data, logits, inplace)
@@ -172,8 +174,9 @@ def test_topk_modes_match_the_fork_formula(mode, agg, inplace):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_binary_modes_match_verls_own_loss(mode, agg):
     thresholds = {"dppo_tv": 0.08, "dppo_kl": 0.02}[mode]
-    config = verl_cpu.actor_config_for(mode, loss_agg_mode=agg, clip_ratio_low=thresholds,
-                                       clip_ratio_high=thresholds, clip_ratio_c=4.0)
+    config = verl_cpu.actor_config_for(
+        mode, loss_agg_mode=agg, clip_ratio_low=thresholds, clip_ratio_high=thresholds, clip_ratio_c=4.0
+    )
     data = micro_batch(make_batch(topk=False), config)
     logits = packed_logits(data)
     loss, metrics, grad = run_plugin(config, data, logits, inplace=True)
@@ -193,8 +196,14 @@ def test_binary_modes_match_verls_own_loss(mode, agg):
 
 
 def test_entropy_bonus_and_kl_loss_use_the_ops_outputs():
-    config = verl_cpu.actor_config_for("dppo_topk_kl", entropy_coeff=0.03, use_kl_loss=True, kl_loss_coef=0.2,
-                                       kl_loss_type="low_var_kl", clip_ratio_c=5.0)
+    config = verl_cpu.actor_config_for(
+        "dppo_topk_kl",
+        entropy_coeff=0.03,
+        use_kl_loss=True,
+        kl_loss_coef=0.2,
+        kl_loss_type="low_var_kl",
+        clip_ratio_c=5.0,
+    )
     data = micro_batch(make_batch(seed=3), config, entropy=True)
     ref_log_prob = (data["rollout_log_probs"] - 0.1).clamp(max=0)
     data["ref_log_prob"] = ref_log_prob
@@ -206,14 +215,21 @@ def test_entropy_bonus_and_kl_loss_use_the_ops_outputs():
     ref_leaf = logits.clone().requires_grad_(True)
     mask = data.select("response_mask").to_padded_tensor()["response_mask"].bool()
     info = config.global_batch_info
-    pg = agg_loss(loss_mat=fork_reference(data, ref_leaf, config, "dppo_topk_kl"), loss_mask=mask,
-                  loss_agg_mode="token-mean", **info)
+    pg = agg_loss(
+        loss_mat=fork_reference(data, ref_leaf, config, "dppo_topk_kl"),
+        loss_mask=mask,
+        loss_agg_mode="token-mean",
+        **info,
+    )
     log_q = response_view(data, torch.log_softmax(ref_leaf.squeeze(0), -1))
     entropy = -(log_q.exp() * log_q).sum(-1)
     logp = log_q.gather(-1, data["responses"].unsqueeze(-1)).squeeze(-1)
     kld = kl_penalty(logprob=logp, ref_logprob=ref_log_prob, kl_penalty="low_var_kl")
-    ref = (pg - 0.03 * agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode="token-mean", **info)
-           + 0.2 * agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode="token-mean", **info))
+    ref = (
+        pg
+        - 0.03 * agg_loss(loss_mat=entropy, loss_mask=mask, loss_agg_mode="token-mean", **info)
+        + 0.2 * agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode="token-mean", **info)
+    )
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, ref_leaf.grad, rtol=1e-4, atol=1e-6)
@@ -298,8 +314,9 @@ def test_short_topk_names_single_turn():
 def test_top_k_mode_without_the_engine_path_raises():
     config = verl_cpu.actor_config_for("dppo_topk_tv")
     data = micro_batch(make_batch(), config)
-    nested = torch.nested.nested_tensor_from_jagged(torch.zeros(int(data["input_ids"].offsets()[-1])),
-                                                    data["input_ids"].offsets())
+    nested = torch.nested.nested_tensor_from_jagged(
+        torch.zeros(int(data["input_ids"].offsets()[-1])), data["input_ids"].offsets()
+    )
     with pytest.raises(RuntimeError, match="FSDP engine"):
         vloss.ppo_loss(config, model_output={"log_probs": nested}, data=data)
     # dppo_tv keeps working there: verl's own loss

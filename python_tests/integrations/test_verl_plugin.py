@@ -61,45 +61,62 @@ def run_python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedPro
     site = installed_as_distribution(tmp_path)
     environ = child_env(**env)
     environ["PYTHONPATH"] = f"{site}:{environ['PYTHONPATH']}"
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=environ, cwd=tmp_path, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def test_import_verl_loads_the_entry_point(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl
         from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn
         import verl.workers.engine_workers as engine_workers
         print("registered", all(name in POLICY_LOSS_REGISTRY for name in ("dppo_topk_tv", "dppo_topk_kl")))
         print("loss", engine_workers.ppo_loss.__module__)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "registered True" in result.stdout
     assert "loss dppo_ext.integrations.verl.loss" in result.stdout
 
 
 def test_without_the_plugin_verl_refuses_the_modes(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
         import verl.workers.engine_workers as engine_workers
         print("loss", engine_workers.ppo_loss.__module__)
         get_policy_loss_fn("dppo_topk_tv")
-    """, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")
+    """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
     assert result.returncode != 0
     assert "loss verl.workers.utils.losses" in result.stdout
     assert "Unsupported loss mode: dppo_topk_tv" in result.stderr
 
 
 def test_a_change_that_cannot_be_installed_is_reported_and_raised(tmp_path):
-    result = run_python("""
+    result = run_python(
+        """
         import verl  # the entry point is switched off, the plugin is imported below, after the change
         import verl.workers.engine.fsdp.transformer_impl as impl
         del impl.FSDPEngineWithLMHead  # a verl release without this class
         import dppo_ext.integrations.verl.plugin  # its hooks run at once on the modules already imported
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
         get_policy_loss_fn("dppo_topk_kl")()
-    """, tmp_path, VERL_USE_EXTERNAL_PLUGINS="none")
+    """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
     assert result.returncode != 0
     assert "ERROR" in result.stderr and "could not change verl.workers.engine.fsdp.transformer_impl" in result.stderr
     assert "RuntimeError: dppo_ext's verl plugin is not fully installed" in result.stderr
@@ -117,11 +134,14 @@ def _engine_stub(pad_to_length=False, use_ulysses_sp=False):
     return types.SimpleNamespace(pad_to_length=pad_to_length, use_ulysses_sp=use_ulysses_sp)
 
 
-@pytest.mark.parametrize("setup, match", [
-    (dict(fused=True), "use_fused_kernels"),
-    (dict(pad_to_length=True), "pad_to_length"),
-    (dict(use_ulysses_sp=True), "ulysses_sequence_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "setup, match",
+    [
+        (dict(fused=True), "use_fused_kernels"),
+        (dict(pad_to_length=True), "pad_to_length"),
+        (dict(use_ulysses_sp=True), "ulysses_sequence_parallel_size"),
+    ],
+)
 def test_engine_hook_refuses_unsupported_setups(setup, match):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -142,8 +162,10 @@ def test_engine_hook_marks_only_the_plugins_micro_batches():
         seen["distillation_use_topk"] = tu.get_non_tensor_data(micro_batch, "distillation_use_topk", None)
         return "ran"
 
-    for loss_fn in (functools.partial(verl_ppo_loss, config=verl_cpu.actor_config_for("dppo_topk_tv")),
-                    functools.partial(vloss.ppo_loss, config=verl_cpu.actor_config_for("vanilla"))):
+    for loss_fn in (
+        functools.partial(verl_ppo_loss, config=verl_cpu.actor_config_for("dppo_topk_tv")),
+        functools.partial(vloss.ppo_loss, config=verl_cpu.actor_config_for("vanilla")),
+    ):
         assert _call_wrapper(forward_step, TensorDict({}, batch_size=[0]), loss_fn) == "ran"
         assert seen["distillation_use_topk"] is None
     micro_batch = TensorDict({}, batch_size=[0])

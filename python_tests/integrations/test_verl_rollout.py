@@ -61,8 +61,7 @@ def test_topk_rows_keep_rank_order_and_force_the_sampled_token_in():
     topk = RolloutTopK.from_vllm(tokens, [vllm_position(p) for p in positions], K)
     assert topk.ids.dtype == np.int32 and topk.logprobs.dtype == np.float32 and topk.ids.shape == (3, K)
     assert topk.ids.tolist() == [[7, 8, 5], [6, 9, 11], [10, 12, 4]]
-    np.testing.assert_allclose(topk.logprobs, [[-0.1, -2.5, -3.0], [-0.4, -1.2, -2.9], [-0.2, -1.9, -6.0]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(topk.logprobs, [[-0.1, -2.5, -3.0], [-0.4, -1.2, -2.9], [-0.2, -1.9, -6.0]], rtol=1e-6)
 
 
 def test_topk_rows_refuse_fewer_candidates_than_k():
@@ -105,9 +104,15 @@ def test_agent_loop_carries_the_topk_into_the_actor_batch(tmp_path):
         topk = RolloutTopK.from_vllm(response, positions, K)
         topks.append(topk)
         # what SingleTurnAgentLoop.run builds from the server's TokenOutput (extra_fields passed through)
-        output = AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=[1] * n_response,
-                                 response_logprobs=[-0.5] * n_response, num_turns=2,
-                                 metrics=AgentLoopMetrics(), extra_fields={TOPK_FIELD: topk, "global_steps": 0})
+        output = AgentLoopOutput(
+            prompt_ids=prompt,
+            response_ids=response,
+            response_mask=[1] * n_response,
+            response_logprobs=[-0.5] * n_response,
+            num_turns=2,
+            metrics=AgentLoopMetrics(),
+            extra_fields={TOPK_FIELD: topk, "global_steps": 0},
+        )
         outputs.append(asyncio.run(worker._agent_loop_postprocess(output, validate=False, raw_prompt=[])))
     proto = worker._postprocess(outputs)
     carried = proto.non_tensor_batch[TOPK_FIELD]
@@ -122,8 +127,7 @@ def test_agent_loop_carries_the_topk_into_the_actor_batch(tmp_path):
     micro_batches = tu.chunk_tensordict(data, 2)
     config = verl_cpu.actor_config_for("dppo_topk_tv")
     for micro in micro_batches:
-        tu.assign_non_tensor(micro, dp_size=1, batch_num_tokens=int(micro["loss_mask"].sum()),
-                             global_batch_size=2)
+        tu.assign_non_tensor(micro, dp_size=1, batch_num_tokens=int(micro["loss_mask"].sum()), global_batch_size=2)
         n = int(micro["input_ids"].offsets()[-1])
         logits = torch.randn(1, n, vocab, generator=g)
         outputs = vloss.ppo_loss(config, student_logits=logits, data=micro)  # checks every sampled token's row
@@ -159,19 +163,34 @@ class _Engine:
         from vllm.outputs import CompletionOutput, RequestOutput
 
         self.params.append(sampling_params)
-        logprobs = [vllm_position(p, Logprob) for p in self.positions] if sampling_params.logprobs is not None \
-            else None
-        completion = CompletionOutput(index=0, text="", token_ids=list(self.tokens), cumulative_logprob=None,
-                                      logprobs=logprobs, finish_reason="length")
-        yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt["prompt_token_ids"],
-                            prompt_logprobs=None, outputs=[completion], finished=True)
+        logprobs = [vllm_position(p, Logprob) for p in self.positions] if sampling_params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text="",
+            token_ids=list(self.tokens),
+            cumulative_logprob=None,
+            logprobs=logprobs,
+            finish_reason="length",
+        )
+        yield RequestOutput(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=prompt["prompt_token_ids"],
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=True,
+        )
 
 
 def _server(server_module, custom, engine):
     from verl.utils.config import omega_conf_to_dataclass
 
-    overrides = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.prompt_length=8",
-                 "actor_rollout_ref.rollout.response_length=3", "actor_rollout_ref.rollout.max_model_len=32"]
+    overrides = [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.prompt_length=8",
+        "actor_rollout_ref.rollout.response_length=3",
+        "actor_rollout_ref.rollout.max_model_len=32",
+    ]
     if custom is not None:
         overrides.append(f"+actor_rollout_ref.rollout.custom.dppo_topk={custom}")
     server = object.__new__(server_module.vLLMHttpServer)
@@ -194,8 +213,13 @@ def test_vllm_server_returns_the_topk(monkeypatch, calculate_log_probs):
     tokens, positions = sampled_positions()
     engine = _Engine(tokens, positions)
     server = _server(server_module, K, engine)
-    out = asyncio.run(server.generate(prompt_ids=[1, 5, 6], sampling_params={
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": calculate_log_probs}, request_id="r0"))
+    out = asyncio.run(
+        server.generate(
+            prompt_ids=[1, 5, 6],
+            sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": calculate_log_probs},
+            request_id="r0",
+        )
+    )
     assert engine.params[0].logprobs == K  # asked for the top-K even when verl alone would ask for none
     assert out.token_ids == tokens
     assert out.log_probs == pytest.approx([-0.1, -1.2, -6.0])  # verl's sampled-token log-probs still come back
@@ -208,8 +232,13 @@ def test_vllm_server_without_the_setting_is_unchanged(monkeypatch):
     tokens, positions = sampled_positions()
     engine = _Engine(tokens, positions)
     server = _server(server_module, None, engine)
-    out = asyncio.run(server.generate(prompt_ids=[1, 5, 6], sampling_params={
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}, request_id="r0"))
+    out = asyncio.run(
+        server.generate(
+            prompt_ids=[1, 5, 6],
+            sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True},
+            request_id="r0",
+        )
+    )
     assert engine.params[0].logprobs == 0  # verl's own request
     assert TOPK_FIELD not in out.extra_fields
     assert not math.isnan(out.log_probs[0])

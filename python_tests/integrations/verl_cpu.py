@@ -36,30 +36,76 @@ class CPUPlatform(PlatformBase):
     device_name = "cpu"
     vendor_name = "cpu"
     device_module = types.SimpleNamespace(
-        memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0, max_memory_allocated=lambda *a: 0,
-        max_memory_reserved=lambda *a: 0, mem_get_info=lambda *a: (0, 0), synchronize=lambda *a: None,
-        empty_cache=lambda: None, current_device=lambda: "cpu", is_available=lambda: True, device_count=lambda: 1,
-        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed, set_device=lambda *a: None,
-        get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
+        memory_allocated=lambda *a: 0,
+        memory_reserved=lambda *a: 0,
+        max_memory_allocated=lambda *a: 0,
+        max_memory_reserved=lambda *a: 0,
+        mem_get_info=lambda *a: (0, 0),
+        synchronize=lambda *a: None,
+        empty_cache=lambda: None,
+        current_device=lambda: "cpu",
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        set_device=lambda *a: None,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+    )
 
-    def is_available(self): return True
-    def current_device(self): return "cpu"
-    def device_count(self): return 1
-    def set_device(self, device_index): pass
-    def synchronize(self, device_index=None): pass
-    def manual_seed(self, seed): torch.manual_seed(seed)
-    def manual_seed_all(self, seed): torch.manual_seed(seed)
-    def set_allocator_settings(self, settings): pass
-    def empty_cache(self): pass
-    def get_device_capability(self, device_index=0): return (None, None)
-    def communication_backend_name(self): return "gloo"
-    def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-    def profiler_start(self): pass
-    def profiler_stop(self): pass
-    def ray_resource_name(self): return "CPU"
-    def ray_noset_envvars(self): return []
-    def is_ipc_supported(self): return False
-    def cudart(self): return None
+    def is_available(self):
+        return True
+
+    def current_device(self):
+        return "cpu"
+
+    def device_count(self):
+        return 1
+
+    def set_device(self, device_index):
+        pass
+
+    def synchronize(self, device_index=None):
+        pass
+
+    def manual_seed(self, seed):
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed):
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def get_device_capability(self, device_index=0):
+        return (None, None)
+
+    def communication_backend_name(self):
+        return "gloo"
+
+    def visible_devices_envvar(self):
+        return "CUDA_VISIBLE_DEVICES"
+
+    def profiler_start(self):
+        pass
+
+    def profiler_stop(self):
+        pass
+
+    def ray_resource_name(self):
+        return "CPU"
+
+    def ray_noset_envvars(self):
+        return []
+
+    def is_ipc_supported(self):
+        return False
+
+    def cudart(self):
+        return None
 
     @contextlib.contextmanager
     def nvtx_range(self, msg):
@@ -95,8 +141,9 @@ def _compose(overrides: tuple[str, ...]):
         return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
 
-def actor_overrides(model_dir: str, loss_mode: str, *, use_remove_padding: bool, micro_batch_size: int = 2,
-                    bf16: bool = False) -> list[str]:
+def actor_overrides(
+    model_dir: str, loss_mode: str, *, use_remove_padding: bool, micro_batch_size: int = 2, bf16: bool = False
+) -> list[str]:
     """The user's command-line overrides of a tiny CPU run (fsdp2, sdpa attention, no torch.compile)."""
     dtype = "bf16" if bf16 else "fp32"
     return [
@@ -122,8 +169,11 @@ def actor_config_for(loss_mode: str, **fields):
     """verl's actor config (``FSDPActorConfig``) for ``loss_mode``, with ``actor.<name>=<value>`` overrides."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    overrides = ["actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    overrides = [
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
     overrides += [f"actor_rollout_ref.actor.{name}={value}" for name, value in fields.items()]
     return omega_conf_to_dataclass(compose(overrides).actor_rollout_ref.actor)
 
@@ -143,8 +193,12 @@ def build_actor(config):
     engine_config = actor_config.engine
     engine_config.use_remove_padding = model_config.get("use_remove_padding", False)
     engine_config.micro_batch_size_per_gpu = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    engine = FSDPEngineWithLMHead(model_config=model_config, engine_config=engine_config,
-                                  optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint)
+    engine = FSDPEngineWithLMHead(
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=actor_config.optim,
+        checkpoint_config=actor_config.checkpoint,
+    )
     engine.initialize()
     return engine, actor_config
 
@@ -172,20 +226,34 @@ def actor_batch(batch: RolloutBatch, *, temperature: float, calculate_entropy: b
     attention_mask = torch.cat([batch.prompt_mask, (batch.response_mask > 0).long()], dim=1)
     input_ids = torch.cat([batch.prompts, batch.responses], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    tensors = {"prompts": batch.prompts, "responses": batch.responses, "response_mask": batch.response_mask,
-               "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-               "old_log_probs": batch.old_log_probs, "advantages": batch.advantages,
-               "rollout_log_probs": batch.rollout_log_probs}
+    tensors = {
+        "prompts": batch.prompts,
+        "responses": batch.responses,
+        "response_mask": batch.response_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "old_log_probs": batch.old_log_probs,
+        "advantages": batch.advantages,
+        "rollout_log_probs": batch.rollout_log_probs,
+    }
     non_tensors = {}
     if batch.topk is not None:
         arr = np.empty(len(batch.topk), dtype=object)
         arr[:] = batch.topk
         non_tensors["dppo_topk"] = arr
-    proto = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors,
-                                meta_info={"temperature": temperature, "multi_turn": False})
+    proto = DataProto.from_dict(
+        tensors=tensors, non_tensors=non_tensors, meta_info={"temperature": temperature, "multi_turn": False}
+    )
     data = left_right_2_no_padding(proto.to_tensordict())
-    tu.assign_non_tensor(data, calculate_entropy=calculate_entropy, distillation_use_topk=False,
-                         distillation_only=False, global_batch_size=len(batch.responses), compute_loss=True)
+    tu.assign_non_tensor(
+        data,
+        calculate_entropy=calculate_entropy,
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=len(batch.responses),
+        compute_loss=True,
+    )
     return data
 
 
@@ -193,7 +261,12 @@ def train_flags(data, *, use_remove_padding: bool, micro_batch_size: int):
     """The keys ``TrainingWorker.train_batch`` injects before ``engine.train_batch``."""
     from verl.utils import tensordict_utils as tu
 
-    tu.assign_non_tensor(data, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
-                         max_token_len_per_gpu=4096, micro_batch_size_per_gpu=micro_batch_size,
-                         use_fused_kernels=False)
+    tu.assign_non_tensor(
+        data,
+        use_remove_padding=use_remove_padding,
+        use_dynamic_bsz=False,
+        max_token_len_per_gpu=4096,
+        micro_batch_size_per_gpu=micro_batch_size,
+        use_fused_kernels=False,
+    )
     return data

@@ -112,8 +112,13 @@ def test_cache_off_by_environment():
     )
     out = {}
     for value in ("0", "1"):
-        proc = subprocess.run([sys.executable, "-c", code], env=child_env(DPPO_CPU_BUFFER_CACHE=value),
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=child_env(DPPO_CPU_BUFFER_CACHE=value),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         out[value] = int(proc.stdout.split()[-1])
     assert out["0"] == 0 and out["1"] >= 64 * 8192 * 4

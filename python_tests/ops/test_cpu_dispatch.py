@@ -56,8 +56,9 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 
 def _run_child(code: str, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=_child_env(**extra), capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=_child_env(**extra), capture_output=True, text=True, timeout=300, cwd=REPO
+    )
 
 
 # Runs in a child: the chosen level, and the op's forward/backward on inputs that cross every
@@ -119,16 +120,32 @@ def test_forced_level_matches_reference(level):
     the vector widths, all modes and dtypes, with DPPO_CPU_CAPABILITY forcing this level."""
     if level not in RUNNABLE:
         pytest.skip(f"this CPU does not support {level} (best: {HOST})")
-    select = ("cpu and (v129 or v4099 or noncontig or extreme) and "
-              "(test_forward_matches_reference or test_backward_matches_reference_autograd)")
-    check = ("import dppo_ext._native as n, sys; "
-             f"sys.exit(0 if n.library.cpu_capability == {level!r} else 3)")
+    select = (
+        "cpu and (v129 or v4099 or noncontig or extreme) and "
+        "(test_forward_matches_reference or test_backward_matches_reference_autograd)"
+    )
+    check = f"import dppo_ext._native as n, sys; sys.exit(0 if n.library.cpu_capability == {level!r} else 3)"
     proc = _run_child(check, DPPO_CPU_CAPABILITY=level)
     assert proc.returncode == 0, f"the child did not run at {level}: {proc.stderr[-2000:]}"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "python_tests/ops/test_dppo_op.py", "-k", select],
-                          env=_child_env(DPPO_CPU_CAPABILITY=level), capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "python_tests/ops/test_dppo_op.py",
+            "-k",
+            select,
+        ],
+        env=_child_env(DPPO_CPU_CAPABILITY=level),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"\b(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 150, proc.stdout[-2000:]  # 4 cases x 4 dtypes x 6 modes x 2
@@ -165,15 +182,17 @@ def test_vector_exp_within_3_ulp(level):
     assert got[7] == 0.0 and got[8] == 0.0 and torch.isnan(got[9])  # -1e30, -inf, NaN
     assert 0.0 <= got[6] < 1e-37  # -100: flushed (or a denormal at the default level's libm exp)
     inside = (z >= -86.0) & (z <= 0.0)
-    ulp = (torch.nextafter(ref.float(), torch.tensor(float("inf"))).double() - ref.float().double())
+    ulp = torch.nextafter(ref.float(), torch.tensor(float("inf"))).double() - ref.float().double()
     err = ((got.double() - ref).abs() / ulp)[inside]
     assert float(err.max()) <= 3.0, f"max {float(err.max()):.1f} ulp at z = {float(z[inside][err.argmax()])}"
 
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("sse9", r"DPPO_CPU_CAPABILITY must be one of default, avx2, avx512 \(or unset\), got 'sse9'"),
-     ("avx512", r"DPPO_CPU_CAPABILITY=avx512, but this CPU does not support it \(best: avx2\)")],
+    [
+        ("sse9", r"DPPO_CPU_CAPABILITY must be one of default, avx2, avx512 \(or unset\), got 'sse9'"),
+        ("avx512", r"DPPO_CPU_CAPABILITY=avx512, but this CPU does not support it \(best: avx2\)"),
+    ],
 )
 def test_bad_override_is_a_clear_import_error(value, message):
     if value == "avx512" and HOST != "avx2":
@@ -193,8 +212,10 @@ _AVX_INSN = re.compile(r"%[yz]mm\d|\bv(?!erw|err)[a-z0-9]+\s.*%xmm\d|\bv(?!erw|e
 _REF = re.compile(r"<([^<>@+]+)(?:@plt)?(?:\+0x[0-9a-f]+)?>")
 
 
-@pytest.mark.skipif(not X86 or shutil.which("objdump") is None or shutil.which("readelf") is None,
-                    reason="needs x86-64, objdump and readelf")
+@pytest.mark.skipif(
+    not X86 or shutil.which("objdump") is None or shutil.which("readelf") is None,
+    reason="needs x86-64, objdump and readelf",
+)
 def test_no_avx_reachable_from_baseline_code():
     """No code that runs at the default level uses AVX. AVX code must sit in an AVX2/AVX512 build
     (its C++ name carries dppo::AVX2, at::vec::AVX512, ...) or be a function that only such code
@@ -202,11 +223,13 @@ def test_no_avx_reachable_from_baseline_code():
     line, say). If baseline code called a copy that an ISA build emitted (the linker keeps one
     copy of each inline function), a pre-AVX2 CPU would crash even at the default level."""
     so = _native.library.__file__
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True,
-                         timeout=600, check=True).stdout
+    dis = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True, timeout=600, check=True
+    ).stdout
     relocs = subprocess.run(["readelf", "-Wr", so], capture_output=True, text=True, timeout=60, check=True).stdout
-    address_taken = {m.split()[4] for m in relocs.splitlines()
-                     if len(m.split()) > 4 and ("GLOB_DAT" in m or "R_X86_64_64" in m)}
+    address_taken = {
+        m.split()[4] for m in relocs.splitlines() if len(m.split()) > 4 and ("GLOB_DAT" in m or "R_X86_64_64" in m)
+    }
     avx: dict[str, str] = {}  # function -> its first AVX instruction
     referrers: dict[str, set[str]] = {}
     name = ""
@@ -224,7 +247,12 @@ def test_no_avx_reachable_from_baseline_code():
                 referrers.setdefault(target, set()).add(name)
     isa_code = {f for f in avx if _ISA_NAME.search(f)}
     assert len(isa_code) > 10, "found (almost) no AVX code at all: the per-ISA builds are missing or the check is blind"
-    unsafe = {f: i for f, i in avx.items() if f not in isa_code and (
-        f.split("@")[0] in address_taken or any(not _ISA_NAME.search(r) for r in referrers.get(f, ())))}
+    unsafe = {
+        f: i
+        for f, i in avx.items()
+        if f not in isa_code
+        and (f.split("@")[0] in address_taken or any(not _ISA_NAME.search(r) for r in referrers.get(f, ())))
+    }
     assert not unsafe, f"{len(unsafe)} AVX functions reachable from baseline code: " + "; ".join(
-        f"{f} ({i}; referred to by {sorted(referrers.get(f, []))[:3]})" for f, i in list(unsafe.items())[:5])
+        f"{f} ({i}; referred to by {sorted(referrers.get(f, []))[:3]})" for f, i in list(unsafe.items())[:5]
+    )

@@ -122,8 +122,10 @@ def test_sample_inputs_are_decisive(case):
                 for anchor in (False, True):
                     inputs = sample_inputs("cpu", dtype, mode, case, seed=seed, anchor=anchor)
                     tie = tie_rows_for(inputs, [DELTAS[mode], DEFAULT_DELTAS[mode]])
-                    assert not tie.any(), (f"{mode}/{dtype}/seed={seed}/anchor={anchor}: rows "
-                                           f"{tie.nonzero().flatten().tolist()} sit at a tie")
+                    assert not tie.any(), (
+                        f"{mode}/{dtype}/seed={seed}/anchor={anchor}: rows "
+                        f"{tie.nonzero().flatten().tolist()} sit at a tie"
+                    )
 
 
 def _upstream(n: int, acc: torch.dtype, device, tie: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -162,8 +164,7 @@ def test_backward_matches_reference_autograd(device, case, dtype, mode):
     assert (grad_op[~valid] == 0).all(), "padding rows must get an exactly zero gradient"
     tol = TOL[dtype]
     lse_rounding = lse_rounding_allowance(inputs64, g, dtype)
-    assert_no_worse("grad_logits", grad_op, grad64, grad_same, tol["grad_atol"], tol["grad_rtol"],
-                    extra=lse_rounding)
+    assert_no_worse("grad_logits", grad_op, grad64, grad_same, tol["grad_atol"], tol["grad_rtol"], extra=lse_rounding)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,8 +181,12 @@ def test_compute_entropy_false(device, dtype, mode):
     ref["loss"].sum().backward()
     tie = ambiguous_rows(as_dtype(inputs, torch.float64), reference_outputs(as_dtype(inputs, torch.float64)))
     assert not tie.any()
-    torch.testing.assert_close(out.loss, ref["loss"], **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
-    torch.testing.assert_close(logits.grad, ref_logits.grad, **({"rtol": 1e-4, "atol": 1e-6} if dtype == torch.float32 else {}))
+    torch.testing.assert_close(
+        out.loss, ref["loss"], **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {})
+    )
+    torch.testing.assert_close(
+        logits.grad, ref_logits.grad, **({"rtol": 1e-4, "atol": 1e-6} if dtype == torch.float32 else {})
+    )
 
 
 @pytest.mark.parametrize("mode", ("binary_tv", "ratio", "none"))
@@ -226,16 +231,30 @@ def test_gradcheck_float64(mode, anchor):
 
 def _op_args(inputs: dict) -> tuple:
     return (
-        inputs["logits"], inputs["tokens"], inputs["rollout_logprobs"], inputs["advantages"], inputs["topk_ids"],
-        inputs["topk_logprobs"], inputs["anchor_logprobs"], inputs["mode"], float(inputs["temperature"]),
-        float(inputs["delta_low"]), float(inputs["delta_high"]), float(inputs["ratio_cap"]), True,
+        inputs["logits"],
+        inputs["tokens"],
+        inputs["rollout_logprobs"],
+        inputs["advantages"],
+        inputs["topk_ids"],
+        inputs["topk_logprobs"],
+        inputs["anchor_logprobs"],
+        inputs["mode"],
+        float(inputs["temperature"]),
+        float(inputs["delta_low"]),
+        float(inputs["delta_high"]),
+        float(inputs["ratio_cap"]),
+        True,
     )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("mode", "dtype", "case"),
-    [("binary_tv", torch.float32, "v129"), ("topk_kl", torch.bfloat16, "noncontig"), ("binary_kl", torch.float64, "v7_k1")],
+    [
+        ("binary_tv", torch.float32, "v129"),
+        ("topk_kl", torch.bfloat16, "noncontig"),
+        ("binary_kl", torch.float64, "v7_k1"),
+    ],
     ids=("binary_tv-float32", "topk_kl-bfloat16-noncontig", "binary_kl-float64"),
 )
 def test_opcheck_forward(device, mode, dtype, case):
@@ -258,7 +277,8 @@ def test_opcheck_backward(device, dtype):
     torch.library.opcheck(torch.ops.dppo.dppo_loss_backward.default, (gt, ge, logits, tokens, out.lse, out.entropy, t))
     torch.library.opcheck(torch.ops.dppo.dppo_loss_backward.default, (gt, None, logits, tokens, out.lse, None, t))
     torch.library.opcheck(
-        torch.ops.dppo.dppo_loss_backward_.default, (gt, ge, logits.clone(), tokens, out.lse, out.entropy, t))
+        torch.ops.dppo.dppo_loss_backward_.default, (gt, ge, logits.clone(), tokens, out.lse, out.entropy, t)
+    )
 
 
 def test_backward_op_direct_formula():
@@ -285,6 +305,7 @@ def test_backward_op_direct_formula():
 
 # (5) error messages ----------------------------------------------------------------------------
 
+
 def _bad(kw: dict, **changes) -> dict:
     return dict(kw, **changes)
 
@@ -296,8 +317,18 @@ def _error_cases(kw: dict, topk_kw: dict) -> list[tuple[str, dict, type, str]]:
     return [
         ("logits_1d", _bad(kw, logits=kw["logits"][0]), ValueError, r"logits must be 2-D \[N, V\]"),
         ("logits_3d", _bad(kw, logits=kw["logits"][None]), ValueError, r"logits must be 2-D \[N, V\]"),
-        ("logits_int", _bad(kw, logits=kw["logits"].long()), TypeError, r"logits must be float32, float16, bfloat16 or float64"),
-        ("logits_stride", _bad(kw, logits=kw["logits"].t().contiguous().t()), ValueError, r"contiguous along the vocabulary"),
+        (
+            "logits_int",
+            _bad(kw, logits=kw["logits"].long()),
+            TypeError,
+            r"logits must be float32, float16, bfloat16 or float64",
+        ),
+        (
+            "logits_stride",
+            _bad(kw, logits=kw["logits"].t().contiguous().t()),
+            ValueError,
+            r"contiguous along the vocabulary",
+        ),
         ("logits_empty_vocab", _bad(kw, logits=kw["logits"][:, :0]), ValueError, r"non-empty vocabulary"),
         ("tokens_len", _bad(kw, tokens=kw["tokens"][:-1]), ValueError, rf"tokens must be 1-D with N={n} rows"),
         ("tokens_2d", _bad(kw, tokens=kw["tokens"][:, None]), ValueError, rf"tokens must be 1-D with N={n} rows"),
@@ -307,8 +338,18 @@ def _error_cases(kw: dict, topk_kw: dict) -> list[tuple[str, dict, type, str]]:
         ("tokens_int32", _bad(kw, tokens=kw["tokens"].int()), TypeError, r"tokens must have dtype Long"),
         ("rollout_f64", _bad(kw, rollout_logprobs=m.double()), TypeError, r"rollout_logprobs must have dtype Float"),
         ("advantages_f16", _bad(kw, advantages=a.half()), TypeError, r"advantages must have dtype Float"),
-        ("token_ge_v", _bad(kw, tokens=torch.full_like(kw["tokens"], v)), IndexError, rf"tokens must hold ids in \[0, V={v}\)"),
-        ("token_neg", _bad(kw, tokens=torch.full_like(kw["tokens"], -1)), IndexError, r"tokens must hold ids in .*got -1"),
+        (
+            "token_ge_v",
+            _bad(kw, tokens=torch.full_like(kw["tokens"], v)),
+            IndexError,
+            rf"tokens must hold ids in \[0, V={v}\)",
+        ),
+        (
+            "token_neg",
+            _bad(kw, tokens=torch.full_like(kw["tokens"], -1)),
+            IndexError,
+            r"tokens must hold ids in .*got -1",
+        ),
         ("temperature_0", _bad(kw, temperature=0.0), ValueError, r"temperature must be a finite number > 0, got 0"),
         ("temperature_neg", _bad(kw, temperature=-1.0), ValueError, r"temperature must be a finite number > 0, got -1"),
         ("temperature_nan", _bad(kw, temperature=float("nan")), ValueError, r"temperature must be a finite number > 0"),
@@ -318,35 +359,100 @@ def _error_cases(kw: dict, topk_kw: dict) -> list[tuple[str, dict, type, str]]:
         ("ratio_cap_neg", _bad(kw, ratio_cap=-2.0), ValueError, r"ratio_cap must be > 0, got -2"),
         ("mode_unknown", _bad(kw, mode="binary_js"), ValueError, r"mode must be one of .*got 'binary_js'"),
         ("topk_mode_no_topk", _bad(kw, mode="topk_kl"), ValueError, r"mode 'topk_kl' needs the rollout's top-K"),
-        ("topk_ids_only", _bad(topk_kw, topk_logprobs=None), ValueError, r"topk_ids and topk_logprobs must be given together"),
-        ("topk_rows", _bad(topk_kw, topk_ids=topk_kw["topk_ids"][1:]), ValueError, rf"topk_ids must be 2-D \[N, K\] with N={n}"),
-        ("topk_k_mismatch", _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"][:, :1]), ValueError,
-         r"topk_logprobs must be 2-D \[N, K\] with N=.* and K="),
-        ("topk_id_ge_v", _bad(topk_kw, topk_ids=torch.full_like(topk_kw["topk_ids"], v)), IndexError,
-         rf"topk_ids must hold ids in \[0, V={v}\)"),
-        ("topk_id_neg", _bad(topk_kw, topk_ids=torch.full_like(topk_kw["topk_ids"], -100)), IndexError,
-         r"topk_ids must hold ids in .*got -100"),
-        ("topk_logprobs_pos", _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"].abs() + 0.5), ValueError,
-         r"topk_logprobs must be log-probabilities"),
-        ("topk_logprobs_f64", _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"].double()), TypeError,
-         r"topk_logprobs must have dtype Float"),
-        ("rollout_positive", _bad(kw, rollout_logprobs=m.abs() + 0.1), ValueError,
-         r"rollout_logprobs must be log-probabilities \(<= 0, -inf allowed, not NaN\), got [0-9.e+]+ at flat position 0"),
-        ("rollout_nan", _bad(kw, rollout_logprobs=torch.full_like(m, math.nan)), ValueError,
-         r"rollout_logprobs must be log-probabilities .*got nan"),
-        ("anchor_positive", _bad(kw, anchor_logprobs=torch.full_like(m, 2.0)), ValueError,
-         r"anchor_logprobs must be log-probabilities .*got 2"),
+        (
+            "topk_ids_only",
+            _bad(topk_kw, topk_logprobs=None),
+            ValueError,
+            r"topk_ids and topk_logprobs must be given together",
+        ),
+        (
+            "topk_rows",
+            _bad(topk_kw, topk_ids=topk_kw["topk_ids"][1:]),
+            ValueError,
+            rf"topk_ids must be 2-D \[N, K\] with N={n}",
+        ),
+        (
+            "topk_k_mismatch",
+            _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"][:, :1]),
+            ValueError,
+            r"topk_logprobs must be 2-D \[N, K\] with N=.* and K=",
+        ),
+        (
+            "topk_id_ge_v",
+            _bad(topk_kw, topk_ids=torch.full_like(topk_kw["topk_ids"], v)),
+            IndexError,
+            rf"topk_ids must hold ids in \[0, V={v}\)",
+        ),
+        (
+            "topk_id_neg",
+            _bad(topk_kw, topk_ids=torch.full_like(topk_kw["topk_ids"], -100)),
+            IndexError,
+            r"topk_ids must hold ids in .*got -100",
+        ),
+        (
+            "topk_logprobs_pos",
+            _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"].abs() + 0.5),
+            ValueError,
+            r"topk_logprobs must be log-probabilities",
+        ),
+        (
+            "topk_logprobs_f64",
+            _bad(topk_kw, topk_logprobs=topk_kw["topk_logprobs"].double()),
+            TypeError,
+            r"topk_logprobs must have dtype Float",
+        ),
+        (
+            "rollout_positive",
+            _bad(kw, rollout_logprobs=m.abs() + 0.1),
+            ValueError,
+            r"rollout_logprobs must be log-probabilities \(<= 0, -inf allowed, not NaN\), got [0-9.e+]+ at flat position 0",
+        ),
+        (
+            "rollout_nan",
+            _bad(kw, rollout_logprobs=torch.full_like(m, math.nan)),
+            ValueError,
+            r"rollout_logprobs must be log-probabilities .*got nan",
+        ),
+        (
+            "anchor_positive",
+            _bad(kw, anchor_logprobs=torch.full_like(m, 2.0)),
+            ValueError,
+            r"anchor_logprobs must be log-probabilities .*got 2",
+        ),
         ("advantages_nan", _bad(kw, advantages=torch.full_like(a, math.nan)), ValueError, r"advantages must be finite"),
         ("advantages_inf", _bad(kw, advantages=torch.full_like(a, math.inf)), ValueError, r"advantages must be finite"),
-    ] + ([
-        ("tokens_device", _bad(kw, tokens=kw["tokens"].cpu()), ValueError, r"tokens must be on the same device as logits"),
-        ("rollout_device", _bad(kw, rollout_logprobs=m.cpu()), ValueError, r"rollout_logprobs must be on the same device"),
-        ("topk_device", _bad(topk_kw, topk_ids=topk_kw["topk_ids"].cpu()), ValueError, r"topk_ids must be on the same device"),
-    ] if dev.type == "cuda" else [])
+    ] + (
+        [
+            (
+                "tokens_device",
+                _bad(kw, tokens=kw["tokens"].cpu()),
+                ValueError,
+                r"tokens must be on the same device as logits",
+            ),
+            (
+                "rollout_device",
+                _bad(kw, rollout_logprobs=m.cpu()),
+                ValueError,
+                r"rollout_logprobs must be on the same device",
+            ),
+            (
+                "topk_device",
+                _bad(topk_kw, topk_ids=topk_kw["topk_ids"].cpu()),
+                ValueError,
+                r"topk_ids must be on the same device",
+            ),
+        ]
+        if dev.type == "cuda"
+        else []
+    )
 
 
-_ERROR_NAMES = [c[0] for c in _error_cases(
-    sample_inputs("cpu", torch.float32, "binary_tv", "v129"), sample_inputs("cpu", torch.float32, "topk_tv", "v129"))]
+_ERROR_NAMES = [
+    c[0]
+    for c in _error_cases(
+        sample_inputs("cpu", torch.float32, "binary_tv", "v129"), sample_inputs("cpu", torch.float32, "topk_tv", "v129")
+    )
+]
 _CUDA_ERROR_NAMES = ["tokens_device", "rollout_device", "topk_device"]
 
 
@@ -380,13 +486,19 @@ def test_backward_op_error_messages():
 
 # in-place backward, torch.compile, extremes -----------------------------------------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ("contiguous", "column_slice"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=_dtype_id)
 @pytest.mark.parametrize("mode", ("binary_tv", "topk_kl"))
 def test_inplace_backward(device, dtype, mode, layout):
     inputs = sample_inputs(device, dtype, mode, "noncontig", seed=9)
-    g = _upstream(inputs["tokens"].shape[0], accumulation_dtype(dtype), device, torch.zeros_like(inputs["tokens"], dtype=torch.bool))
+    g = _upstream(
+        inputs["tokens"].shape[0],
+        accumulation_dtype(dtype),
+        device,
+        torch.zeros_like(inputs["tokens"], dtype=torch.bool),
+    )
 
     ref_logits = inputs["logits"].detach().clone().requires_grad_(True)
     _weighted_sum(dppo_loss_per_row(**dict(inputs, logits=ref_logits))._asdict(), g).backward()
@@ -410,8 +522,9 @@ def test_inplace_backward(device, dtype, mode, layout):
     _weighted_sum(out._asdict(), g).backward()
     assert len(seen) == 1
     grad = seen[0]
-    assert grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr(), \
+    assert grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr(), (
         "inplace_backward must write the gradient into the logits' storage"
+    )
     torch.testing.assert_close(grad, ref_logits.grad, rtol=0, atol=0)
     window = source.grad if layout == "contiguous" else source.grad[:, 2 : v + 2]
     torch.testing.assert_close(window, ref_logits.grad, rtol=0, atol=0)
@@ -427,8 +540,18 @@ def test_torch_compile_fullgraph(device):
     inputs = sample_inputs(device, torch.float32, "topk_kl", "v129", seed=10)
 
     def step(logits, tokens, rollout, adv, ids, lps):
-        out = dppo_loss_per_row(logits, tokens, rollout, adv, topk_ids=ids, topk_logprobs=lps, mode="topk_kl",
-                                temperature=1.0, delta_low=0.2, delta_high=0.3)
+        out = dppo_loss_per_row(
+            logits,
+            tokens,
+            rollout,
+            adv,
+            topk_ids=ids,
+            topk_logprobs=lps,
+            mode="topk_kl",
+            temperature=1.0,
+            delta_low=0.2,
+            delta_high=0.3,
+        )
         return out.loss.sum() + 0.1 * out.entropy.sum() + out.logp.sum(), out.mask
 
     args = [inputs[k] for k in ("tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs")]
@@ -511,8 +634,15 @@ def _scalar_row(kw: dict, i: int) -> dict[str, float]:
     w = min(math.exp(min(lp - m, 20.0)), kw["ratio_cap"])
     coef = -adv * w * keep
     entropy = -sum(math.exp(x) * x for x in lq)
-    return {"loss": 0.0 if coef == 0 else coef * lp, "logp": lp, "divergence": d, "mask": keep, "weight": w,
-            "entropy": entropy, "lse": lse}
+    return {
+        "loss": 0.0 if coef == 0 else coef * lp,
+        "logp": lp,
+        "divergence": d,
+        "mask": keep,
+        "weight": w,
+        "entropy": entropy,
+        "lse": lse,
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -524,20 +654,31 @@ def test_topk_kl_rest_mass_precision(device, dtype):
     and topk_kl is off by ~0.05 nats."""
     v, k = 1000, 300
     z = torch.zeros(2, v, dtype=torch.float64)
-    z[:, 0] = 30.0                                   # pi -> 1 on token 0, one of the top-K ids
-    z[:, k:] = 30.0 + math.log(1e-10 / (v - k))      # the 700 tokens outside the top-K hold 1e-10
+    z[:, 0] = 30.0  # pi -> 1 on token 0, one of the top-K ids
+    z[:, k:] = 30.0 + math.log(1e-10 / (v - k))  # the 700 tokens outside the top-K hold 1e-10
     ids = torch.arange(k).repeat(2, 1)
     p = torch.full((2, k), 0.49 / (k - 1), dtype=torch.float64)
-    p[:, 0] = 0.5                                    # rollout: rest mass 0.01 ...
-    p[1] *= 0.9                                      # ... and 0.109
+    p[:, 0] = 0.5  # rollout: rest mass 0.01 ...
+    p[1] *= 0.9  # ... and 0.109
     tokens = torch.tensor([0, 0])
     args = dict(
-        logits=z.to(dtype).to(device), tokens=tokens.to(device),
+        logits=z.to(dtype).to(device),
+        tokens=tokens.to(device),
         rollout_logprobs=torch.log(p[torch.arange(2), tokens]).float().to(device),
-        advantages=torch.tensor([1.0, -1.0]).to(device), topk_ids=ids.to(device),
-        topk_logprobs=torch.log(p).float().to(device), mode="topk_kl", temperature=1.0)
+        advantages=torch.tensor([1.0, -1.0]).to(device),
+        topk_ids=ids.to(device),
+        topk_logprobs=torch.log(p).float().to(device),
+        mode="topk_kl",
+        temperature=1.0,
+    )
     got = dppo_loss_per_row(**args).divergence.double().cpu()
     want = dppo_loss_reference(
-        z.to(dtype).double(), tokens, torch.log(p[torch.arange(2), tokens]), torch.tensor([1.0, -1.0]),
-        topk_ids=ids, topk_logprobs=torch.log(p), mode="topk_kl")["divergence"]
+        z.to(dtype).double(),
+        tokens,
+        torch.log(p[torch.arange(2), tokens]),
+        torch.tensor([1.0, -1.0]),
+        topk_ids=ids,
+        topk_logprobs=torch.log(p),
+        mode="topk_kl",
+    )["divergence"]
     assert torch.allclose(got, want, rtol=1e-5, atol=0), f"topk_kl {got.tolist()} vs float64 {want.tolist()}"

@@ -145,7 +145,9 @@ def _inputs(dtype: torch.dtype, seed: int, b: int = 6, t: int = 12, v: int = 97,
     z64 = z.double()
     roll_logits = z64 + 0.8 * torch.randn(b, t, v, generator=gen, dtype=torch.float64)
     rollout_all = torch.log_softmax(roll_logits / temperature, dim=-1)
-    old_all = torch.log_softmax((z64 + 0.3 * torch.randn(b, t, v, generator=gen, dtype=torch.float64)) / temperature, -1)
+    old_all = torch.log_softmax(
+        (z64 + 0.3 * torch.randn(b, t, v, generator=gen, dtype=torch.float64)) / temperature, -1
+    )
     tokens = torch.multinomial(rollout_all.exp().reshape(-1, v), 1, generator=gen).reshape(b, t)
     rollout_lp = rollout_all.gather(-1, tokens[..., None]).squeeze(-1)
     old_lp = old_all.gather(-1, tokens[..., None]).squeeze(-1)
@@ -154,8 +156,17 @@ def _inputs(dtype: torch.dtype, seed: int, b: int = 6, t: int = 12, v: int = 97,
     mask = torch.ones(b, t, dtype=torch.bool)
     mask[1, 7:] = False
     mask[4, 3:] = False
-    return {"logits": z, "tokens": tokens, "rollout_lp": rollout_lp, "old_lp": old_lp, "topk_ids": topk_ids,
-            "topk_lp": topk_lp, "adv": adv, "mask": mask, "temperature": temperature}
+    return {
+        "logits": z,
+        "tokens": tokens,
+        "rollout_lp": rollout_lp,
+        "old_lp": old_lp,
+        "topk_ids": topk_ids,
+        "topk_lp": topk_lp,
+        "adv": adv,
+        "mask": mask,
+        "temperature": temperature,
+    }
 
 
 def _theirs(loss_mode: str, d: dict):
@@ -240,11 +251,21 @@ def test_aggregated_loss_parity(loss_mode, source, agg, ours):
     want = (stable_rl_agg_loss if source == "fork" else verl_agg_loss)(loss_t, d["mask"], agg)
     mode, recompute = MODE_MAP[loss_mode]
     got, _ = dppo_loss(
-        d["logits"], d["tokens"], d["rollout_lp"], d["adv"], response_mask=d["mask"], mode=mode,
+        d["logits"],
+        d["tokens"],
+        d["rollout_lp"],
+        d["adv"],
+        response_mask=d["mask"],
+        mode=mode,
         topk_ids=d["topk_ids"] if mode in TOPK_MODES else None,
         topk_logprobs=d["topk_lp"] if mode in TOPK_MODES else None,
-        anchor_logprobs=d["old_lp"] if recompute else None, temperature=d["temperature"],
-        delta_low=CLIP_LOW, delta_high=CLIP_HIGH, ratio_cap=CLIP_RATIO_C, loss_agg_mode=ours)
+        anchor_logprobs=d["old_lp"] if recompute else None,
+        temperature=d["temperature"],
+        delta_low=CLIP_LOW,
+        delta_high=CLIP_HIGH,
+        ratio_cap=CLIP_RATIO_C,
+        loss_agg_mode=ours,
+    )
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-10)
 
 
@@ -255,12 +276,22 @@ def test_gradient_parity():
     log_prob = torch.log_softmax(logits / d["temperature"], -1).gather(-1, d["tokens"][..., None]).squeeze(-1)
     adv = d["adv"][:, None].expand_as(log_prob)
     mask, _ = stable_rl_token_mask("dppo_binary_tv", log_prob.detach(), d["rollout_lp"], d["old_lp"], adv)
-    loss_t = stable_rl_agg_loss(stable_rl_pg_losses(log_prob, d["rollout_lp"], adv, mask * d["mask"]), d["mask"],
-                                "token-mean")
+    loss_t = stable_rl_agg_loss(
+        stable_rl_pg_losses(log_prob, d["rollout_lp"], adv, mask * d["mask"]), d["mask"], "token-mean"
+    )
     loss_t.backward()
     ours = d["logits"].clone().requires_grad_(True)
-    loss_o, _ = dppo_loss(ours, d["tokens"], d["rollout_lp"], d["adv"], response_mask=d["mask"], mode="binary_tv",
-                          temperature=d["temperature"], delta_low=CLIP_LOW, delta_high=CLIP_HIGH,
-                          ratio_cap=CLIP_RATIO_C)
+    loss_o, _ = dppo_loss(
+        ours,
+        d["tokens"],
+        d["rollout_lp"],
+        d["adv"],
+        response_mask=d["mask"],
+        mode="binary_tv",
+        temperature=d["temperature"],
+        delta_low=CLIP_LOW,
+        delta_high=CLIP_HIGH,
+        ratio_cap=CLIP_RATIO_C,
+    )
     loss_o.backward()
     torch.testing.assert_close(ours.grad, logits.grad, rtol=1e-7, atol=1e-12)

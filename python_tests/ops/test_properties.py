@@ -128,5 +128,12 @@ def test_backward_finite_and_matches_reference(inputs):
     grad64 = grad_of(dppo_loss_reference, inputs64)
     grad_same = grad_of(dppo_loss_reference, inputs)
     tol = TOL[dtype]
-    assert_no_worse("grad_logits", grad_op, grad64, grad_same, tol["grad_atol"], tol["grad_rtol"],
-                    extra=lse_rounding_allowance(inputs64, g, dtype))
+    assert_no_worse(
+        "grad_logits",
+        grad_op,
+        grad64,
+        grad_same,
+        tol["grad_atol"],
+        tol["grad_rtol"],
+        extra=lse_rounding_allowance(inputs64, g, dtype),
+    )

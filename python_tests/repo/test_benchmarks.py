@@ -33,17 +33,31 @@ def test_quick_run_never_writes_into_the_committed_results(bench_loss):
     assert bench_loss.parse_args(["--quick", "--out-dir", "elsewhere"]).out_dir == "elsewhere"
 
 
-
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=child_env(**env), capture_output=True, text=True,
-                          timeout=600, cwd=BENCH.parent)
+    return subprocess.run(
+        [sys.executable, *args], env=child_env(**env), capture_output=True, text=True, timeout=600, cwd=BENCH.parent
+    )
 
 
 def test_speed_records_carry_gbps_and_copy_multiples(tmp_path):
     """Forward, backward and in-place get GB/s and a multiple of a copy pass timed in the same run; the Markdown
     has the table the results page is taken from, naming the host's SIMD level."""
-    proc = _run(["benchmarks/bench_loss.py", "--quick", "--sections", "speed", "--modes", "binary_tv", "--dtypes",
-                 "float32", "--contenders", "fused,fused_inplace", "--out-dir", str(tmp_path)])
+    proc = _run(
+        [
+            "benchmarks/bench_loss.py",
+            "--quick",
+            "--sections",
+            "speed",
+            "--modes",
+            "binary_tv",
+            "--dtypes",
+            "float32",
+            "--contenders",
+            "fused,fused_inplace",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "bench_loss.json").read_text())
     recs = {r["contender"]: r for r in results["records"] if r["section"] == "speed"}
@@ -77,10 +91,25 @@ def test_pytest_benchmark_suite_collects_outside_the_test_suite():
 
 def test_pytest_benchmark_suite_runs(tmp_path):
     """A tiny run of both pytest-benchmark files (timing disabled): every selected case passes its checks."""
-    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "benchmarks/",
-                 "-k", "(binary_tv and float32 and fused) or copy_pass or (float32 and fused_linear) or fused_f32sums"],
-                DPPO_BENCH_N="16", DPPO_BENCH_V="512", DPPO_BENCH_FL_N="16", DPPO_BENCH_FL_H="8",
-                DPPO_BENCH_FL_V="256", DPPO_BENCH_ROUNDS="1")
+    proc = _run(
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--benchmark-disable",
+            "benchmarks/",
+            "-k",
+            "(binary_tv and float32 and fused) or copy_pass or (float32 and fused_linear) or fused_f32sums",
+        ],
+        DPPO_BENCH_N="16",
+        DPPO_BENCH_V="512",
+        DPPO_BENCH_FL_N="16",
+        DPPO_BENCH_FL_H="8",
+        DPPO_BENCH_FL_V="256",
+        DPPO_BENCH_ROUNDS="1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2 + 2, proc.stdout[-2000:]
@@ -90,8 +119,21 @@ def test_fused_linear_accuracy_script(tmp_path):
     """benchmarks/fused_linear_accuracy.py at a tiny size: the logits path and both accumulation dtypes are
     measured against float64, every error is positive and finite (bf16 rounding exists) and within 3x the logits
     path's own, and the chunks are the ones asked for."""
-    proc = _run([str(BENCH / "fused_linear_accuracy.py"), "--n", "96", "--hidden", "16", "--vocab", "300",
-                 "--chunk-sizes", "16", "--out-dir", str(tmp_path)])
+    proc = _run(
+        [
+            str(BENCH / "fused_linear_accuracy.py"),
+            "--n",
+            "96",
+            "--hidden",
+            "16",
+            "--vocab",
+            "300",
+            "--chunk-sizes",
+            "16",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "fused_linear_accuracy.json").read_text())["rows"]
     assert [r["path"] for r in rows] == ["logits path", "fused, bf16 sums (default)", "fused, float32 sums"]

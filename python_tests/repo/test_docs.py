@@ -84,7 +84,9 @@ mask = torch.ones(B, T, dtype=torch.long)
 mask[0, 3:] = 0
 """
 # A one-rank gloo group: the vocab-parallel path with W = 1 (the docs' W = 2, 4 need several processes).
-_TP_GROUP = _INPUTS + """
+_TP_GROUP = (
+    _INPUTS
+    + """
 import torch.distributed as dist
 from dppo_ext.vocab_parallel import even_vocab_offsets
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -92,6 +94,7 @@ tp_group = dist.group.WORLD
 offsets = even_vocab_offsets(V, 1)
 logits_local = logits
 """
+)
 PRELUDES = {"inputs": _INPUTS, "tp_group": _TP_GROUP}
 
 
@@ -107,8 +110,9 @@ def _run_block(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(f"# prelude ({block.marker})\n{prelude}\n# {block.name}\n{block.code}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{block.name} failed:\n{proc.stderr[-3000:]}"
 
 
@@ -125,8 +129,9 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
             assert re.fullmatch(r"with\s+\w+", block.marker), f"{block.name}: unknown marker {block.marker!r}"
 
 
-@pytest.mark.parametrize("block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")],
-                         ids=lambda b: b.name)
+@pytest.mark.parametrize(
+    "block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")], ids=lambda b: b.name
+)
 def test_python_block_runs(block: Block, tmp_path):
     _run_block(block, tmp_path)
 

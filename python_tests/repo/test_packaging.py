@@ -33,8 +33,9 @@ PREREQS = 'pip install "setuptools>=77" ninja'
 
 
 def _tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                         check=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
     return [f for f in out.split("\0") if f and (REPO / f).is_file()]
 
 
@@ -57,8 +58,10 @@ def _copy_package(dst: Path, with_library: bool) -> Path:
 # An editable install of dppo_ext (pip install -e .) adds a finder that resolves dppo_ext._C to
 # that checkout's library even when dppo_ext itself comes from elsewhere: the child drops it, so
 # it sees only the copy under test, as a user's environment would.
-_ISOLATE = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
-            "if not getattr(f, '__module__', '').startswith('__editable__')]\n")
+_ISOLATE = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not getattr(f, '__module__', '').startswith('__editable__')]\n"
+)
 
 
 def _python(code: str, path: Path, **env: str) -> subprocess.CompletedProcess:
@@ -66,8 +69,9 @@ def _python(code: str, path: Path, **env: str) -> subprocess.CompletedProcess:
     code = _ISOLATE + code
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DPPO_CPU_CAPABILITY")}
     child_env.update(PYTHONPATH=str(path), **env)
-    return subprocess.run([sys.executable, "-c", code], cwd=path, env=child_env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=path, env=child_env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _last_line(proc: subprocess.CompletedProcess) -> str:
@@ -75,6 +79,7 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 
 
 # ---- import-time errors -----------------------------------------------------------------------
+
 
 def test_pure_python_parts_import_without_native_library(tmp_path):
     root = _copy_package(tmp_path, with_library=False)
@@ -85,7 +90,9 @@ def test_pure_python_parts_import_without_native_library(tmp_path):
         "out = ref.dppo_loss_reference(torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.full((3,), -1.6),\n"
         "                              torch.ones(3), mode='binary_tv')\n"
         "assert out['loss'].shape == (3,)\n"
-        "print(dppo_ext.__version__, dppo_ext.__file__)", root)
+        "print(dppo_ext.__version__, dppo_ext.__file__)",
+        root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     version, where = proc.stdout.split()
     assert version == dppo_ext.__version__ and Path(where).is_relative_to(root)
@@ -103,7 +110,9 @@ def test_package_constants_need_no_native_library(tmp_path):
         "mask = torch.tensor([[1, 1, 0], [1, 0, 0]])\n"
         "assert aggregate_loss(torch.ones(2, 3), mask, 'token-sum').item() == 3.0\n"
         "assert micro_batch_scale('token-mean', mask[:1], 3, 2).item() == 2 / 3\n"
-        "assert 'token-mean' in AGG_MODES and 'dppo_ext._C' not in sys.modules, sorted(sys.modules)\n", root)
+        "assert 'token-mean' in AGG_MODES and 'dppo_ext._C' not in sys.modules, sorted(sys.modules)\n",
+        root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -117,8 +126,10 @@ def test_native_library_imports_first(tmp_path):
     assert proc.stdout.split()[0] == torch.__version__
 
 
-@pytest.mark.parametrize("statement", ["from dppo_ext import dppo_loss", "import dppo_ext.ops",
-                                       "import dppo_ext; dppo_ext.fused_linear_dppo_loss"])
+@pytest.mark.parametrize(
+    "statement",
+    ["from dppo_ext import dppo_loss", "import dppo_ext.ops", "import dppo_ext; dppo_ext.fused_linear_dppo_loss"],
+)
 def test_missing_native_library_says_how_to_build(tmp_path, statement):
     root = _copy_package(tmp_path, with_library=False)
     proc = _python(statement, root)
@@ -126,8 +137,9 @@ def test_missing_native_library_says_how_to_build(tmp_path, statement):
     assert "circular import" not in proc.stderr
     last = _last_line(proc)
     assert last.startswith("ImportError: dppo_ext's native library dppo_ext._C is not built (no _C*.so in "), last
-    assert last.endswith(f"Build it against the torch you run (torch {torch.__version__}), from the dppo_ext "
-                         f"source folder: {INSTALL}"), last
+    assert last.endswith(
+        f"Build it against the torch you run (torch {torch.__version__}), from the dppo_ext source folder: {INSTALL}"
+    ), last
 
 
 def _other_release(version: str) -> str:
@@ -155,8 +167,11 @@ def test_library_built_against_another_torch_release(tmp_path):
     proc = _python("import dppo_ext; dppo_ext.dppo_loss", root)
     assert proc.returncode != 0
     last = _last_line(proc)
-    assert re.search(rf"ImportError: dppo_ext._C \(.*_C.*\.so\) was built against torch {re.escape(fake)}, but torch "
-                     rf"{re.escape(torch.__version__)} is loaded;", last), last
+    assert re.search(
+        rf"ImportError: dppo_ext._C \(.*_C.*\.so\) was built against torch {re.escape(fake)}, but torch "
+        rf"{re.escape(torch.__version__)} is loaded;",
+        last,
+    ), last
     assert last.endswith(f"from the dppo_ext source folder: {INSTALL}"), last
 
 
@@ -166,14 +181,23 @@ def test_library_that_cannot_load_names_the_torch_it_was_built_for(tmp_path):
     root = _copy_package(tmp_path, with_library=True)
     so = next((root / "dppo_ext").glob("_C*.so"))
     fake = _other_release(torch.__version__)
-    assert _patch(so, b"dppo_ext-built-with-torch=" + torch.__version__.encode() + b"\0",
-                  b"dppo_ext-built-with-torch=" + fake.encode() + b"\0") == 1
+    assert (
+        _patch(
+            so,
+            b"dppo_ext-built-with-torch=" + torch.__version__.encode() + b"\0",
+            b"dppo_ext-built-with-torch=" + fake.encode() + b"\0",
+        )
+        == 1
+    )
     assert _patch(so, b"libc10.so\0", b"libc1X.so\0") >= 1  # a needed library the loader cannot find
     proc = _python("from dppo_ext import dppo_loss", root)
     assert proc.returncode != 0
     last = _last_line(proc)
-    assert re.search(rf"was built against torch {re.escape(fake)}, but torch {re.escape(torch.__version__)} is loaded, "
-                     r"so it cannot be loaded \(libc1X\.so: cannot open shared object file", last), last
+    assert re.search(
+        rf"was built against torch {re.escape(fake)}, but torch {re.escape(torch.__version__)} is loaded, "
+        r"so it cannot be loaded \(libc1X\.so: cannot open shared object file",
+        last,
+    ), last
     assert last.endswith(f"from the dppo_ext source folder: {INSTALL}"), last
 
 
@@ -186,6 +210,7 @@ def test_library_reports_its_build():
 
 # ---- build-time errors ------------------------------------------------------------------------
 
+
 def test_isolated_build_stops_before_compiling(tmp_path):
     """pip's default build runs setup.py where the user's torch is invisible (pip hides the
     environment's site-packages): simulated by a torch that cannot be imported. The build stops
@@ -196,13 +221,15 @@ def test_isolated_build_stops_before_compiling(tmp_path):
     (hidden / "torch" / "__init__.py").write_text("raise ImportError('torch is hidden by the build isolation')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(hidden)
-    proc = subprocess.run([sys.executable, "setup.py", "bdist_wheel"], cwd=src, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "bdist_wheel"], cwd=src, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert (f"torch is not visible to this build, but torch {torch.__version__} is installed" in proc.stderr
-            and "build it with --no-build-isolation" in proc.stderr
-            and f"{PREREQS} && pip install --no-build-isolation <the path or URL you gave pip>" in proc.stderr), \
-        proc.stderr[-2000:]
+    assert (
+        f"torch is not visible to this build, but torch {torch.__version__} is installed" in proc.stderr
+        and "build it with --no-build-isolation" in proc.stderr
+        and f"{PREREQS} && pip install --no-build-isolation <the path or URL you gave pip>" in proc.stderr
+    ), proc.stderr[-2000:]
     assert not (src / "build").exists(), "nothing may be compiled before the message"
 
 
@@ -212,8 +239,17 @@ def _build_backend(src: Path, kind: str, outdir: Path, env: dict[str, str]) -> P
     outdir.mkdir(parents=True, exist_ok=True)
     spec = importlib.util.find_spec("build")
     if spec is not None and spec.origin is not None:  # (a build/ output folder is a namespace package)
-        cmd = [sys.executable, "-m", "build", f"--{kind}", "--no-isolation", "--skip-dependency-check",
-               "--outdir", str(outdir), str(src)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "build",
+            f"--{kind}",
+            "--no-isolation",
+            "--skip-dependency-check",
+            "--outdir",
+            str(outdir),
+            str(src),
+        ]
     else:
         cmd = [sys.executable, "-c", f"import setuptools.build_meta as m; m.build_{kind}({str(outdir)!r})"]
     proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=3000)
@@ -238,13 +274,24 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path):
         tar.extractall(tmp_path / "unpacked", filter="data")
     sources = {f for f in _tracked_files() if f.startswith("csrc/")}
     assert sources and sources <= names, f"missing from the sdist: {sorted(sources - names)}"
-    for f in ("LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "setup.py",
-              "dppo_ext/py.typed", "dppo_ext/_version.py"):
+    for f in (
+        "LICENSE",
+        "CHANGELOG.md",
+        "README.md",
+        "pyproject.toml",
+        "setup.py",
+        "dppo_ext/py.typed",
+        "dppo_ext/_version.py",
+    ):
         assert f in names, f
     assert not [n for n in names if n.endswith((".so", ".o", ".pyc"))]
 
-    wheel = _build_backend(tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz"), "wheel", tmp_path / "wheels",
-                           dict(env, MAX_JOBS=os.environ.get("MAX_JOBS", "2")))
+    wheel = _build_backend(
+        tmp_path / "unpacked" / sdist.name.removesuffix(".tar.gz"),
+        "wheel",
+        tmp_path / "wheels",
+        dict(env, MAX_JOBS=os.environ.get("MAX_JOBS", "2")),
+    )
     with zipfile.ZipFile(wheel) as whl:
         files = whl.namelist()
         metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
@@ -267,11 +314,13 @@ def test_sdist_builds_a_wheel_that_imports_and_runs(tmp_path):
         "torch.testing.assert_close(out.loss, ref['loss'])\n"
         "torch.testing.assert_close(out.lse, ref['lse'])\n"
         "print(dppo_ext.__file__)",
-        tmp_path / "site")
+        tmp_path / "site",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # ---- metadata and documentation ----------------------------------------------------------------
+
 
 def test_license_typing_and_changelog():
     tomllib = pytest.importorskip("tomllib")
@@ -305,7 +354,9 @@ def test_every_documented_install_line_is_the_same():
     assert any(f == "README.md" for f, _ in lines)
     ok = re.compile(r'pip install --no-build-isolation -e (\.|"\.\[[a-z,-]+\]")(?=\s|$|`)')
     bad = [(f, line) for f, line in lines if not ok.search(line)]
-    assert not bad, "install lines that differ from '" + INSTALL + "': " + "; ".join(f"{f}: {l.strip()}" for f, l in bad)
+    assert not bad, (
+        "install lines that differ from '" + INSTALL + "': " + "; ".join(f"{f}: {l.strip()}" for f, l in bad)
+    )
     readme = (REPO / "README.md").read_text()
     assert PREREQS in readme, "the README must say what the build needs before the install line"
     assert _native.BUILD_COMMAND == INSTALL

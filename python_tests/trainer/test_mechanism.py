@@ -29,9 +29,23 @@ def _trainer(tiny_dir, tmp_path, **overrides):
     from dppo_ext.rollout import make_engine
     from dppo_ext.trainer.loop import Trainer
 
-    settings = dict(out=str(tmp_path), engine="hf", steps=2, prompts_per_step=8, group_size=4, max_new_tokens=4,
-                    num_minibatches=2, ppo_epochs=2, lr=3e-2, warmup_steps=0, seed=1, max_model_len=64,
-                    temperature=TEMPERATURE, mechanism_metrics=True, rollout_logit_noise=1.0)
+    settings = dict(
+        out=str(tmp_path),
+        engine="hf",
+        steps=2,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=4,
+        num_minibatches=2,
+        ppo_epochs=2,
+        lr=3e-2,
+        warmup_steps=0,
+        seed=1,
+        max_model_len=64,
+        temperature=TEMPERATURE,
+        mechanism_metrics=True,
+        rollout_logit_noise=1.0,
+    )
     settings.update(overrides)
     config = TrainConfig(**settings).validate()
     torch.manual_seed(0)

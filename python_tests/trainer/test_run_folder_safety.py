@@ -31,10 +31,23 @@ MANIFEST_FILE = "dppo-run.json"
 # ---------------------------------------------------------------- helpers
 
 TINY = {
-    "--engine": "hf", "--max-operand": "9", "--num-eval": "16", "--warm-start-problems": "60",
-    "--warm-start-steps": "2", "--steps": "2", "--prompts-per-step": "6", "--group-size": "4",
-    "--num-minibatches": "2", "--eval-every": "2", "--eval-samples": "1", "--save-every": "1",
-    "--max-new-tokens": "4", "--lr": "1e-3", "--threads": "1", "--seed": "5", "--warm-start-label-smoothing": "0",
+    "--engine": "hf",
+    "--max-operand": "9",
+    "--num-eval": "16",
+    "--warm-start-problems": "60",
+    "--warm-start-steps": "2",
+    "--steps": "2",
+    "--prompts-per-step": "6",
+    "--group-size": "4",
+    "--num-minibatches": "2",
+    "--eval-every": "2",
+    "--eval-samples": "1",
+    "--save-every": "1",
+    "--max-new-tokens": "4",
+    "--lr": "1e-3",
+    "--threads": "1",
+    "--seed": "5",
+    "--warm-start-label-smoothing": "0",
     "--log-level": "warning",
 }
 
@@ -112,8 +125,18 @@ def _add_user_files(folder: Path, outside: Path) -> set[str]:
     (folder / "link_out").symlink_to(outside)
     (folder / "link_file").symlink_to(outside / "data.bin")
     (folder / "link_config").symlink_to(outside / "sub" / "config.json")
-    return {"notes.txt", "mine", "checkpoint", "checkpoint.old", ".tmp-5-mine", ".base_model.backup",
-            "config.json.orig", "link_out", "link_file", "link_config"}
+    return {
+        "notes.txt",
+        "mine",
+        "checkpoint",
+        "checkpoint.old",
+        ".tmp-5-mine",
+        ".base_model.backup",
+        "config.json.orig",
+        "link_out",
+        "link_file",
+        "link_config",
+    }
 
 
 def _data_file(path: Path, n: int = 20) -> Path:
@@ -161,8 +184,17 @@ def _copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------- a run folder with the user's files in it
 
-PATHS = ["fresh", "resume", "overwrite", "resume-setup-failure", "overwrite-setup-failure", "resume-mid-run-failure",
-         "overwrite-mid-run-failure", "resume-steps-below", "resume-steps-equal"]
+PATHS = [
+    "fresh",
+    "resume",
+    "overwrite",
+    "resume-setup-failure",
+    "overwrite-setup-failure",
+    "resume-mid-run-failure",
+    "overwrite-mid-run-failure",
+    "resume-steps-below",
+    "resume-steps-equal",
+]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -298,8 +330,18 @@ def _setup_failure(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], i
         data = _data_file(inputs / "d.jsonl")
         return ["--model", str(inputs / "empty_model"), "--data", str(data), "--num-eval", "4"], 2
     if name == "--top-k above --model's vocabulary":
-        return ["--model", str(_tiny_model(tmp_path)), "--data", str(_data_file(inputs / "d.jsonl")), "--num-eval", "4",
-                "--loss", "dppo_topk_kl", "--top-k", "18"], 2
+        return [
+            "--model",
+            str(_tiny_model(tmp_path)),
+            "--data",
+            str(_data_file(inputs / "d.jsonl")),
+            "--num-eval",
+            "4",
+            "--loss",
+            "dppo_topk_kl",
+            "--top-k",
+            "18",
+        ], 2
     if name == "--top-k above the embedded model's vocabulary":  # known only once the warm start has built it
         return ["--loss", "dppo_topk_kl", "--top-k", "18"], 2
     if name == "--prompt-format chat without a chat template":  # found when the trainer is built
@@ -308,13 +350,17 @@ def _setup_failure(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], i
         monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", _engine_fails)
         return [], EngineFailed
     if name == "Ctrl-C during the warm start":
+
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
+
         monkeypatch.setattr("dppo_ext.trainer.embedded_model.supervised_warm_start", interrupted)
         return [], 130
     if name == "Ctrl-C while the engine starts":
+
         def interrupted_engine(*args, **kwargs):
             raise KeyboardInterrupt
+
         monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", interrupted_engine)
         return [], 130
     if name == "--resume without a checkpoint":
@@ -323,9 +369,15 @@ def _setup_failure(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], i
 
 
 SETUP_FAILURES = [
-    "data without --model", "malformed --data", "--model without weights", "--top-k above --model's vocabulary",
-    "--top-k above the embedded model's vocabulary", "--prompt-format chat without a chat template",
-    "the engine fails to start", "Ctrl-C during the warm start", "Ctrl-C while the engine starts",
+    "data without --model",
+    "malformed --data",
+    "--model without weights",
+    "--top-k above --model's vocabulary",
+    "--top-k above the embedded model's vocabulary",
+    "--prompt-format chat without a chat template",
+    "the engine fails to start",
+    "Ctrl-C during the warm start",
+    "Ctrl-C while the engine starts",
     "--resume without a checkpoint",
 ]
 
@@ -443,7 +495,8 @@ def test_resume_to_the_checkpoints_step_trains_nothing(finished_run, tmp_path, c
     assert _main(_argv(out, "--resume", steps="2")) == 0
     finished = json.loads((out / "summary.json").read_text())
     assert {k: finished[k] for k in ("steps", "start_acc", "end_acc", "loss")} == {
-        k: summary[k] for k in ("steps", "start_acc", "end_acc", "loss")}
+        k: summary[k] for k in ("steps", "start_acc", "end_acc", "loss")
+    }
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
@@ -484,8 +537,9 @@ def test_the_manifest_lists_every_output_and_overwrite_removes_exactly_those(tmp
     _assert_manifest_covers(out, {"notes.txt"})
 
 
-def test_overwrite_never_follows_the_manifest_outside_the_folder_or_into_a_replaced_entry(finished_run, tmp_path,
-                                                                                         capsys):
+def test_overwrite_never_follows_the_manifest_outside_the_folder_or_into_a_replaced_entry(
+    finished_run, tmp_path, capsys
+):
     out = _copy_run(finished_run, tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("mine")
@@ -530,8 +584,16 @@ def test_resume_continues_a_run_of_an_older_trainer_and_adopts_only_its_outputs(
     assert _main(_argv(out, "--resume", steps="3")) == 0
     assert _part(_tree(out), users) == _part(before, users)
     outputs = _outputs(out)
-    assert set(outputs) == {"config.json", "inputs.json", "metrics.jsonl", "metrics.png", "summary.json", "base_model",
-                            "checkpoint-2", "checkpoint-3"}  # checkpoint-1 rotated away (--save-total-limit 2)
+    assert set(outputs) == {
+        "config.json",
+        "inputs.json",
+        "metrics.jsonl",
+        "metrics.png",
+        "summary.json",
+        "base_model",
+        "checkpoint-2",
+        "checkpoint-3",
+    }  # checkpoint-1 rotated away (--save-total-limit 2)
     _assert_manifest_covers(out, users)
     assert _main(_argv(out, "--overwrite", steps="1")) == 0
     assert _part(_tree(out), users) == _part(before, users)
@@ -561,5 +623,6 @@ def test_resume_refuses_a_folder_whose_config_json_is_not_a_trainer_config(finis
     before = _tree(out)
     assert _main(_argv(out, "--resume", steps="3")) == 2
     assert "not a run of an earlier dppo-train either (its config.json is not a dppo-train config)" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert _tree(out) == before

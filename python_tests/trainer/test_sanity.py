@@ -64,8 +64,15 @@ def test_baseline_losses_match_reference(name):
     temperature = 0.9
     ours_in = logits.clone().requires_grad_()
     loss, metrics = dppo_loss(
-        ours_in, tokens, rollout_lp, advantages, mode=config.mode, temperature=temperature,
-        anchor_logprobs=old_lp if config.uses_recompute_anchor else None, **config.loss_settings())
+        ours_in,
+        tokens,
+        rollout_lp,
+        advantages,
+        mode=config.mode,
+        temperature=temperature,
+        anchor_logprobs=old_lp if config.uses_recompute_anchor else None,
+        **config.loss_settings(),
+    )
     loss.backward()
     ref_in = logits.clone().requires_grad_()
     ref = reference_baseline_loss(name, ref_in, tokens, rollout_lp, advantages, old_lp, temperature)
@@ -84,8 +91,14 @@ def test_minirl_mask_follows_the_recomputed_anchor_not_mu():
     settings = TrainConfig(loss="minirl_tis").validate().loss_settings()
     with_anchor, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio", anchor_logprobs=old_lp, **settings)
     on_mu, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio", **settings)
-    grpo, _ = dppo_loss(logits, tokens, rollout_lp, advantages, mode="ratio",
-                        **TrainConfig(loss="grpo_clip_higher").validate().loss_settings())
+    grpo, _ = dppo_loss(
+        logits,
+        tokens,
+        rollout_lp,
+        advantages,
+        mode="ratio",
+        **TrainConfig(loss="grpo_clip_higher").validate().loss_settings(),
+    )
     assert not torch.allclose(with_anchor, on_mu)
     torch.testing.assert_close(on_mu, grpo)
 
@@ -94,7 +107,10 @@ def test_loss_flags_override_the_loss_defaults():
     assert TrainConfig(loss="cispo", ratio_cap=3.0).validate().loss_settings()["ratio_cap"] == 3.0
     assert TrainConfig(loss="pg_is").validate().loss_settings()["ratio_cap"] == float("inf")
     assert TrainConfig(loss="grpo_clip", delta_high=0.3).validate().loss_settings() == {
-        "delta_low": 0.2, "delta_high": 0.3, "ratio_cap": 10.0}
+        "delta_low": 0.2,
+        "delta_high": 0.3,
+        "ratio_cap": 10.0,
+    }
     with pytest.raises(ValueError, match=r"--ratio-cap must be > 0, got -1.0"):
         TrainConfig(ratio_cap=-1.0).validate()
     with pytest.raises(ValueError, match=r"--rollout-lag must be >= 0, got -1"):
@@ -115,8 +131,20 @@ def _trainer(tiny_dir, tmp_path, **overrides):
     from dppo_ext.rollout import make_engine
     from dppo_ext.trainer.loop import Trainer
 
-    settings = dict(out=str(tmp_path), engine="hf", steps=2, prompts_per_step=6, group_size=4, max_new_tokens=4,
-                    num_minibatches=2, ppo_epochs=2, lr=1e-2, warmup_steps=0, seed=1, max_model_len=64)
+    settings = dict(
+        out=str(tmp_path),
+        engine="hf",
+        steps=2,
+        prompts_per_step=6,
+        group_size=4,
+        max_new_tokens=4,
+        num_minibatches=2,
+        ppo_epochs=2,
+        lr=1e-2,
+        warmup_steps=0,
+        seed=1,
+        max_model_len=64,
+    )
     settings.update(overrides)
     config = TrainConfig(**settings).validate()
     torch.manual_seed(0)
@@ -141,7 +169,11 @@ def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_dir, tmp_
         return real_response_logits(model, batch)
 
     def spy_loss(logits, tokens, *args, **kwargs):
-        logp = torch.log_softmax(logits.detach() / trainer.config.temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+        logp = (
+            torch.log_softmax(logits.detach() / trainer.config.temperature, -1)
+            .gather(-1, tokens[..., None])
+            .squeeze(-1)
+        )
         calls.append((pending.pop(), kwargs["anchor_logprobs"].clone(), logp))
         return real_loss(logits, tokens, *args, **kwargs)
 
@@ -206,8 +238,17 @@ def test_quick_sweep_runs_resumes_skips_and_repeats(tmp_path):
     from experiments.sanity import main
 
     def common(name: str) -> list[str]:
-        return ["--quick", "--work", str(tmp_path / name / "work"), "--data", str(tmp_path / name / "data"),
-                "--report-dir", str(tmp_path / name / "report"), "--jobs", "2"]
+        return [
+            "--quick",
+            "--work",
+            str(tmp_path / name / "work"),
+            "--data",
+            str(tmp_path / name / "data"),
+            "--report-dir",
+            str(tmp_path / name / "report"),
+            "--jobs",
+            "2",
+        ]
 
     assert main([*common("a"), "--steps", "2"]) == 0
     first = {m: _collected(tmp_path / "a" / "data", m)[1] for m in QUICK_METHODS}

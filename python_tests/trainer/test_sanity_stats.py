@@ -12,15 +12,27 @@ from experiments.sanity import stats
 from experiments.sanity.sweep import BIN_COLUMNS, COLUMNS, data_file_rows
 
 
-def _run(start: float, evals: list[float], *, mismatch: tuple[float, float] = (1e-3, 1e-3), masked_first: float = 0.0,
-         steps: int = 200) -> list[dict]:
+def _run(
+    start: float,
+    evals: list[float],
+    *,
+    mismatch: tuple[float, float] = (1e-3, 1e-3),
+    masked_first: float = 0.0,
+    steps: int = 200,
+) -> list[dict]:
     """Records of a run: accuracy ``start`` at step 0, then ``evals`` spread evenly up to ``steps``; the pre-update
     mismatch moves linearly from ``mismatch[0]`` to ``mismatch[1]``; a constant first-mini-batch masked fraction."""
     every = steps // len(evals)
     records = [{"step": 0, "eval_acc": start}]
     for step in range(1, steps + 1):
-        r = {"step": step, "mismatch_mean": mismatch[0] + (mismatch[1] - mismatch[0]) * step / steps,
-             "masked_frac_first": masked_first, "grad_norm": 1.0, "trained_seqs": 10, "optimizer_steps": 8}
+        r = {
+            "step": step,
+            "mismatch_mean": mismatch[0] + (mismatch[1] - mismatch[0]) * step / steps,
+            "masked_frac_first": masked_first,
+            "grad_norm": 1.0,
+            "trained_seqs": 10,
+            "optimizer_steps": 8,
+        }
         if step % every == 0:
             r["eval_acc"] = evals[step // every - 1]
         records.append(r)
@@ -54,14 +66,21 @@ def test_interval_and_power():
 
 def _arm(pg_top: list[float], pg_control: list[float], *, pg_growth: float = 2.0, dppo_mask: float = 0.2) -> dict:
     """Summaries of the noise arm: DPPO Binary-TV ends at 0.25 in every seed and condition."""
-    dppo = {s: stats.run_summary(_run(0.08, [0.25] * 10, mismatch=(0.05, 0.05), masked_first=dppo_mask))
-            for s in range(3)}
+    dppo = {
+        s: stats.run_summary(_run(0.08, [0.25] * 10, mismatch=(0.05, 0.05), masked_first=dppo_mask)) for s in range(3)
+    }
     return {
-        "sigma0": {"dppo_binary_tv": dppo,
-                   "pg_is": {s: stats.run_summary(_run(0.08, [v] * 10)) for s, v in enumerate(pg_control)}},
-        "sigma1": {"dppo_binary_tv": dppo,
-                   "pg_is": {s: stats.run_summary(_run(0.08, [v] * 10, mismatch=(0.05, 0.05 * pg_growth)))
-                             for s, v in enumerate(pg_top)}},
+        "sigma0": {
+            "dppo_binary_tv": dppo,
+            "pg_is": {s: stats.run_summary(_run(0.08, [v] * 10)) for s, v in enumerate(pg_control)},
+        },
+        "sigma1": {
+            "dppo_binary_tv": dppo,
+            "pg_is": {
+                s: stats.run_summary(_run(0.08, [v] * 10, mismatch=(0.05, 0.05 * pg_growth)))
+                for s, v in enumerate(pg_top)
+            },
+        },
     }
 
 
@@ -101,7 +120,8 @@ def test_collected_rows_sum_the_bins_over_each_evaluation_window():
     evaluation = {"eval_acc": 0.12375}
     records = [{"step": 0, "eval_acc": 0.1}] + [
         {"step": s, "reward": 1 / 3, "mismatch_mean": 0.0123456, **bins, **(evaluation if s % 2 == 0 else {})}
-        for s in (1, 2, 3, 4)]
+        for s in (1, 2, 3, 4)
+    ]
     rows = data_file_rows(records)
     at = {name: i for i, name in enumerate([*COLUMNS, *BIN_COLUMNS])}
     assert rows[0][at["eval_acc"]] == 0.1 and rows[0][at["masked_by_mu_pos"]] is None

@@ -24,9 +24,24 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
     settings = dict(
-        out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=20,
-        steps=3, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
-        save_every=0, max_new_tokens=4, lr=1e-3, threads=1, seed=5, warm_start_label_smoothing=0.0,
+        out=str(out),
+        engine="hf",
+        max_operand=9,
+        num_eval=16,
+        warm_start_problems=60,
+        warm_start_steps=20,
+        steps=3,
+        prompts_per_step=6,
+        group_size=4,
+        num_minibatches=2,
+        eval_every=2,
+        eval_samples=1,
+        save_every=0,
+        max_new_tokens=4,
+        lr=1e-3,
+        threads=1,
+        seed=5,
+        warm_start_label_smoothing=0.0,
     )
     settings.update(overrides)
     return TrainConfig(**settings).validate()
@@ -68,13 +83,17 @@ def test_report_to_tensorboard_without_the_package_is_a_clear_error(tmp_path, mo
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     out = tmp_path / "run"
-    with pytest.raises(RunError, match=r"--report-to tensorboard needs the tensorboard package.*pip install tensorboard"):
+    with pytest.raises(
+        RunError, match=r"--report-to tensorboard needs the tensorboard package.*pip install tensorboard"
+    ):
         run(_tiny_run_config(out, report_to="tensorboard"), progress=False)
     assert not out.exists(), "a refused run leaves no folder behind"
 
 
 def test_report_to_rejects_unknown_targets(tmp_path):
-    with pytest.raises(ValueError, match=r"--report-to: unknown value 'wandb'; expected one of \['none', 'tensorboard'\]"):
+    with pytest.raises(
+        ValueError, match=r"--report-to: unknown value 'wandb'; expected one of \['none', 'tensorboard'\]"
+    ):
         _tiny_run_config(tmp_path, report_to="wandb")
 
 
@@ -130,13 +149,41 @@ def test_cli_run_with_vllm_is_quiet_by_default(tmp_path):
 
     pytest.importorskip("vllm")
     env = child_env(drop=("VLLM_LOGGING_LEVEL",), VLLM_CPU_KVCACHE_SPACE="1")
-    flags = ["--engine", "vllm", "--rollout-dtype", "bfloat16", "--max-operand", "9", "--num-eval", "16",
-             "--warm-start-problems", "60",
-             "--warm-start-steps", "20", "--steps", "3", "--prompts-per-step", "6", "--group-size", "4",
-             "--num-minibatches", "2", "--eval-every", "2", "--eval-samples", "1", "--max-new-tokens", "4",
-             "--threads", "1", "--out", str(tmp_path / "run")]
-    out = subprocess.run([sys.executable, "-m", "dppo_ext.train", *flags], capture_output=True, text=True, env=env,
-                         timeout=900)
+    flags = [
+        "--engine",
+        "vllm",
+        "--rollout-dtype",
+        "bfloat16",
+        "--max-operand",
+        "9",
+        "--num-eval",
+        "16",
+        "--warm-start-problems",
+        "60",
+        "--warm-start-steps",
+        "20",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "6",
+        "--group-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-samples",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "dppo_ext.train", *flags], capture_output=True, text=True, env=env, timeout=900
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()  # vLLM's own log handler writes to stdout
     vllm_lines = [line for line in lines if "(MainProcess pid=" in line or ":vllm." in line]
@@ -207,12 +254,15 @@ def test_cli_restarts_once_with_passive_omp_waits(monkeypatch, tmp_path):
     from dppo_ext.trainer.process import restart_with_passive_omp_waits
 
     calls = []
-    monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, list(args), os.environ.get("OMP_WAIT_POLICY"))))
+    monkeypatch.setattr(
+        os, "execv", lambda path, args: calls.append((path, list(args), os.environ.get("OMP_WAIT_POLICY")))
+    )
     monkeypatch.setattr(sys, "argv", ["dppo-train", "--threads", "2", "--out", str(tmp_path)])
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))
-    assert calls == [(sys.executable, [sys.executable, "-m", "dppo_ext.train", "--threads", "2", "--out", str(tmp_path)],
-                      "PASSIVE")]
+    assert calls == [
+        (sys.executable, [sys.executable, "-m", "dppo_ext.train", "--threads", "2", "--out", str(tmp_path)], "PASSIVE")
+    ]
     restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=2))  # now set: no second restart
     monkeypatch.delenv("OMP_WAIT_POLICY")
     restart_with_passive_omp_waits(_tiny_run_config(tmp_path, threads=1))

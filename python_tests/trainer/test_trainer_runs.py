@@ -33,9 +33,24 @@ from dppo_ext.trainer.config import TrainConfig, parse_config
 
 def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
     settings = dict(
-        out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=20,
-        steps=2, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
-        save_every=1, max_new_tokens=4, lr=1e-3, threads=1, seed=5, warm_start_label_smoothing=0.0,
+        out=str(out),
+        engine="hf",
+        max_operand=9,
+        num_eval=16,
+        warm_start_problems=60,
+        warm_start_steps=20,
+        steps=2,
+        prompts_per_step=6,
+        group_size=4,
+        num_minibatches=2,
+        eval_every=2,
+        eval_samples=1,
+        save_every=1,
+        max_new_tokens=4,
+        lr=1e-3,
+        threads=1,
+        seed=5,
+        warm_start_label_smoothing=0.0,
     )
     settings.update(overrides)
     return TrainConfig(**settings).validate()
@@ -74,8 +89,14 @@ def _save(out: Path, parts, step: int, **kwargs) -> Path:
 
     model, tokenizer, optimizer = parts
     return save_checkpoint(
-        out, model=model, tokenizer=tokenizer, optimizer=optimizer, step=step,
-        sampler={"rng": None, "order": [step]}, elapsed_s=float(step), **kwargs,
+        out,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        step=step,
+        sampler={"rng": None, "order": [step]},
+        elapsed_s=float(step),
+        **kwargs,
     )
 
 
@@ -101,8 +122,11 @@ def test_rerun_into_a_non_empty_out_is_refused_and_changes_nothing(tmp_path: Pat
     (out / "metrics.jsonl").write_text('{"step": 0, "eval_acc": 0.25}\n')
     (out / "notes.txt").write_text("mine")
     before = _snapshot(out)
-    with pytest.raises(RunError, match=r"is not empty \(it holds metrics\.jsonl, notes\.txt\) and has no dppo-run\.json"
-                       r".* a fresh run needs an empty folder\. Nothing was changed\. Pass an empty or new --out"):
+    with pytest.raises(
+        RunError,
+        match=r"is not empty \(it holds metrics\.jsonl, notes\.txt\) and has no dppo-run\.json"
+        r".* a fresh run needs an empty folder\. Nothing was changed\. Pass an empty or new --out",
+    ):
         run(_tiny_run_config(out), progress=False)
     assert main(["--out", str(out), "--engine", "hf", "--steps", "1"]) == 2
     err = capsys.readouterr().err
@@ -111,8 +135,11 @@ def test_rerun_into_a_non_empty_out_is_refused_and_changes_nothing(tmp_path: Pat
     # a folder that holds a run of this trainer (its manifest): --resume or --overwrite is the way
     run(_tiny_run_config(tmp_path / "done", steps=1, warm_start_steps=2), progress=False)
     before = _snapshot(tmp_path / "done")
-    with pytest.raises(RunError, match=r"already holds a run \(its dppo-run\.json lists .*checkpoint-1.*\): "
-                                       r"pass --resume to continue it, --overwrite to delete what it wrote"):
+    with pytest.raises(
+        RunError,
+        match=r"already holds a run \(its dppo-run\.json lists .*checkpoint-1.*\): "
+        r"pass --resume to continue it, --overwrite to delete what it wrote",
+    ):
         run(_tiny_run_config(tmp_path / "done", steps=1, warm_start_steps=2), progress=False)
     assert _snapshot(tmp_path / "done") == before
 
@@ -156,7 +183,11 @@ def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path
     try:
         assert holder.stdout.readline().strip() == "locked"
         (out / "config.json").write_text("{}")  # in use is what matters, not that it is non-empty
-        for config in (_tiny_run_config(out), _tiny_run_config(out, resume=True), _tiny_run_config(out, overwrite=True)):
+        for config in (
+            _tiny_run_config(out),
+            _tiny_run_config(out, resume=True),
+            _tiny_run_config(out, overwrite=True),
+        ):
             with pytest.raises(RunError, match=rf"another dppo-train \(pid {holder.pid} on host .*\) holds its lock"):
                 run(config, progress=False)
         # a crash (SIGKILL: no cleanup code runs) releases the lock: flock belongs to the open file
@@ -242,7 +273,9 @@ def test_resume_takes_the_newest_complete_checkpoint_and_reports_a_damaged_one(t
     _save(tmp_path, tiny_parts, 2)
     newest = _save(tmp_path, tiny_parts, 4)
     (newest / MANIFEST_FILE).unlink()  # a folder someone copied in without finishing
-    with pytest.raises(CheckpointError, match=r"checkpoint-4.* no checkpoint\.json .*move checkpoint-4 out of .* checkpoint-2"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint-4.* no checkpoint\.json .*move checkpoint-4 out of .* checkpoint-2"
+    ):
         find_resume_checkpoint(tmp_path)
     shutil.move(str(newest), str(tmp_path.parent / "moved-away"))
     assert find_resume_checkpoint(tmp_path).name == "checkpoint-2"
@@ -255,7 +288,10 @@ def test_truncated_trainer_state_is_named(tmp_path: Path, tiny_parts):
     state = ckpt / STATE_FILE
     full = state.read_bytes()
     state.write_bytes(full[: len(full) // 2])
-    with pytest.raises(CheckpointError, match=rf"{STATE_FILE}' is truncated: {len(full) // 2} bytes, the checkpoint recorded {len(full)}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{STATE_FILE}' is truncated: {len(full) // 2} bytes, the checkpoint recorded {len(full)}",
+    ):
         find_resume_checkpoint(tmp_path / "new")
     # the earlier layout has no manifest: torch.load's failure is reported with the file's name
     legacy = _to_legacy(_save(tmp_path / "old", tiny_parts, 3), "checkpoint")
@@ -412,8 +448,7 @@ def test_bad_inputs_are_reported_before_out_is_touched(tmp_path: Path):
 
 
 _FLOAT_FLAGS = [
-    name for name, kind in typing.get_type_hints(TrainConfig).items()
-    if kind is float or kind == typing.Optional[float]
+    name for name, kind in typing.get_type_hints(TrainConfig).items() if kind is float or kind == typing.Optional[float]
 ]
 
 
@@ -428,7 +463,9 @@ def test_every_float_flag_must_be_finite(name: str, value: float):
 
 
 def test_float_flags_are_all_covered():
-    assert {"lr", "warm_start_lr", "temperature", "delta_low", "max_grad_norm", "vllm_gpu_memory_utilization"} <= set(_FLOAT_FLAGS)
+    assert {"lr", "warm_start_lr", "temperature", "delta_low", "max_grad_norm", "vllm_gpu_memory_utilization"} <= set(
+        _FLOAT_FLAGS
+    )
 
 
 @pytest.mark.parametrize(
@@ -476,8 +513,12 @@ def test_resume_treats_a_verl_alias_as_the_same_loss():
     assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_tv")) == []
     assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_tv")) == []
     assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_kl")) == [
-        "--loss 'dppo_tv' -> 'dppo_binary_kl'"]
-    assert resume_config_changes({**saved, "loss": "dppo_kl"}, _tiny_run_config("/tmp/unused", loss="dppo_binary_kl")) == []
+        "--loss 'dppo_tv' -> 'dppo_binary_kl'"
+    ]
+    assert (
+        resume_config_changes({**saved, "loss": "dppo_kl"}, _tiny_run_config("/tmp/unused", loss="dppo_binary_kl"))
+        == []
+    )
 
 
 # ---------------------------------------------------------------- whole runs (HF engine)
@@ -496,7 +537,9 @@ def test_overwrite_replaces_the_previous_run_and_resume_refuses_changed_settings
     before = _snapshot(out)
 
     # resuming with settings that change what is trained is refused, naming each flag
-    with pytest.raises(RunError, match=r"settings differ .*--lr 0\.001 -> 0\.002; --seed 5 -> 6\. .*--overwrite to start over"):
+    with pytest.raises(
+        RunError, match=r"settings differ .*--lr 0\.001 -> 0\.002; --seed 5 -> 6\. .*--overwrite to start over"
+    ):
         run(_tiny_run_config(out, steps=4, resume=True, lr=2e-3, seed=6, warm_start_steps=2), progress=False)
     assert _snapshot(out) == before
 
@@ -568,7 +611,9 @@ def test_embedded_model_rebuild_is_atomic(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(embedded_model, "supervised_warm_start", dies)
     with pytest.raises(KeyboardInterrupt):
-        embedded_model.prepare_embedded_model(folder, _tiny_run_config(tmp_path / "out", warm_start_steps=3, tiny_layers=1), task)
+        embedded_model.prepare_embedded_model(
+            folder, _tiny_run_config(tmp_path / "out", warm_start_steps=3, tiny_layers=1), task
+        )
     # the folder still holds the model its warm_start.json describes, so reusing it is right
     assert _snapshot(folder) == before
     monkeypatch.undo()

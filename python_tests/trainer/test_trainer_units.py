@@ -45,7 +45,11 @@ def test_group_advantages_zero_variance_groups_are_exactly_zero():
 
 @pytest.mark.parametrize(
     ("rewards", "match"),
-    [(torch.zeros(4), r"\[P, G\]"), (torch.zeros(3, 1), "group size >= 2"), (torch.tensor([[0.0, math.nan]]), "finite")],
+    [
+        (torch.zeros(4), r"\[P, G\]"),
+        (torch.zeros(3, 1), "group size >= 2"),
+        (torch.tensor([[0.0, math.nan]]), "finite"),
+    ],
 )
 def test_group_advantages_rejects_bad_rewards(rewards, match):
     with pytest.raises(ValueError, match=match):
@@ -92,11 +96,16 @@ def test_arithmetic_task_splits_are_disjoint_and_answers_are_right():
 
 def test_jsonl_loader_reads_problems(tmp_path: Path):
     path = tmp_path / "data.jsonl"
-    path.write_text('{"prompt": "2+2?", "answer": 4}\n\n{"prompt": "capital of France?", "answer": "Paris", "id": 7}\n'
-                    '{"prompt": "half of 3?", "answer": 1.5}\n{"prompt": "3.0?", "answer": 3.0}\n')
+    path.write_text(
+        '{"prompt": "2+2?", "answer": 4}\n\n{"prompt": "capital of France?", "answer": "Paris", "id": 7}\n'
+        '{"prompt": "half of 3?", "answer": 1.5}\n{"prompt": "3.0?", "answer": 3.0}\n'
+    )
     problems = load_jsonl_problems(path)
     assert [(p.prompt, p.answer) for p in problems] == [
-        ("2+2?", "4"), ("capital of France?", "Paris"), ("half of 3?", "1.5"), ("3.0?", "3")
+        ("2+2?", "4"),
+        ("capital of France?", "Paris"),
+        ("half of 3?", "1.5"),
+        ("3.0?", "3"),
     ]
 
 
@@ -150,9 +159,16 @@ def test_config_validation_messages(overrides, match):
 
 
 def test_cli_parses_every_field_and_rejects_bad_values(capsys):
-    config = parse_config(["--loss", "dppo_topk_kl", "--top-k", "4", "--no-adv-std", "--delta-low", "0.1", "--steps", "3"])
+    config = parse_config(
+        ["--loss", "dppo_topk_kl", "--top-k", "4", "--no-adv-std", "--delta-low", "0.1", "--steps", "3"]
+    )
     assert (config.loss, config.mode, config.top_k, config.adv_std, config.delta_low, config.steps) == (
-        "dppo_topk_kl", "topk_kl", 4, False, 0.1, 3
+        "dppo_topk_kl",
+        "topk_kl",
+        4,
+        False,
+        0.1,
+        3,
     )
     assert config.delta_high is None
     with pytest.raises(SystemExit):
@@ -212,9 +228,24 @@ def test_collate_and_response_logits_match_unpadded_forwards(tmp_path: Path):
 # ---------------------------------------------------------------- short training runs (HF engine)
 def _tiny_run_config(out: Path, **overrides) -> TrainConfig:
     settings = dict(
-        out=str(out), engine="hf", max_operand=9, num_eval=16, warm_start_problems=60, warm_start_steps=30,
-        steps=4, prompts_per_step=6, group_size=4, num_minibatches=2, eval_every=2, eval_samples=1,
-        save_every=2, max_new_tokens=4, lr=1e-3, threads=1, seed=5, warm_start_label_smoothing=0.0,
+        out=str(out),
+        engine="hf",
+        max_operand=9,
+        num_eval=16,
+        warm_start_problems=60,
+        warm_start_steps=30,
+        steps=4,
+        prompts_per_step=6,
+        group_size=4,
+        num_minibatches=2,
+        eval_every=2,
+        eval_samples=1,
+        save_every=2,
+        max_new_tokens=4,
+        lr=1e-3,
+        threads=1,
+        seed=5,
+        warm_start_label_smoothing=0.0,
     )
     settings.update(overrides)
     return TrainConfig(**settings).validate()
@@ -246,7 +277,9 @@ def test_hf_engine_training_steps_change_weights_and_stay_in_sync(tmp_path: Path
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert len(records) == 2
     # linear warm-up: step s (1-based) trains at lr * s / warmup_steps
-    assert [r["lr"] for r in records] == pytest.approx([config.lr / config.warmup_steps, 2 * config.lr / config.warmup_steps])
+    assert [r["lr"] for r in records] == pytest.approx(
+        [config.lr / config.warmup_steps, 2 * config.lr / config.warmup_steps]
+    )
     for record in records:
         assert record["optimizer_steps"] > 0 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
         # fp32 HF rollouts of synced weights: the trainer's pi equals the rollout's mu up to rounding
@@ -273,7 +306,10 @@ def test_resume_continues_identically(tmp_path: Path):
     assert _comparable(split) == _comparable(straight)
     assert read_metrics(tmp_path / "split" / "metrics.dropped.jsonl") == [{"step": 3, "reward": 0.123}]
     assert sorted(p.name for p in (tmp_path / "split").glob("checkpoint*")) == ["checkpoint-2", "checkpoint-4"]
-    a, b = _weights(tmp_path / "straight" / "checkpoint-4" / "model"), _weights(tmp_path / "split" / "checkpoint-4" / "model")
+    a, b = (
+        _weights(tmp_path / "straight" / "checkpoint-4" / "model"),
+        _weights(tmp_path / "split" / "checkpoint-4" / "model"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -285,8 +321,17 @@ def test_resume_without_checkpoint_fails_fast(tmp_path: Path):
     assert not (tmp_path / "fresh").exists()
 
 
-@pytest.mark.parametrize("agg", ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                 "seq-mean-token-sum-norm", "token-sum-norm"))
+@pytest.mark.parametrize(
+    "agg",
+    (
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+        "token-sum-norm",
+    ),
+)
 def test_micro_batches_add_up_to_the_mini_batch(agg):
     """Gradient accumulation: the micro-batches' losses (each trimmed to its own longest response, as the trainer
     does), weighted by micro_batch_scale, add up to the mini-batch's loss in every aggregation mode
@@ -307,6 +352,5 @@ def test_micro_batches_add_up_to_the_mini_batch(agg):
     for part in mb_index.split(3):
         micro = batch.select(part)
         loss = aggregate_loss(per_token[part, : micro.response_len], micro.response_mask, agg, horizon)
-        total += loss * micro_batch_scale(agg, micro.response_mask, float(mb_mask.sum()),
-                                          float(mb_mask.any(-1).sum()))
+        total += loss * micro_batch_scale(agg, micro.response_mask, float(mb_mask.sum()), float(mb_mask.any(-1).sum()))
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)

@@ -41,9 +41,17 @@ _TRL_LOSS_TYPE_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_g
 # one to a non-default value gets a warning. (vllm_importance_sampling_correction is not listed: both of its values
 # give the same DPPO loss, whose weight min(pi / mu, C) already corrects against mu.)
 _IGNORED_TRL_LOSS_FIELDS = (
-    "importance_sampling_level", "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-    "vespo_k_neg", "vespo_lambda_neg", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    "importance_sampling_level",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_cap",
 )
 
 
@@ -101,20 +109,30 @@ class DPPOGRPOConfig(GRPOConfig):
     )
     dppo_vllm_dtype: str = field(
         default="auto",
-        metadata={"help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
-                          "bfloat16/float16), float32, bfloat16 or float16."},
+        metadata={
+            "help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
+            "bfloat16/float16), float32, bfloat16 or float16."
+        },
     )
     dppo_vllm_kv_cache_gib: Optional[float] = field(
         default=None,
-        metadata={"help": "KV-cache size of the colocated vLLM engine in GiB; None: from vllm_gpu_memory_utilization "
-                          "(on CPU a share of the RAM that must be free at start)."},
+        metadata={
+            "help": "KV-cache size of the colocated vLLM engine in GiB; None: from vllm_gpu_memory_utilization "
+            "(on CPU a share of the RAM that must be free at start)."
+        },
     )
 
     def __post_init__(self) -> None:
         self._warn_ignored_trl_fields()  # before GRPOConfig's own __post_init__ rewrites any of them
         super().__post_init__()
-        check_settings(self.dppo_mode, self.temperature, self.dppo_delta_low, self.dppo_delta_high,
-                       self.dppo_ratio_cap, prefix="dppo_")
+        check_settings(
+            self.dppo_mode,
+            self.temperature,
+            self.dppo_delta_low,
+            self.dppo_delta_high,
+            self.dppo_ratio_cap,
+            prefix="dppo_",
+        )
         self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_topk < 0:
             raise ValueError(f"dppo_topk must be >= 0, got {self.dppo_topk}")
@@ -129,43 +147,55 @@ class DPPOGRPOConfig(GRPOConfig):
         if self.dppo_loss_agg_mode in NORM_AGG_MODES and not (self.max_completion_length or 0) > 0:
             raise ValueError(
                 f"dppo_loss_agg_mode={self.dppo_loss_agg_mode!r} divides by max_completion_length, which must be a "
-                f"positive int, got {self.max_completion_length!r}")
+                f"positive int, got {self.max_completion_length!r}"
+            )
         if self.dppo_chunk_size is not None and self.dppo_chunk_size < 1:
             raise ValueError(f"dppo_chunk_size must be a positive int or None, got {self.dppo_chunk_size}")
         if self.dppo_vllm_dtype not in VLLM_DTYPES:
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
         gib = self.dppo_vllm_kv_cache_gib
-        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
-                                or not (math.isfinite(gib) and gib > 0)):
-            raise ValueError(f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), "
-                             f"got {gib!r}")
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, (int, float)) or not (math.isfinite(gib) and gib > 0)
+        ):
+            raise ValueError(
+                f"dppo_vllm_kv_cache_gib must be a finite number of GiB > 0 or None (vLLM's sizing), got {gib!r}"
+            )
 
     def _check_trl_loss_fields(self) -> None:
         """Resolve ``dppo_loss_agg_mode`` from TRL's ``loss_type``; reject TRL's ratio clips (docs/names.md)."""
         if self.loss_type != _TRL_DEFAULT_LOSS_TYPE and self.dppo_loss_agg_mode is not None:
             raise ValueError(
                 f"set either loss_type (TRL's name) or dppo_loss_agg_mode, not both: got loss_type={self.loss_type!r} "
-                f"and dppo_loss_agg_mode={self.dppo_loss_agg_mode!r}")
+                f"and dppo_loss_agg_mode={self.dppo_loss_agg_mode!r}"
+            )
         if self.dppo_loss_agg_mode is None:
             if self.loss_type not in _TRL_LOSS_TYPE_AGG:
                 raise ValueError(
                     f"loss_type={self.loss_type!r} is a TRL loss formula of its own, not an aggregation DPPO can use; "
-                    f"set dppo_loss_agg_mode to one of {AGG_MODES} (loss_type maps only {dict(_TRL_LOSS_TYPE_AGG)})")
+                    f"set dppo_loss_agg_mode to one of {AGG_MODES} (loss_type maps only {dict(_TRL_LOSS_TYPE_AGG)})"
+                )
             self.dppo_loss_agg_mode = _TRL_LOSS_TYPE_AGG[self.loss_type]
-        ratio_clips = {"epsilon": (self.epsilon, 0.2), "epsilon_high": (self.epsilon_high, None),
-                       "delta": (self.delta, None)}
+        ratio_clips = {
+            "epsilon": (self.epsilon, 0.2),
+            "epsilon_high": (self.epsilon_high, None),
+            "delta": (self.delta, None),
+        }
         changed = {name: value for name, (value, default) in ratio_clips.items() if value != default}
         if changed:
             raise ValueError(
                 f"DPPOGRPOTrainer does not read TRL's ratio-clip fields {changed}: DPPO's thresholds bound a "
                 f"divergence (binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set "
                 f"dppo_delta_low / dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / "
-                f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)")
+                f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)"
+            )
 
     def _warn_ignored_trl_fields(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-        changed = {name: getattr(self, name) for name in _IGNORED_TRL_LOSS_FIELDS
-                   if name in defaults and getattr(self, name) != defaults[name]}
+        changed = {
+            name: getattr(self, name)
+            for name in _IGNORED_TRL_LOSS_FIELDS
+            if name in defaults and getattr(self, name) != defaults[name]
+        }
         if changed:
             warnings.warn(
                 f"DPPOGRPOConfig: the DPPO loss ignores TRL's own loss settings {changed}; set the DPPO ones instead "

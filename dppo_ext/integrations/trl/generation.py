@@ -52,8 +52,9 @@ def split_vllm_logprobs(
     return sampled, topk_ids, topk_logprobs
 
 
-def pad_topk(rows: list[list[list[float]]], length: int, k: int, fill: float, dtype: torch.dtype,
-             device: Any) -> torch.Tensor:
+def pad_topk(
+    rows: list[list[list[float]]], length: int, k: int, fill: float, dtype: torch.dtype, device: Any
+) -> torch.Tensor:
     """``[B, length, k]`` tensor from ragged ``[B][T_b][k]`` lists, right-padded with ``fill``."""
     out = torch.full((len(rows), length, k), fill, dtype=dtype)
     for i, row in enumerate(rows):
@@ -88,8 +89,12 @@ def kv_cache_env_lifted(kv_cache_memory_bytes: Optional[int]) -> Iterator[None]:
     given, so that the engine started in the block gets that size; the variable is put back afterwards."""
     held = os.environ.pop(KV_CACHE_ENV, None) if kv_cache_memory_bytes is not None else None
     if held is not None:
-        logger.info("dppo_vllm_kv_cache_gib (%d bytes) takes precedence over %s=%s for the colocated engine",
-                    kv_cache_memory_bytes, KV_CACHE_ENV, held)
+        logger.info(
+            "dppo_vllm_kv_cache_gib (%d bytes) takes precedence over %s=%s for the colocated engine",
+            kv_cache_memory_bytes,
+            KV_CACHE_ENV,
+            held,
+        )
     try:
         yield
     finally:

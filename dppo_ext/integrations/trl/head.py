@@ -28,8 +28,13 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402  (after the
 __all__ = ["DPPOForwardOutput", "add_dppo_head", "flat_float"]
 
 # Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                     "logits_scaling")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
 
 
 @dataclass

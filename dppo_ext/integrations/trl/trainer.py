@@ -117,8 +117,10 @@ class DPPOGRPOTrainer(GRPOTrainer):
         self._dppo_topk = args.dppo_topk if args.dppo_mode in TOPK_MODES else 0
         if self._dppo_topk:
             if self.tools or self.rollout_func is not None:
-                raise ValueError("the top-K DPPO modes do not support tools or rollout_func (the sampler's top-K is "
-                                 "kept per generated position of a single turn); use binary_tv or binary_kl")
+                raise ValueError(
+                    "the top-K DPPO modes do not support tools or rollout_func (the sampler's top-K is "
+                    "kept per generated position of a single turn); use binary_tv or binary_kl"
+                )
             self.vllm_generation.logprobs = self._dppo_topk  # TRL asks for 0 (the sampled token only)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_dppo_head(target, args, self.temperature)
@@ -231,7 +233,9 @@ class DPPOGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         training = mode == "train"
         loss = micro_batch_loss(
-            per_token_loss, mask, self.args.dppo_loss_agg_mode,
+            per_token_loss,
+            mask,
+            self.args.dppo_loss_agg_mode,
             num_items_in_batch=inputs["num_items_in_batch"],
             accumulation_steps=self.current_gradient_accumulation_steps if training else 1,
             steps_per_generation=self.args.steps_per_generation if training else 1,
@@ -254,8 +258,9 @@ class DPPOGRPOTrainer(GRPOTrainer):
     ) -> None:
         """Our metrics (``dppo/<name>``), reduced across processes, into TRL's metric buffer."""
         flat = DPPOOutputs(*(flat_float(t) for t in out.to_tuple()))
-        metrics = dppo_metrics(flat, flat_float(batch["rollout_logprobs"]), flat_float(batch["advantages"]),
-                               mask.reshape(-1))
+        metrics = dppo_metrics(
+            flat, flat_float(batch["rollout_logprobs"]), flat_float(batch["advantages"]), mask.reshape(-1)
+        )
         if per_token_kl is not None:
             metrics["kl"] = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
         names = list(metrics)
@@ -273,4 +278,3 @@ class DPPOGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["entropy"].append(self._metrics[mode]["dppo/entropy_mean"][-1])
         self._metrics[mode]["dppo/recompute_variant"].append(float(recompute))
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss.detach()).mean().item())
-

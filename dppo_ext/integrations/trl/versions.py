@@ -14,8 +14,14 @@ from types import ModuleType
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-__all__ = ["SUPPORTED_TRL", "TESTED_TRL", "TESTED_VLLM", "check_trl_version", "import_trl",
-           "tested_vllm_warning_silenced"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "TESTED_TRL",
+    "TESTED_VLLM",
+    "check_trl_version",
+    "import_trl",
+    "tested_vllm_warning_silenced",
+]
 
 # TRL releases this integration supports (it overrides GRPOTrainer internals) and the one it is tested with.
 SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
@@ -26,8 +32,10 @@ TESTED_TRL = "1.16.0"
 TESTED_VLLM = "0.32.0"
 # TRL's warning, each time it checks for vLLM, that the installed vLLM is outside its list (five times while its
 # generation module is imported, once more when a trainer starts vLLM).
-_TRL_VLLM_WARNING = (rf"TRL currently supports vLLM versions from 0\.22\.0 to 0\.31\.0\. "
-                     rf"You have version {re.escape(TESTED_VLLM)} ")
+_TRL_VLLM_WARNING = (
+    rf"TRL currently supports vLLM versions from 0\.22\.0 to 0\.31\.0\. "
+    rf"You have version {re.escape(TESTED_VLLM)} "
+)
 
 
 def check_trl_version(version: str) -> None:

@@ -30,5 +30,8 @@ def installed() -> frozenset[str]:
 def check_installed() -> None:
     """Raise ``RuntimeError`` when a change of the plugin failed to install (the messages say which)."""
     if _failures:
-        raise RuntimeError("dppo_ext's verl plugin is not fully installed: " + "; ".join(_failures)
-                           + f". It supports verl {SUPPORTED_VERL} (pip install 'dppo_ext[verl]').")
+        raise RuntimeError(
+            "dppo_ext's verl plugin is not fully installed: "
+            + "; ".join(_failures)
+            + f". It supports verl {SUPPORTED_VERL} (pip install 'dppo_ext[verl]')."
+        )

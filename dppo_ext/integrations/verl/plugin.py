@@ -52,9 +52,14 @@ def _guarded(name: str, patch: Callable[[ModuleType], None]) -> Callable[[Module
             patch(module)
         except Exception as exc:  # a verl release whose internals differ: say so, keep verl importable
             record(name, f"{type(exc).__name__}: {exc}")
-            logger.error("dppo_ext could not change %s (%s: %s); in this process the plugin's loss modes (%s, and "
-                         "dppo_tv/dppo_kl on the FSDP engine) raise this error when a run asks for them", name,
-                         type(exc).__name__, exc, ", ".join(TOPK_LOSS_MODES))
+            logger.error(
+                "dppo_ext could not change %s (%s: %s); in this process the plugin's loss modes (%s, and "
+                "dppo_tv/dppo_kl on the FSDP engine) raise this error when a run asks for them",
+                name,
+                type(exc).__name__,
+                exc,
+                ", ".join(TOPK_LOSS_MODES),
+            )
         else:
             record(name, None)
 
@@ -67,7 +72,8 @@ def _registry_entry(name: str) -> Callable[..., Any]:
         raise RuntimeError(
             f"verl called the policy loss {name!r} through its registry, that is with the log-probs only: dppo_ext "
             "computes it from the logits inside verl's FSDP engine (actor strategy fsdp or fsdp2), which this run "
-            "does not use or bypassed (verl's distillation loss is not supported together with it); see docs/verl.md")
+            "does not use or bypassed (verl's distillation loss is not supported together with it); see docs/verl.md"
+        )
 
     unavailable.__dppo_ext__ = True
     return unavailable
@@ -112,8 +118,10 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
         if mode is not None:
             check_installed()
             unsupported = [
-                (tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False),
-                 "actor_rollout_ref.model.use_fused_kernels=True (the fused kernels never form the logits)"),
+                (
+                    tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False),
+                    "actor_rollout_ref.model.use_fused_kernels=True (the fused kernels never form the logits)",
+                ),
                 (self.pad_to_length, "engine pad_to_length=True"),
                 (self.use_ulysses_sp, "ulysses_sequence_parallel_size > 1"),
             ]
@@ -121,8 +129,13 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
                 if flag:
                     raise RuntimeError(f"loss_mode={mode} (dppo_ext) does not support {what}; see docs/verl.md")
             wants_entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
-            tu.assign_non_tensor(micro_batch, **{loss.ENTROPY_FLAG: bool(wants_entropy)}, calculate_entropy=False,
-                                 distillation_use_topk=True, distillation_only=True)
+            tu.assign_non_tensor(
+                micro_batch,
+                **{loss.ENTROPY_FLAG: bool(wants_entropy)},
+                calculate_entropy=False,
+                distillation_use_topk=True,
+                distillation_only=True,
+            )
         return forward_step(self, micro_batch, loss_function, forward_only)
 
     dppo_forward_step.__dppo_ext__ = True

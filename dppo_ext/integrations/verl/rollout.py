@@ -61,8 +61,10 @@ class RolloutTopK:
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape != self.logprobs.shape:
-            raise ValueError(f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and "
-                             f"{self.logprobs.shape}")
+            raise ValueError(
+                f"RolloutTopK needs ids and logprobs of one shape [T, K], got {self.ids.shape} and "
+                f"{self.logprobs.shape}"
+            )
 
     @property
     def k(self) -> int:
@@ -75,8 +77,10 @@ class RolloutTopK:
     def from_vllm(cls, token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, Any]], k: int) -> RolloutTopK:
         """From one vLLM ``CompletionOutput`` (``.token_ids``, ``.logprobs``) generated with ``logprobs >= k``."""
         _, ids, logprobs = extract_token_logprobs(list(token_ids), position_logprobs, k)
-        return cls(np.asarray(ids, dtype=np.int32).reshape(len(token_ids), k),
-                   np.asarray(logprobs, dtype=np.float32).reshape(len(token_ids), k))
+        return cls(
+            np.asarray(ids, dtype=np.int32).reshape(len(token_ids), k),
+            np.asarray(logprobs, dtype=np.float32).reshape(len(token_ids), k),
+        )
 
 
 def topk_from_rollout_config(config: Any) -> int:
@@ -93,7 +97,8 @@ def topk_from_rollout_config(config: Any) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(
             f"actor_rollout_ref.rollout.custom.{TOPK_CONFIG_KEY} must be an int >= 1 (the K of the top-K DPPO modes), "
-            f"got {k!r}")
+            f"got {k!r}"
+        )
     return k
 
 
