@@ -272,7 +272,8 @@ class TrainConfig:
             )
         if self.group_size < 2:
             raise ValueError(
-                f"--group-size must be >= 2 (group advantages compare samples of the same prompt), got {self.group_size}"
+                "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
+                f"got {self.group_size}"
             )
         if self.uses_topk and self.top_k < 1:
             raise ValueError(

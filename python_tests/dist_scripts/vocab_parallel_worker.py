@@ -292,7 +292,7 @@ def main() -> None:
                         lambda m=mode, d=dtype, i=inplace: check_rowwise(m, d, i, derive_offsets=i),
                     )
                 )
-    for i, agg in enumerate(AGG_MODES):
+    for agg in AGG_MODES:
         for mode in ("binary_tv", "topk_kl"):
             plan.append(
                 (f"aggregated/{mode}/{agg}", lambda m=mode, a=agg: check_aggregated(m, a, torch.float64, losses))
