@@ -362,7 +362,8 @@ def run_children(args: argparse.Namespace, cases: list[dict], progress) -> dict[
         available = peak_memory.mem_available()
         if args.device == "cpu" and available < args.mem_guard * need:
             res = {
-                "status": f"skipped: needs ~{need / peak_memory.GIB:.1f} GiB, {available / peak_memory.GIB:.1f} GiB available"
+                "status": f"skipped: needs ~{need / peak_memory.GIB:.1f} GiB, "
+                f"{available / peak_memory.GIB:.1f} GiB available"
             }
         else:
             res = run_case_in_child(case, args.child_timeout)

@@ -138,8 +138,8 @@ def markdown(results: dict) -> str:
         f"dppo_ext {m.get('dppo_ext')} (commit {m.get('git_commit') or 'uncommitted'}), {m['date_utc']}; "
         f"load average {load} at start, {load_end} at end.",
         f"Command: `{m['command']}` (wall time {m.get('wall_s', '?')} s); token-mean loss, "
-        f"compute_entropy={cfg.get('entropy', True)}, thresholds = the API's per-mode defaults. Every figure below is in "
-        "`benchmarks/results/bench_loss.json` / `.csv`; method in `docs/benchmarks.md`.",
+        f"compute_entropy={cfg.get('entropy', True)}, thresholds = the API's per-mode defaults. "
+        "Every figure below is in `benchmarks/results/bench_loss.json` / `.csv`; method in `docs/benchmarks.md`.",
         "",
     ]
     speed = _ok(records, section="speed")
@@ -161,11 +161,12 @@ def markdown(results: dict) -> str:
                 total = {c: (r["total_ms"] if r else None) for c, r in get.items()}
                 su_e = total["eager"] / total["fused"] if f and total["eager"] else None
                 su_c = total["compile"] / total["fused"] if f and total["compile"] else None
+                grad_diff = f.get("check_grad_max_abs_diff_vs_eager") if f else None
                 lines.append(
                     f"| {mode} | {dtype} | {_ms(f and f['fwd_ms'])} | {_ms(f and f['bwd_ms'])} | {_ms(total['fused'])} "
                     f"| {_ms(total['fused_inplace'])} | {_ms(total['eager'])} | {_ms(total['compile'])} "
                     f"| {'-' if su_e is None else f'{su_e:.1f}x'} | {'-' if su_c is None else f'{su_c:.1f}x'} "
-                    f"| {'-' if not f or 'check_grad_max_abs_diff_vs_eager' not in f else format(f['check_grad_max_abs_diff_vs_eager'], '.1e')} |"
+                    f"| {'-' if grad_diff is None else format(grad_diff, '.1e')} |"
                 )
         liger = _ok(records, section="speed", contender="liger_grpo")
         if liger:
@@ -254,7 +255,8 @@ def _bandwidth_lines(records: list[dict], cfg: dict) -> list[str]:
 
             lines.append(
                 f"| {mode} | {dtype} | {_ms(ref['copy_ms'])} ({ref['copy_GBps']:.1f}) | {gbx(f, 'fwd')} | "
-                f"{gbx(f, 'bwd')} | {'-' if f is None else format(f['total_x_copy'], '.2f') + 'x'} | {gbx(ip, 'bwd')} | "
+                f"{gbx(f, 'bwd')} | {'-' if f is None else format(f['total_x_copy'], '.2f') + 'x'} | "
+                f"{gbx(ip, 'bwd')} | "
                 f"{'-' if ip is None else format(ip['total_x_copy'], '.2f') + 'x'} |"
             )
     lines.append("")

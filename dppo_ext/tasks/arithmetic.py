@@ -64,7 +64,8 @@ def make_arithmetic_task(
     if num_eval < 1 or num_sft < 0 or num_eval + num_sft >= len(problems):
         raise ValueError(
             f"num_eval={num_eval} (>= 1) + num_sft={num_sft} (>= 0) must leave RL problems out of "
-            f"{len(problems)} (max_operand={max_operand}, max_second_operand={max_second_operand}, operators={operators!r})"
+            f"{len(problems)} (max_operand={max_operand}, max_second_operand={max_second_operand}, "
+            f"operators={operators!r})"
         )
     random.Random(seed).shuffle(problems)
     eval_set = problems[:num_eval]

@@ -19,8 +19,8 @@ from dppo_ext.contract import AGG_MODES, MODEL_DTYPES
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
-from dppo_ext.trainer.reporting import REPORT_TARGETS
 from dppo_ext.trainer.losses import LOSSES, canonical_loss
+from dppo_ext.trainer.reporting import REPORT_TARGETS
 
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
 LOSS_MODES = {name: spec.mode for name, spec in LOSSES.items()}
@@ -272,7 +272,8 @@ class TrainConfig:
             )
         if self.group_size < 2:
             raise ValueError(
-                f"--group-size must be >= 2 (group advantages compare samples of the same prompt), got {self.group_size}"
+                "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
+                f"got {self.group_size}"
             )
         if self.uses_topk and self.top_k < 1:
             raise ValueError(

@@ -248,10 +248,12 @@ def test_float64_matches_op_free_reference(mode):
             want_out[key][~tie].to(torch.float64),
             rtol=1e-9,
             atol=1e-10,
-            msg=lambda m: f"{key}: {m}",
+            msg=lambda m, key=key: f"{key}: {m}",
         )
     for key in ("hidden", "weight", "bias"):
-        torch.testing.assert_close(got_grad[key], want_grad[key], rtol=1e-8, atol=1e-10, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            got_grad[key], want_grad[key], rtol=1e-8, atol=1e-10, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 def test_no_bias_and_n0():

@@ -30,10 +30,10 @@ from dppo_ext import (
     FusedLinearDPPOLoss,
     aggregate_loss,
     dppo_loss,
+    dppo_loss_per_row,
     fused_linear_dppo_loss,
     fused_linear_dppo_loss_per_row,
 )
-from dppo_ext import dppo_loss_per_row
 from dppo_ext.contract import MODES, accumulation_dtype
 from dppo_ext.reference import OUTPUT_KEYS, dppo_loss_full_reference, dppo_loss_reference
 

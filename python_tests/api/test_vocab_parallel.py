@@ -20,11 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dppo_ext._autograd import grad_args
-from dppo_ext import dppo_loss_per_row
-from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
-from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 from dppo_testing import child_env, sample_inputs
 from dppo_testing.vocab_parallel import (
     compare_grads,
@@ -36,6 +31,11 @@ from dppo_testing.vocab_parallel import (
     tie_rows,
     upstream,
 )
+
+from dppo_ext import dppo_loss_per_row
+from dppo_ext._autograd import grad_args
+from dppo_ext.contract import MODES, TOPK_MODES, accumulation_dtype
+from dppo_ext.vocab_parallel import _local_tokens, _slice_backward, even_vocab_offsets, gathered_bytes_per_row
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "dist_scripts" / "vocab_parallel_worker.py"

@@ -47,11 +47,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing.vocab_parallel import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo, the CPU ops compared with)
 from dppo_ext.contract import TOPK_MODES
 from dppo_ext.reference import dppo_loss_reference
-from dppo_testing.vocab_parallel import split_offsets  # uneven splits; at W = 3 rank 1 holds a single column
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emu_build  # noqa: E402

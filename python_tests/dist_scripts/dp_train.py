@@ -22,10 +22,10 @@ import logging
 
 import torch
 from accelerate import Accelerator
+from clean_exit import exit_after
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from clean_exit import exit_after
 from dppo_ext import dppo_loss_per_row, fused_linear_dppo_loss_per_row
 
 logger = logging.getLogger("dp_train")

@@ -13,11 +13,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-
 from clean_exit import exit_after
-from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
-from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, accumulation_dtype
-from dppo_ext.vocab_parallel import even_vocab_offsets
 from dppo_testing import TOL, assert_decisive, sample_inputs
 from dppo_testing.vocab_parallel import (
     compare_grads,
@@ -30,6 +26,10 @@ from dppo_testing.vocab_parallel import (
     upstream,
     weighted_sum,
 )
+
+from dppo_ext import dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, MODES, accumulation_dtype
+from dppo_ext.vocab_parallel import even_vocab_offsets
 
 
 def gather_columns(local: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -292,7 +292,7 @@ def main() -> None:
                         lambda m=mode, d=dtype, i=inplace: check_rowwise(m, d, i, derive_offsets=i),
                     )
                 )
-    for i, agg in enumerate(AGG_MODES):
+    for agg in AGG_MODES:
         for mode in ("binary_tv", "topk_kl"):
             plan.append(
                 (f"aggregated/{mode}/{agg}", lambda m=mode, a=agg: check_aggregated(m, a, torch.float64, losses))

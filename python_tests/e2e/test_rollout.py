@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing import child_env
 
 from dppo_ext.rollout import (
     RolloutEngine,
@@ -29,7 +30,6 @@ from dppo_ext.rollout import (
 from dppo_ext.rollout import factory as rollout_factory
 from dppo_ext.rollout.hf_engine import topk_with_sampled
 from dppo_ext.trainer.batch import collate_rollouts
-from dppo_testing import child_env
 
 logger = logging.getLogger(__name__)
 

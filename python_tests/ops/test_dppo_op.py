@@ -405,7 +405,8 @@ def _error_cases(kw: dict, topk_kw: dict) -> list[tuple[str, dict, type, str]]:
             "rollout_positive",
             _bad(kw, rollout_logprobs=m.abs() + 0.1),
             ValueError,
-            r"rollout_logprobs must be log-probabilities \(<= 0, -inf allowed, not NaN\), got [0-9.e+]+ at flat position 0",
+            r"rollout_logprobs must be log-probabilities \(<= 0, -inf allowed, not NaN\), "
+            r"got [0-9.e+]+ at flat position 0",
         ),
         (
             "rollout_nan",

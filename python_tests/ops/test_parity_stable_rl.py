@@ -1,14 +1,14 @@
 """Parity with the official DPPO implementation (sail-sg/Stable-RL, built on verl).
 
-The functions below re-derive, independently and in plain PyTorch, the formulas Stable-RL
-publishes in ``verl/trainer/ppo/core_algos.py`` (the per-token trust-region mask of
-``_compute_token_mask_for_policy_loss`` and the surrogate of ``compute_policy_loss_with_mask``),
-``verl/workers/actor/utils.py`` (``compute_topk_kl``: top-K plus one "rest" bucket) and the fork's
-``agg_loss``; the aggregation also against current verl's ``agg_loss`` (verl-project/verl, since PR 5417). They keep that code's numerical conventions: the importance ratio's log clamped at
-20 then capped at ``clip_ratio_c``, a 1e-8 smoothing inside the binary KL's second log, and the
-top-K masses clamped at 1e-12. Our op computes the binary KL without the smoothing, so the
-comparison runs where those epsilons are negligible (no token with pi or mu within 1e-4 of 1, no
-mu = 0, which their form turns into NaN), and skips rows whose mask decision is a near-tie.
+The functions below re-derive, independently and in plain PyTorch, the formulas Stable-RL publishes in
+``verl/trainer/ppo/core_algos.py`` (the per-token trust-region mask of ``_compute_token_mask_for_policy_loss``
+and the surrogate of ``compute_policy_loss_with_mask``), ``verl/workers/actor/utils.py`` (``compute_topk_kl``:
+top-K plus one "rest" bucket) and the fork's ``agg_loss``; the aggregation also against current verl's
+``agg_loss`` (verl-project/verl, since PR 5417). They keep that code's numerical conventions: the importance
+ratio's log clamped at 20 then capped at ``clip_ratio_c``, a 1e-8 smoothing inside the binary KL's second log,
+and the top-K masses clamped at 1e-12. Our op computes the binary KL without the smoothing, so the comparison
+runs where those epsilons are negligible (no token with pi or mu within 1e-4 of 1, no mu = 0, which their form
+turns into NaN), and skips rows whose mask decision is a near-tie.
 
 Their loss modes map onto ours: dppo_binary_tv/kl -> binary_tv/kl, dppo_topk_tv/kl -> topk_tv/kl,
 ppo (GRPO) -> ratio, pg_no_mask (CISPO-like) -> none, and each *_recompute variant -> the same mode

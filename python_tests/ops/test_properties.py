@@ -1,10 +1,10 @@
 """Property tests (hypothesis): random shapes, dtypes, modes and extreme values.
 
-Each example draws N, V, K, the logits dtype, the mode, a temperature, a logit scale from tiny to
-huge (1e-30 ... 1e30; float16 stops at 1e4), a common offset (0, +-1e4, -1e30), a fraction of -inf rollout log-probs, a fraction of
-padding rows (possibly all), an optional mask anchor and the entropy flag. Properties: every op
-output is finite, padding rows are exactly 0 with a zero gradient, and outputs and gradients agree
-with dppo_ext.reference within dppo_testing's tolerance rule. Derandomized, so CI sees the same
+Each example draws N, V, K, the logits dtype, the mode, a temperature, a logit scale from tiny to huge (1e-30
+... 1e30; float16 stops at 1e4), a common offset (0, +-1e4, -1e30), a fraction of -inf rollout log-probs, a
+fraction of padding rows (possibly all), an optional mask anchor and the entropy flag. Properties: every op
+output is finite, padding rows are exactly 0 with a zero gradient, and outputs and gradients agree with
+dppo_ext.reference within dppo_testing's tolerance rule. Derandomized, so CI sees the same
 examples every run.
 """
 

@@ -355,7 +355,7 @@ def test_every_documented_install_line_is_the_same():
     ok = re.compile(r'pip install --no-build-isolation -e (\.|"\.\[[a-z,-]+\]")(?=\s|$|`)')
     bad = [(f, line) for f, line in lines if not ok.search(line)]
     assert not bad, (
-        "install lines that differ from '" + INSTALL + "': " + "; ".join(f"{f}: {l.strip()}" for f, l in bad)
+        "install lines that differ from '" + INSTALL + "': " + "; ".join(f"{f}: {line.strip()}" for f, line in bad)
     )
     readme = (REPO / "README.md").read_text()
     assert PREREQS in readme, "the README must say what the build needs before the install line"

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing import child_env
 
 from dppo_ext.rollout import vllm_logging
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.metrics import read_metrics
 from dppo_ext.trainer.reporting import tensorboard_tag
 from dppo_ext.trainer.run_folder.files import RunError
-from dppo_testing import child_env
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
