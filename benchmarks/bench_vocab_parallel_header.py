@@ -7,6 +7,9 @@ processes on this host (one thread each), the median of:
 
 - ``fingerprint``: building this rank's header (the fingerprints of tokens, rollout log-probs, advantages and,
   for top-K modes, the top-K ids and log-probs; all device ops);
+- ``fingerprint_hidden``: the same header as the fused path builds it, with the fingerprint of the replicated
+  ``hidden [N, H]`` (``--hidden-size``, the dtype's) and the descriptor of the backward's all-reduce: side by
+  side with ``fingerprint``, their difference is what ``hidden`` adds;
 - ``exchange``: the header all-gather and every rank's check of every header (the forward's one host sync);
 - ``forward``: the whole ``dppo_loss_per_row(..., vocab_parallel_group=)`` forward (no grad) that includes both.
 
@@ -71,6 +74,7 @@ def rank_main(args: argparse.Namespace) -> None:
     adv = torch.randn(n, generator=gen)
     topk_ids = torch.randint(0, v_local * world, (n, k), generator=gen)
     topk_lp = -torch.rand(n, k, generator=gen) * 5
+    hidden = {name: torch.randn(n, args.hidden_size, generator=gen).to(DTYPES[name]) for name in args.dtypes}
     for dtype_name in args.dtypes:
         logits = torch.randn(n, v_local, generator=torch.Generator().manual_seed(rank + 1)).to(DTYPES[dtype_name])
         for mode in ("binary_tv", "topk_kl"):
@@ -79,12 +83,21 @@ def rank_main(args: argparse.Namespace) -> None:
             settings = LossSettings.resolve(mode, 1.0, None, None, 2.0, True)
             device = comm_device(None, logits.device)
 
-            header = functools.partial(call_header, rows, n, v_local, torch.float32, offsets, settings, device)
+            header = functools.partial(
+                call_header, rows, n, v_local, torch.float32, offsets, settings, device, dtype=logits.dtype
+            )
+            reduced = [("grad_hidden", hidden[dtype_name].dtype, hidden[dtype_name].shape)]
+            fused_header = functools.partial(header, reduced=reduced, hidden=hidden[dtype_name])
             exchange = functools.partial(_exchange, header(), offsets, world)
             forward = functools.partial(_forward, logits, rows, mode, offsets)
             res = {
                 name: _median(fn, args.warmup, args.repeat) * 1e3
-                for name, fn in (("fingerprint_ms", header), ("exchange_ms", exchange), ("forward_ms", forward))
+                for name, fn in (
+                    ("fingerprint_ms", header),
+                    ("fingerprint_hidden_ms", fused_header),
+                    ("exchange_ms", exchange),
+                    ("forward_ms", forward),
+                )
             }
             if rank == 0:
                 print(
@@ -94,6 +107,7 @@ def rank_main(args: argparse.Namespace) -> None:
                             "rows": n,
                             "local_vocab": v_local,
                             "dtype": dtype_name,
+                            "hidden_size": args.hidden_size,
                             "mode": mode,
                             "topk": k if top else 0,
                             **{a: round(b, 3) for a, b in res.items()},
@@ -114,6 +128,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--local-vocab", type=int, default=32768)
     parser.add_argument("--topk", type=int, default=20)
+    parser.add_argument("--hidden-size", type=int, default=4096, help="H of the fused path's hidden [N, H]")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--warmup", type=int, default=2)

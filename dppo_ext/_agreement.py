@@ -1,8 +1,9 @@
 """The agreement protocol of a vocab-parallel call: every rank checks that every other rank made the same call.
 
 - ``Rendezvous``: the forward's first collective, a fixed-size call header per rank (``call_header``: row count,
-  K, slice width, statistics dtype, hashes of the split and the settings, a ``fingerprint`` of each per-row input,
-  a failure flag), exchanged once per call.
+  K, slice width, statistics dtype, the input's dtype, hashes of the split, of the settings (by value: ``1`` and
+  ``1.0`` agree) and of the dtype and shape of every tensor a later collective reduces, a ``fingerprint`` of each
+  per-row input and of the replicated ``hidden``, a failure flag), exchanged once per call.
 - ``check_agreement``: every rank raises the same error when the ranks' headers differ, and returns the call's
   vocabulary offsets otherwise.
 - ``agreed_failures``: the body of a call; a rank whose own checks failed still joins the exchange (flagged), so
@@ -13,7 +14,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import numbers
 from typing import ContextManager, Iterator, NamedTuple, Optional, Sequence
 
 import torch
@@ -30,6 +33,7 @@ __all__ = [
     "call_header",
     "check_agreement",
     "fingerprint",
+    "settings_key",
     "vocab_parallel_call",
 ]
 
@@ -41,9 +45,13 @@ ROW_INPUT_NAMES = (
     "topk_logprobs",
     "anchor_logprobs",
 )
-_HEADER_WORDS = 16  # int64 words: the fixed size that lets ranks with different row counts still meet
+_HEADER_WORDS = 18  # int64 words: the fixed size that lets ranks with different row counts still meet
 _MAGIC = 0x4450504F  # header[0] of every call header ("DPPO")
 _FLAG, _ROWS, _TOPK, _LOCAL_VOCAB, _ACC_BYTES, _OFFSETS, _SETTINGS, _FINGERPRINTS = 1, 2, 3, 4, 5, 6, 7, 8
+_DTYPE, _REDUCED, _HIDDEN = 14, 15, 16  # after the fingerprints: the input's dtype, the reduced tensors, hidden
+# The input dtypes a header names (its index; -1 for any other): shown by name when the ranks differ.
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_CHUNK_WORDS = 1 << 20  # the fingerprint's working set: int64 temporaries of this many words, whatever the input
 _ABSENT = -1  # the fingerprint of an input that was not passed (None)
 # Odd 64-bit constants (two's complement) of the fingerprint's multiply-xor mix.
 _MIX_A, _MIX_B = -7046029254386353131, -4658895280553007687
@@ -59,10 +67,37 @@ def fingerprint(t: Optional[Tensor], device: torch.device) -> Tensor:
     if t is None:
         return torch.full((), _ABSENT, dtype=torch.int64, device=device)
     flat = t.detach().contiguous().reshape(-1)
-    words = flat.view(_WORD_VIEWS[flat.element_size()]).to(torch.int64)
-    position = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    mixed = torch.bitwise_xor(words, position * _MIX_A + _host_key(t.dtype, tuple(t.shape))) * _MIX_B
-    return mixed.sum().to(device)
+    words = flat.view(_WORD_VIEWS[flat.element_size()])
+    key = _host_key(t.dtype, tuple(t.shape))
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    # In chunks (a [N, H] hidden would otherwise need several int64 copies of itself); the wrapping sum is the same.
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        part = words[start : start + _CHUNK_WORDS].to(torch.int64)
+        position = torch.arange(start, start + part.numel(), dtype=torch.int64, device=words.device)
+        total += (torch.bitwise_xor(part, position * _MIX_A + key) * _MIX_B).sum()
+    return total.to(device)
+
+
+def _by_value(value: object) -> object:
+    """``value`` as the ops see it: a real number as a float (``1`` and ``1.0``, ``-0.0`` and ``0.0`` agree), a bool
+    or anything else as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value) + 0.0
+        except OverflowError:  # an int beyond float: no op can take it, its own check refuses it
+            return value
+    return value
+
+
+def settings_key(settings: object) -> tuple:
+    """The settings of a call compared by value (:func:`_by_value` of each field of a dataclass, or of a tuple)."""
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        values = [getattr(settings, f.name) for f in dataclasses.fields(settings)]
+    elif isinstance(settings, tuple):
+        values = list(settings)
+    else:
+        return (settings,)
+    return (type(settings).__name__, *(_by_value(v) for v in values))
 
 
 def _host_key(*values: object) -> int:
@@ -72,7 +107,7 @@ def _host_key(*values: object) -> int:
 
 
 class CallHeader(NamedTuple):
-    """One rank's call header, as exchanged (a row of ``[W, 16]`` int64)."""
+    """One rank's call header, as exchanged (a row of ``[W, 18]`` int64)."""
 
     failed: bool
     rows: int
@@ -82,6 +117,9 @@ class CallHeader(NamedTuple):
     offsets: int
     settings: int
     fingerprints: tuple[int, ...]
+    dtype: int
+    reduced: int
+    hidden: int
 
 
 class Rendezvous:
@@ -98,7 +136,7 @@ class Rendezvous:
         self.done = False
 
     def exchange(self, header: Tensor) -> list[CallHeader]:
-        """All-gather ``header`` (``[16]`` int64) and return every rank's header: the one host sync of the forward."""
+        """All-gather ``header`` (``[18]`` int64) and return every rank's header: the one host sync of the forward."""
         self.done = True
         world = dist.get_world_size(self.group)
         out = header.new_empty((world * _HEADER_WORDS,))
@@ -111,7 +149,10 @@ class Rendezvous:
             )
         return [
             CallHeader(
-                bool(w[_FLAG]), *w[_ROWS:_FINGERPRINTS], tuple(w[_FINGERPRINTS : _FINGERPRINTS + len(ROW_INPUT_NAMES)])
+                bool(w[_FLAG]),
+                *w[_ROWS:_FINGERPRINTS],
+                tuple(w[_FINGERPRINTS : _FINGERPRINTS + len(ROW_INPUT_NAMES)]),
+                *w[_DTYPE : _HIDDEN + 1],
             )
             for w in table
         ]
@@ -131,17 +172,31 @@ def call_header(
     offsets: Optional[Sequence[int]],
     settings: object,
     device: torch.device,
+    *,
+    dtype: torch.dtype,
+    reduced: Sequence[tuple[str, torch.dtype, Sequence[int]]] = (),
+    hidden: Optional[Tensor] = None,
 ) -> Tensor:
-    """This rank's ``[16]`` int64 header (see :class:`Rendezvous`) on ``device`` (:func:`comm_device`)."""
+    """This rank's ``[18]`` int64 header (see :class:`Rendezvous`) on ``device`` (:func:`comm_device`).
+
+    ``dtype``: the input's (logits or hidden); ``reduced``: ``(name, dtype, shape)`` of every tensor that a later
+    collective of the call reduces (the fused backward's hidden-state gradient), so that no collective meets
+    mismatched sizes or dtypes; ``hidden``: the replicated hidden states of the fused path (fingerprinted)."""
     topk = 0 if rows[3] is None else int(rows[3].shape[1])
     host = [_MAGIC, 0, n, topk, local_vocab, torch.empty((), dtype=acc_dtype).element_size()]
-    host += [_ABSENT if offsets is None else _host_key(*offsets), _host_key(settings)]
+    host += [_ABSENT if offsets is None else _host_key(*offsets), _host_key(settings_key(settings))]
+    host += [_ABSENT] * len(rows)  # the fingerprints' places
+    reduced_key = _host_key(*((name, str(dt), tuple(int(d) for d in shape)) for name, dt, shape in reduced))
+    host += [_DTYPES.index(dtype) if dtype in _DTYPES else _ABSENT, reduced_key, _ABSENT]
     words = torch.tensor(host + [0] * (_HEADER_WORDS - len(host)), dtype=torch.int64)
     if device.type == "cuda":  # a pinned source: the copy does not wait for the stream's queued work
         words = words.pin_memory()
     words = words.to(device, non_blocking=True)
     prints = torch.stack([fingerprint(t, device) for t in rows])
-    return torch.cat([words[:_FINGERPRINTS], prints, words[_FINGERPRINTS + len(rows) :]])
+    hidden_print = fingerprint(hidden, device).reshape(1)
+    return torch.cat(
+        [words[:_FINGERPRINTS], prints, words[_FINGERPRINTS + len(rows) : _HIDDEN], hidden_print, words[_HIDDEN + 1 :]]
+    )
 
 
 def check_agreement(headers: list[CallHeader], offsets: Optional[list[int]], world: int) -> list[int]:
@@ -174,10 +229,24 @@ def check_agreement(headers: list[CallHeader], offsets: Optional[list[int]], wor
     differing(
         "acc_bytes", "logits dtypes (statistics of different precision)", "pass logits of one dtype on every rank"
     )
+    dtypes = [str(_DTYPES[h.dtype]) if 0 <= h.dtype < len(_DTYPES) else "another dtype" for h in headers]
+    if len(set(dtypes)) > 1:
+        seen = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dtypes))
+        raise ValueError(
+            f"vocab-parallel loss: the ranks of vocab_parallel_group passed logits (or hidden and LM-head rows) of "
+            f"different dtypes ({seen}); pass one dtype on every rank"
+        )
     differing(
         "settings", "loss settings", "pass the same mode, temperature, thresholds, ratio_cap and aggregation", False
     )
     differing("offsets", "vocab_offsets", "pass the same vocab_offsets (or None) on every rank", False)
+    differing(
+        "reduced",
+        "shapes or dtypes of a tensor that the call's backward all-reduces (the hidden-state gradient: hidden's "
+        "[N, H] and dtype, and whether reduce_hidden_grad applies)",
+        "pass hidden of the same shape and dtype, and the same reduce_hidden_grad and requires_grad, on every rank",
+        False,
+    )
     for i, name in enumerate(ROW_INPUT_NAMES):
         prints = [h.fingerprints[i] for h in headers]
         if len(set(prints)) > 1:
@@ -186,6 +255,14 @@ def check_agreement(headers: list[CallHeader], offsets: Optional[list[int]], wor
                 f"vocab-parallel loss: {name} differ between the ranks of vocab_parallel_group (rank(s) {odd} "
                 f"differ from rank 0 in dtype, shape or values); {same_rows}"
             )
+    prints = [h.hidden for h in headers]
+    if len(set(prints)) > 1:
+        odd = [r for r, p in enumerate(prints) if p != prints[0]]
+        raise ValueError(
+            f"vocab-parallel loss: hidden differs between the ranks of vocab_parallel_group (rank(s) {odd} differ "
+            "from rank 0 in its values: a changed row, a NaN); hidden must be the same full [N, H] on every rank, "
+            "only the LM head's vocabulary rows are split"
+        )
     local = [h.local_vocab for h in headers]
     if offsets is None:
         offsets = [0]

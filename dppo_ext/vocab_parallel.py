@@ -130,13 +130,32 @@ def _check_local(n: int, local_vocab: int, dtype: torch.dtype, device, rows: Row
 
 
 def _agreed_offsets(
-    rendezvous: Rendezvous, rows: RowInputs, settings: LossSettings, n: int, local_vocab: int, dtype, device, offsets
+    rendezvous: Rendezvous,
+    rows: RowInputs,
+    settings: LossSettings,
+    n: int,
+    local_vocab: int,
+    dtype,
+    device,
+    offsets,
+    reduced=(),
+    hidden: Optional[Tensor] = None,
 ) -> tuple[list[int], int]:
     """``(offsets, this rank's first column)`` once every rank's call header agrees (else the same error on every
-    rank): the forward's first collective and its one host sync."""
+    rank): the forward's first collective and its one host sync. ``reduced``: ``(name, dtype, shape)`` of what a
+    later collective reduces; ``hidden``: the fused path's replicated hidden states (see ``call_header``)."""
     world, rank = group_rank(rendezvous.group)
     header = call_header(
-        rows, n, local_vocab, accumulation_dtype(dtype), offsets, settings, comm_device(rendezvous.group, device)
+        rows,
+        n,
+        local_vocab,
+        accumulation_dtype(dtype),
+        offsets,
+        settings,
+        comm_device(rendezvous.group, device),
+        dtype=dtype,
+        reduced=reduced,
+        hidden=hidden,
     )
     offsets = check_agreement(rendezvous.exchange(header), offsets, world)
     return offsets, offsets[rank]
@@ -224,8 +243,11 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
         reduce_hidden_grad,
     ):
         n, local_vocab = hidden.shape[0], weight.shape[0]
+        # the backward all-reduces the hidden-state gradient ([N, H], hidden's dtype) on the ranks that reduce it
+        reduces = bool(reduce_hidden_grad and ctx.needs_input_grad[0])
+        reduced = [("grad_hidden", hidden.dtype, hidden.shape if reduces else ())]
         offsets, start = _agreed_offsets(
-            rendezvous, rows, settings, n, local_vocab, hidden.dtype, hidden.device, offsets
+            rendezvous, rows, settings, n, local_vocab, hidden.dtype, hidden.device, offsets, reduced, hidden
         )
         group = rendezvous.group
         k = 0 if rows.topk_ids is None else rows.topk_ids.shape[1]

@@ -2,10 +2,12 @@
 
 In 2 and 3 gloo processes (``dist_scripts/vocab_parallel_agreement_worker.py``), rank 1 alone passes fewer rows,
 one changed per-row input (tokens, response mask, advantages, rollout log-probs, top-K ids or log-probs, anchor),
-another setting, or input that fails its own checks: every rank must raise, the mismatches with the same message
-naming what differs, the local failures with the failing rank's own error there and a message naming that rank
-everywhere else; a correct call afterwards still works. In process: ``vocab_offsets`` without a group is refused,
-and the call-header fingerprint is deterministic and sees a one-bit change.
+another setting, a changed row or a NaN in the fused path's replicated ``hidden``, bf16 ``hidden`` and head rows
+where the others pass fp32 (the dtype the backward's all-reduce would meet), or input that fails its own checks:
+every rank must raise, the mismatches with the same message naming what differs, the local failures with the
+failing rank's own error there and a message naming that rank everywhere else; settings equal in value but spelled
+differently (``1`` and ``1.0``) agree; a correct call afterwards still works. In process: ``vocab_offsets`` without
+a group is refused, and the call-header fingerprint is deterministic and sees a one-bit change.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ EXPECTED = {
     "settings": ("ValueError", _SAME + "the ranks of vocab_parallel_group passed different loss settings"),
     "fused_tokens": ("ValueError", _SAME + r"tokens \(or response_mask.*\) differ between the ranks"),
     "fused_rows": ("ValueError", _SAME + "the ranks of vocab_parallel_group passed different row counts N"),
+    "fused_hidden_row": ("ValueError", _SAME + r"hidden differs between the ranks.*rank\(s\) \[1\]"),
+    "fused_hidden_nan": ("ValueError", _SAME + r"hidden differs between the ranks.*rank\(s\) \[1\]"),
+    "fused_hidden_dtype": ("ValueError", _SAME + r".*different dtypes \(rank 0: torch.float32, rank 1: torch.bfloat16"),
 }
+# Settings spelled differently but equal in value (temperature=1 and 1.0, ratio_cap=10 and 10.0): every rank agrees.
+AGREE = ("settings_by_value", "fused_settings_by_value")
 LOCAL = {  # rank 1's own error; the others name rank 1
     "local_shape_error": ("ValueError", r"advantages must have shape"),
     "local_dtype_error": ("TypeError", r"tokens must have dtype Long"),
@@ -116,13 +123,13 @@ def test_every_rank_raises_when_one_rank_differs(world, tmp_path):
     results, logs = run_agreement_workers(world, tmp_path)
     got = [_by_name(r) for r in results]
     problems = []
-    for name in [*EXPECTED, *LOCAL, "correct_call_after"]:
+    for name in [*EXPECTED, *LOCAL, *AGREE, "correct_call_after"]:
         for rank in range(world):
             outcome = got[rank].get(name)
             if outcome is None:
                 problems.append(f"{name}: rank {rank} reported nothing (it crashed or hung)")
                 continue
-            if name == "correct_call_after":
+            if name == "correct_call_after" or name in AGREE:
                 want = None
             elif name in EXPECTED:
                 want = EXPECTED[name]
@@ -141,8 +148,9 @@ def test_every_rank_raises_when_one_rank_differs(world, tmp_path):
             if len(messages) != 1:
                 problems.append(f"{name}: the ranks raised different messages: {sorted(messages)}")
     assert not problems, "\n".join(problems) + "\n\nlogs:\n" + "\n".join(logs)
-    losses = {g["correct_call_after"]["loss"] for g in got}
-    assert len(losses) == 1 and all(torch.isfinite(torch.tensor(x)) for x in losses), losses
+    for name in (*AGREE, "correct_call_after"):
+        losses = {g[name]["loss"] for g in got}
+        assert len(losses) == 1 and all(torch.isfinite(torch.tensor(x)) for x in losses), (name, losses)
 
 
 # ---- in process: no group ----------------------------------------------------------------------------

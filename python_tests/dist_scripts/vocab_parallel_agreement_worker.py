@@ -98,7 +98,14 @@ def _sequence_call(mode: str = "binary_tv", mask_change: bool = False, over: dic
     return loss
 
 
-def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_weight: bool = False):
+def scenario_fused(
+    rows_differ: bool = False,
+    tokens_differ: bool = False,
+    bad_weight: bool = False,
+    hidden_change=None,
+    odd_dtype: torch.dtype | None = None,
+    over: dict | None = None,
+):
     world, rank = dist.get_world_size(), dist.get_rank()
     offsets = split_offsets(129, world)
     gen = torch.Generator().manual_seed(11)
@@ -110,6 +117,11 @@ def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_w
     adv = torch.randn(n, generator=gen, dtype=torch.float64)
     if tokens_differ:
         tokens = _changed(tokens, row=2)
+    if hidden_change is not None and _odd():
+        hidden = hidden_change(hidden.clone())
+    if odd_dtype is not None:  # e.g. bf16 hidden and head rows on one rank, fp32 on the others
+        hidden, weight = (hidden.to(odd_dtype), weight.to(odd_dtype)) if _odd() else (hidden.float(), weight.float())
+    hidden.requires_grad_(True)
     if bad_weight and _odd():
         weight = weight[:, :-1]
     if rows_differ:
@@ -119,9 +131,32 @@ def scenario_fused(rows_differ: bool = False, tokens_differ: bool = False, bad_w
             hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
         ).loss.sum()
     loss, _ = fused_linear_dppo_loss(
-        hidden, weight, tokens, rollout, adv, vocab_parallel_group=dist.group.WORLD, vocab_offsets=offsets
+        hidden,
+        weight,
+        tokens,
+        rollout,
+        adv,
+        vocab_parallel_group=dist.group.WORLD,
+        vocab_offsets=offsets,
+        **(over or {}),
     )
+    loss.backward()  # the backward's hidden-gradient all-reduce is the collective a dtype mismatch would reach
     return loss
+
+
+def _one_hidden_row(hidden: torch.Tensor) -> torch.Tensor:
+    hidden[4] += 0.5
+    return hidden
+
+
+def _one_nan(hidden: torch.Tensor) -> torch.Tensor:
+    hidden[3, 2] = float("nan")
+    return hidden
+
+
+def _by_value(integer, real):
+    """The same setting spelled as an int on the odd rank and as a float elsewhere."""
+    return integer if _odd() else real
 
 
 def scenario_empty_slice():
@@ -153,6 +188,15 @@ SCENARIOS = {
     "settings": lambda: _sequence_call(over={"delta_low": 0.3 if _odd() else 0.2}),
     "fused_tokens": lambda: scenario_fused(tokens_differ=True),
     "fused_rows": lambda: scenario_fused(rows_differ=True),
+    "fused_hidden_row": lambda: scenario_fused(hidden_change=_one_hidden_row),
+    "fused_hidden_nan": lambda: scenario_fused(hidden_change=_one_nan),
+    "fused_hidden_dtype": lambda: scenario_fused(odd_dtype=torch.bfloat16),
+    "settings_by_value": lambda: _sequence_call(
+        over={"temperature": _by_value(1, 1.0), "ratio_cap": _by_value(10, 10.0)}
+    ),
+    "fused_settings_by_value": lambda: scenario_fused(
+        over={"temperature": _by_value(1, 1.0), "ratio_cap": _by_value(10, 10.0)}
+    ),
     "local_shape_error": lambda: _sequence_call(over={"advantages": _bad_advantages_shape(torch.zeros(2, 1))}),
     "local_dtype_error": lambda: per_row_call("binary_tv", tokens=_int32),
     "local_fused_error": lambda: scenario_fused(bad_weight=True),
@@ -173,7 +217,7 @@ def main() -> None:
     for name in names:
         try:
             loss = SCENARIOS[name]()
-            results.append({"name": name, "raised": None, "message": "", "loss": float(loss)})
+            results.append({"name": name, "raised": None, "message": "", "loss": float(loss.detach())})
         except Exception as exc:  # noqa: BLE001 - every outcome is reported to the parent test
             results.append({"name": name, "raised": type(exc).__name__, "message": str(exc), "loss": None})
         with open(args.out, "w") as f:  # after every scenario: a rank that dies later still reports these

@@ -12,6 +12,7 @@ found it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from dppo_testing import child_env
 # The names the docs give (docs/run_folder.md), spelled out rather than imported: the tests state the contract.
 LOCK_FILE = ".dppo-train.lock"
 MANIFEST_FILE = "dppo-run.json"
+FOLDER_ID_FILE = ".dppo-run-id"
 
 # ---------------------------------------------------------------- helpers
 
@@ -96,7 +98,7 @@ def _assert_manifest_covers(folder: Path, users: set[str]) -> None:
     """Every entry of ``folder`` is the user's, bookkeeping, or listed in the manifest with its kind."""
     outputs = _outputs(folder)
     for path in folder.iterdir():
-        if path.name in users or path.name in (LOCK_FILE, MANIFEST_FILE):
+        if path.name in users or path.name in (LOCK_FILE, MANIFEST_FILE, FOLDER_ID_FILE):
             continue
         assert path.name in outputs, f"{path.name} is in --out but not in {MANIFEST_FILE}: {sorted(outputs)}"
         assert outputs[path.name] == ("dir" if path.is_dir() else "file"), path.name
@@ -453,7 +455,7 @@ def test_the_cli_interrupted_or_killed_during_the_warm_start_leaves_a_folder_the
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     left = sorted(p.name for p in out.iterdir())
-    assert left == sorted([LOCK_FILE, MANIFEST_FILE, f".base_model.tmp-{proc.pid}"]), left
+    assert left == sorted([LOCK_FILE, MANIFEST_FILE, FOLDER_ID_FILE, f".base_model.tmp-{proc.pid}"]), left
     assert json.loads((out / MANIFEST_FILE).read_text())["state"] == "setup"
     killed = _tree(out)
     assert _main(_argv(out, "--resume")) == 2  # nothing to continue: it never trained
@@ -523,7 +525,9 @@ def test_the_manifest_lists_every_output_and_overwrite_removes_exactly_those(tmp
     outputs = _outputs(out)
     assert {"checkpoint-3", "metrics.dropped.jsonl"} <= outputs.keys() and "checkpoint-2" not in outputs
     _assert_manifest_covers(out, set())
-    assert sorted(p.name for p in out.iterdir() if p.name not in outputs) == sorted([LOCK_FILE, MANIFEST_FILE])
+    assert sorted(p.name for p in out.iterdir() if p.name not in outputs) == sorted(
+        [LOCK_FILE, MANIFEST_FILE, FOLDER_ID_FILE]
+    )
 
     (out / "notes.txt").write_text("mine")
     base_model = _tree(out / "base_model")
@@ -626,3 +630,78 @@ def test_resume_refuses_a_folder_whose_config_json_is_not_a_trainer_config(finis
         capsys.readouterr().err
     )
     assert _tree(out) == before
+
+
+# ---------------------------------------------------------------- a manifest speaks only for its own folder and files
+
+
+def _users_run_files(folder: Path) -> dict[str, str]:
+    """The user's own files under the names a run writes."""
+    mine = {
+        "config.json": '{"mine": true}\n',
+        "summary.json": '{"accuracy": 0.99}\n',
+        "metrics.jsonl": '{"step": 1, "mine": 1}\n',
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in mine.items():
+        (folder / name).write_text(text)
+    return mine
+
+
+def test_a_manifest_copied_into_a_folder_of_the_users_files_speaks_for_nothing(finished_run, tmp_path, capsys):
+    """Issue 29 row 4: ``dppo-run.json`` copied (or left) beside the user's config.json, summary.json and
+    metrics.jsonl; --overwrite deleted and replaced them. The manifest was written for another folder: refused,
+    naming it, and the folder is left byte for byte."""
+    folder = tmp_path / "mine"
+    mine = _users_run_files(folder)
+    shutil.copy2(finished_run / MANIFEST_FILE, folder / MANIFEST_FILE)
+    before = _tree(folder)
+    assert _main(_argv(folder, "--overwrite")) == 2
+    err = capsys.readouterr().err
+    assert f"was written for the folder {str(finished_run.resolve())!r}" in err and "speaks for nothing" in err
+    assert _tree(folder) == before
+    assert {name: (folder / name).read_text() for name in mine} == mine
+
+
+def test_overwrite_keeps_a_file_the_user_changed_after_the_run(finished_run, tmp_path, capsys, caplog):
+    """A file the run wrote and the user edited since is not the run's any more: --overwrite refuses (the new run
+    would write it again) and changes nothing; an output the new run does not rewrite is kept with a warning."""
+    out = _copy_run(finished_run, tmp_path)
+    (out / "summary.json").write_text('{"my": "edit"}\n')
+    before = _tree(out)
+    assert _main(_argv(out, "--overwrite")) == 2
+    err = capsys.readouterr().err
+    assert "summary.json" in err and "is not what the previous run wrote there" in err
+    assert _tree(out) == before
+
+    out = tmp_path / "second"
+    assert _main(_argv(out, save_total_limit="1")) == 0
+    (out / "metrics.dropped.jsonl").write_text("mine\n")  # a listed name the new run does not write
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["outputs"]["metrics.dropped.jsonl"] = "file"
+    manifest["files"]["metrics.dropped.jsonl"] = {"size": 1, "sha256": "0" * 64}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert _main(_argv(out, "--overwrite", lr="2e-3", steps="1")) == 0
+    assert (out / "metrics.dropped.jsonl").read_text() == "mine\n"
+    assert "--overwrite: kept metrics.dropped.jsonl in" in caplog.text
+    assert "metrics.dropped.jsonl" not in _outputs(out)  # no longer spoken for
+
+
+def test_a_rerun_still_overwrites_its_own_files_after_a_rename(finished_run, tmp_path):
+    """What the run wrote, unchanged, is still its own, in a copy of the whole folder and after a rename: the
+    manifest records the folder's id, each file's size and SHA-256; --overwrite replaces them."""
+    out = _copy_run(finished_run, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["format"] == 2 and len(manifest["run_id"]) == 32
+    assert manifest["folder"]["id"] == (out / FOLDER_ID_FILE).read_text().strip()
+    for name in ("config.json", "summary.json", "metrics.jsonl"):
+        data = (out / name).read_bytes()
+        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    renamed = tmp_path / "renamed"
+    out.rename(renamed)
+    old_summary = (renamed / "summary.json").read_bytes()
+    assert _main(_argv(renamed, "--overwrite", steps="1")) == 0
+    after = json.loads((renamed / MANIFEST_FILE).read_text())
+    assert after["run_id"] != manifest["run_id"] and after["folder"]["id"] == manifest["folder"]["id"]
+    assert (renamed / "summary.json").read_bytes() != old_summary
+    assert not (renamed / "checkpoint-2").exists()

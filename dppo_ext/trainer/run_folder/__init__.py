@@ -21,14 +21,27 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from dppo_ext.trainer.run_folder.files import EMBEDDED_MODEL_DIR, TEMPORARY_NAME_RE, RunError
+from dppo_ext.trainer.run_folder.files import (
+    CONFIG_FILE,
+    EMBEDDED_MODEL_DIR,
+    INPUTS_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    SUMMARY_FILE,
+    TEMPORARY_NAME_RE,
+    RunError,
+)
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE, RunLock
 from dppo_ext.trainer.run_folder.manifest import (
+    FOLDER_ID_FILE,
     MANIFEST_FILE,
     SETUP,
     STARTED,
+    matches_record,
     read_manifest,
     record_output,
+    seal_outputs,
+    speaks_for,
     write_manifest,
 )
 
@@ -37,6 +50,9 @@ logger = logging.getLogger(__name__)
 # ``.tmp-<pid>-<name>``: the temporaries of dppo-train versions before the manifest.
 _EARLIER_TEMPORARY_RE = re.compile(r"^\.tmp-(?P<pid>\d+)-(?P<name>.+)$")
 _CHECKPOINT_NAME_RE = re.compile(r"^checkpoint-\d+$")
+# The files every run writes anew: one of them that --overwrite may not delete (not provably the previous run's)
+# would be overwritten by the new run, so it is refused instead of kept.
+_REWRITTEN = (CONFIG_FILE, INPUTS_FILE, METRICS_FILE, PLOT_FILE, SUMMARY_FILE)
 
 
 def _is_temporary(name: str, outputs: Mapping[str, str], pid: int | None = None) -> bool:
@@ -45,7 +61,9 @@ def _is_temporary(name: str, outputs: Mapping[str, str], pid: int | None = None)
     if match is None or (pid is not None and int(match.group("pid")) != pid):
         return False
     base = match.group("name")
-    return base in outputs or base in (MANIFEST_FILE, EMBEDDED_MODEL_DIR) or _CHECKPOINT_NAME_RE.match(base) is not None
+    if base in outputs or base in (MANIFEST_FILE, FOLDER_ID_FILE, EMBEDDED_MODEL_DIR):
+        return True
+    return _CHECKPOINT_NAME_RE.match(base) is not None
 
 
 def _kind(path: Path) -> str:
@@ -55,10 +73,10 @@ def _kind(path: Path) -> str:
 
 
 def _contents(folder: Path) -> list[str]:
-    """Names in ``folder`` other than the lock file (sorted); [] when it does not exist."""
+    """Names in ``folder`` other than the lock file and the folder id (sorted); [] when it does not exist."""
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE)
+    return sorted(p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, FOLDER_ID_FILE))
 
 
 def _shown(names: list[str]) -> str:
@@ -107,14 +125,19 @@ class RunFolder:
         self._lock_before = lock_before
         self._manifest_created = manifest_created
         self._found = set(_contents(path))  # what was there when the lock was taken
+        self._had_id = (path / FOLDER_ID_FILE).exists() or (path / FOLDER_ID_FILE).is_symlink()
 
     def __enter__(self) -> RunFolder:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self.committed:
-            self.rollback()
-        self.lock.release()
+        try:
+            if not self.committed:
+                self.rollback()
+            else:  # the sizes and hashes of what the run wrote: what a later --overwrite may delete
+                seal_outputs(self.path)
+        finally:
+            self.lock.release()
 
     def commit(self, record: Mapping[str, str] = (), *, keep: Iterable[str] = ()) -> None:
         """The run starts: from here on what it writes stays (a later failure leaves a run to ``--resume``).
@@ -130,8 +153,18 @@ class RunFolder:
         outputs = dict(self.outputs)
         if self.mode == "overwrite":
             _check_listed_kinds(folder, outputs)
+            unproven = _unproven_files(folder)
+            if unproven:
+                logger.warning(
+                    "--overwrite: kept %s in %s: not what the previous run wrote there (changed since, or recorded "
+                    "without a hash by an earlier dppo-train); move or delete it yourself if it is not yours",
+                    ", ".join(unproven),
+                    folder,
+                )
+                outputs = {k: v for k, v in outputs.items() if k not in unproven}
             doomed = [name for name in sorted(outputs) if name not in keep]
-            write_manifest(folder, SETUP, outputs)  # a crash while deleting leaves a folder the next run may clear
+            # a crash while deleting leaves a folder the next run may clear
+            write_manifest(folder, SETUP, outputs, new_run=True)
             removed = []
             for name in doomed:
                 path = folder / name
@@ -172,6 +205,8 @@ class RunFolder:
                 _remove(folder / name)
         if self._manifest_created:
             (folder / MANIFEST_FILE).unlink(missing_ok=True)
+        if not self._had_id:
+            (folder / FOLDER_ID_FILE).unlink(missing_ok=True)
         lock_path = folder / LOCK_FILE
         if self._lock_before is None:
             lock_path.unlink(missing_ok=True)
@@ -186,6 +221,31 @@ class RunFolder:
                 logger.warning("kept %s: it is not empty", path)
                 break
         self.lock.release()
+
+
+def _unproven_files(folder: Path) -> list[str]:
+    """The files ``folder``'s manifest lists that are there but are not provably what the run wrote: their size or
+    SHA-256 differs from the manifest's record, or it has none (a format-1 manifest, a run killed before its end)."""
+    manifest = read_manifest(folder) or {"outputs": {}, "files": {}}
+    unproven = []
+    for name, kind in sorted(manifest["outputs"].items()):
+        path = folder / name
+        if kind == "file" and (path.exists() or path.is_symlink()):
+            if not matches_record(path, manifest["files"].get(name)):
+                unproven.append(name)
+    return unproven
+
+
+def _refuse_a_borrowed_manifest(folder: Path, manifest: Mapping) -> None:
+    """A manifest written for another folder (copied here, or this folder is a copy) speaks for nothing in it."""
+    if manifest.get("format", 1) >= 2 and not speaks_for(manifest, folder):
+        written_for = manifest.get("folder", {}).get("path", "another folder")
+        raise RunError(
+            f"--overwrite: {str(folder / MANIFEST_FILE)!r} was written for the folder {written_for!r} (run "
+            f"{manifest.get('run_id', '?')}), not for {str(folder)!r} (a copied manifest, or a copy of that folder), "
+            "so it speaks for nothing here and nothing in it is the trainer's to delete; nothing was changed. Delete "
+            "what you do not want in it yourself, or pass another --out"
+        )
 
 
 def _check_listed_kinds(folder: Path, outputs: Mapping[str, str]) -> None:
@@ -244,10 +304,20 @@ def _plan(
             )
         return "resume", outputs, False, []
     if overwrite:
+        _refuse_a_borrowed_manifest(folder, manifest)
         _check_listed_kinds(folder, outputs)
+        kept_in_the_way = [name for name in _unproven_files(folder) if name in _REWRITTEN]
+        if kept_in_the_way:
+            raise RunError(
+                f"--overwrite: {_shown(kept_in_the_way)} in {str(folder)!r} is not what the previous run wrote there "
+                f"(its size or SHA-256 differs from {MANIFEST_FILE}'s record, or the manifest has none: written by an "
+                "earlier dppo-train or by a run that was killed), so it is not the trainer's to delete, and the new "
+                "run would overwrite it; nothing was changed. Move it out of the folder (or delete it yourself), or "
+                "pass another --out"
+            )
         return "overwrite", outputs, False, []
     others = [n for n in names if n != MANIFEST_FILE and n not in outputs and not _is_temporary(n, outputs)]
-    if manifest["state"] == SETUP and not others:
+    if manifest["state"] == SETUP and not others and (manifest.get("format", 1) < 2 or speaks_for(manifest, folder)):
         # what a run killed during its setup (or while --overwrite deleted) left: nothing a run produced
         return "fresh", {}, False, [n for n in names if n != MANIFEST_FILE]
     raise RunError(
@@ -315,7 +385,7 @@ def open_run_folder(folder: str | Path, *, resume: bool, overwrite: bool, adopt:
                 logger.info("removing %s, left by a run killed during its setup", folder / name)
                 _remove(folder / name)
             run._manifest_created = not (folder / MANIFEST_FILE).exists()
-            write_manifest(folder, SETUP, {})
+            write_manifest(folder, SETUP, {}, new_run=True)
     except BaseException:
         run.rollback()
         raise

@@ -1,10 +1,15 @@
-"""The run manifest ``dppo-run.json``: every file and folder the trainer created in ``--out`` and the run's state
-(its format and rules: docs/run_folder.md, "The run manifest"). Reading and writing it, and recording an output
-before it is created or dropping one once it is deleted, are all here."""
+"""The run manifest ``dppo-run.json``: every file and folder the trainer created in ``--out``, the run's state, the
+run's id, the identity of the folder it was written for and each written file's size and SHA-256 (its format and
+rules: docs/run_folder.md, "The run manifest"). Reading and writing it, recording an output before it is created or
+dropping one once it is deleted, and sealing the files' hashes when the run ends are all here."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,13 +19,70 @@ from dppo_ext.trainer.run_folder.files import RunError, atomic_write_text
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE
 
 MANIFEST_FILE = "dppo-run.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 1: names only (no run id, folder identity or hashes), still read
+_FORMATS = (1, MANIFEST_FORMAT)
 KINDS = ("file", "dir")
 SETUP, STARTED = "setup", "started"
+FOLDER_ID_FILE = ".dppo-run-id"  # the folder's random id, that its manifest records (folder_id)
+
+
+def folder_id(folder: str | Path, *, create: bool = False) -> str | None:
+    """The random id stored in ``folder`` (``.dppo-run-id``) when its first manifest was written, or None (created
+    first with ``create``). It stays with the folder through a rename, a move or a copy of the whole folder; a
+    manifest copied alone into another folder finds another id there, or none."""
+    path = Path(folder) / FOLDER_ID_FILE
+    try:
+        value = path.read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        value = None
+    if value is not None and re.fullmatch(r"[0-9a-f]{32}", value):
+        return value
+    if not create or path.is_symlink() or (path.exists() and not path.is_file()):
+        return None
+    value = uuid.uuid4().hex
+    atomic_write_text(path, value + "\n")
+    return value
+
+
+def folder_identity(folder: str | Path) -> dict[str, Any]:
+    """``folder``'s identity as a manifest records it: its id (:func:`folder_id`, created when missing) and its
+    resolved path when the manifest was written (for the messages only: a renamed folder is still the same)."""
+    return {"id": folder_id(folder, create=True), "path": os.path.realpath(folder)}
+
+
+def file_record(path: str | Path) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of the regular file ``path`` (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def matches_record(path: Path, record: Mapping[str, Any] | None) -> bool:
+    """True when ``path`` is a regular file (no link) whose size and SHA-256 are still ``record``'s."""
+    if record is None or path.is_symlink() or not path.is_file():
+        return False
+    if path.stat().st_size != record.get("size"):
+        return False
+    return file_record(path)["sha256"] == record.get("sha256")
+
+
+def speaks_for(manifest: Mapping[str, Any], folder: str | Path) -> bool:
+    """True when ``manifest`` was written for ``folder`` itself (the folder id it records is ``folder``'s), not
+    copied there from another folder."""
+    recorded = manifest.get("folder")
+    if not isinstance(recorded, dict):
+        return False
+    here = folder_id(folder)
+    return here is not None and recorded.get("id") == here
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any] | None:
-    """The run manifest of ``folder`` (``{"format", "writer", "state", "outputs"}``), or None when it has none.
+    """The run manifest of ``folder`` (``{"format", "writer", "run_id", "folder", "state", "outputs", "files"}``; a
+    format-1 manifest has no ``run_id``, ``folder`` or ``files``), or None when it has none.
 
     Raises:
         RunError: the manifest is unreadable, or lists a name that is not a plain entry of ``folder``.
@@ -32,8 +94,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
         if path.is_symlink() or not path.is_file():
             raise ValueError("not a regular file")
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"expected a JSON object of format {MANIFEST_FORMAT}")
+        if not isinstance(data, dict) or data.get("format") not in _FORMATS:
+            raise ValueError(f"expected a JSON object of format {' or '.join(map(str, _FORMATS))}")
         if data.get("state") not in (SETUP, STARTED):
             raise ValueError(f"state must be {SETUP!r} or {STARTED!r}, got {data.get('state')!r}")
         outputs = data.get("outputs")
@@ -41,10 +103,16 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
             raise ValueError("'outputs' must be an object")
         for name, kind in outputs.items():
             # a hand-edited manifest must not reach outside the folder or name the bookkeeping files
-            if name in ("", ".", "..", MANIFEST_FILE, LOCK_FILE) or "/" in name or "\0" in name:
+            if name in ("", ".", "..", MANIFEST_FILE, LOCK_FILE, FOLDER_ID_FILE) or "/" in name or "\0" in name:
                 raise ValueError(f"output name {name!r} is not a plain name in the folder")
             if kind not in KINDS:
                 raise ValueError(f"output {name!r} has kind {kind!r}, expected one of {list(KINDS)}")
+        files = data.setdefault("files", {})
+        if not isinstance(files, dict) or any(
+            not isinstance(r, dict) or not isinstance(r.get("size"), int) or not isinstance(r.get("sha256"), str)
+            for r in files.values()
+        ):
+            raise ValueError('\'files\' must map names to {"size": int, "sha256": str}')
     except (OSError, ValueError) as err:
         raise RunError(
             f"{str(path)!r} is unreadable ({err}): it is the record of what dppo-train wrote in {str(path.parent)!r}, "
@@ -54,15 +122,53 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
     return data
 
 
-def write_manifest(folder: Path, state: str, outputs: Mapping[str, str]) -> None:
-    """Write the manifest of ``folder`` atomically: its ``state`` and its ``outputs`` (``{name: kind}``)."""
+def write_manifest(
+    folder: Path,
+    state: str,
+    outputs: Mapping[str, str],
+    *,
+    files: Mapping[str, Mapping[str, Any]] | None = None,
+    new_run: bool = False,
+) -> None:
+    """Write the manifest of ``folder`` atomically: its ``state``, its ``outputs`` (``{name: kind}``), this folder's
+    identity, the run id (kept from the manifest there unless ``new_run``) and ``files`` (``{name: file_record}``;
+    default: the records there, of the names still listed as files)."""
+    previous = None if new_run else _readable(folder)
+    run_id = (previous or {}).get("run_id") or uuid.uuid4().hex
+    if files is None:
+        files = (previous or {}).get("files", {}) if previous is not None and speaks_for(previous, folder) else {}
     manifest = {
         "format": MANIFEST_FORMAT,
         "writer": f"dppo-train {__version__}",
+        "run_id": run_id,
+        "folder": folder_identity(folder),
         "state": state,
         "outputs": dict(sorted(outputs.items())),
+        "files": {name: dict(files[name]) for name in sorted(files) if outputs.get(name) == "file"},
     }
     atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+
+
+def _readable(folder: Path) -> dict[str, Any] | None:
+    try:
+        return read_manifest(folder)
+    except RunError:
+        return None
+
+
+def seal_outputs(folder: str | Path) -> None:
+    """Record the size and SHA-256 of every file ``folder``'s manifest lists (when the run ends): what ``--overwrite``
+    may later delete is only what still matches. No-op without a manifest."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return
+    files = {}
+    for name, kind in manifest["outputs"].items():
+        path = folder / name
+        if kind == "file" and path.is_file() and not path.is_symlink():
+            files[name] = file_record(path)
+    write_manifest(folder, manifest["state"], manifest["outputs"], files=files)
 
 
 def record_output(folder: str | Path, name: str, kind: str) -> None:
