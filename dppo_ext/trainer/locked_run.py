@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dppo_ext.rollout import RolloutEngine
+from dppo_ext.rollout.vllm_parity import policy_load_kwargs
 from dppo_ext.tasks import Task
 from dppo_ext.trainer.atomic_files import atomic_write_text, install_folder, temporary_sibling
 from dppo_ext.trainer.checkpoint import MODEL_DIR, load_trainer_state
@@ -94,7 +95,8 @@ def run_locked(
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
-        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=TORCH_DTYPES[config.dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            policy_path, dtype=TORCH_DTYPES[config.dtype], **policy_load_kwargs(policy_path)).to(device).eval()
         if not own_engine:
             engine.sync_weights(model)
         trainer = Trainer(config, model, tokenizer, task, engine, out_dir)
