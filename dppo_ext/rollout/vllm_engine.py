@@ -194,7 +194,7 @@ class VLLMEngine(RolloutEngine):
         )
         self.guard = SyncGuard(getattr(torch, dtype), max_model_len) if sync_check else None
         self.last_sync_check: SyncCheck | None = None
-        self._plans: dict[tuple[str, ...], SyncPlan] = {}
+        self._plans: dict[tuple[tuple[str, tuple[int, ...]], ...], SyncPlan] = {}  # by the model's names and shapes
 
     def generate(
         self,
@@ -242,7 +242,7 @@ class VLLMEngine(RolloutEngine):
         :class:`~dppo_ext.rollout.weight_sync.WeightSyncError` when ``model`` does not fit the engine)."""
         model = _unwrap(model)
         state = model.state_dict()
-        key = tuple(state)
+        key = tuple((name, tuple(t.shape)) for name, t in state.items())
         if key not in self._plans:
             self._plans[key] = vllm_sync_plan(
                 self.llm, list(state), {name: tuple(t.shape) for name, t in state.items()},

@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,10 @@ FLOAT32_FLOOR = 3e-5
 TRL_ARCHITECTURES = ("qwen2_tied", "llama3_tied", "gemma3_text", "qwen2_untied")
 
 
-def _write_data(folder: Path, path: Path, temperature: float, max_new_tokens: int) -> Path:
-    """Prompts whose answer (exact match) is the rarest of 8 of the model's own responses drawn at ``temperature``:
-    a random model gives it now and then, so groups have non-zero advantages from the first step."""
+def _write_data(folder: Path, path: Path, temperature: float) -> Path:
+    """One-token answers (exact match): each prompt's answer is the most frequent first response token of 8 of the
+    model's own draws at ``temperature``, which a random model gives 10-50% of the time, so groups have non-zero
+    advantages from the first step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -51,12 +53,11 @@ def _write_data(folder: Path, path: Path, temperature: float, max_new_tokens: in
             for b in range(3):
                 prompt = f"{a}+{b}="
                 ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-                out = model.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
+                out = model.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=1,
                                      num_return_sequences=8, pad_token_id=tokenizer.pad_token_id)
                 texts = [tokenizer.decode(o[ids.shape[1]:], skip_special_tokens=True).strip() for o in out]
                 texts = [t for t in texts if t] or ["0"]
-                answer = min(texts, key=texts.count)  # the rarest: a reward the policy earns sometimes
-                rows.append({"prompt": prompt, "answer": answer})
+                rows.append({"prompt": prompt, "answer": max(texts, key=texts.count)})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -72,10 +73,10 @@ def test_architecture_trains_through_the_trainer_in_sync(arch, tmp_path):
     from dppo_ext.train import run
 
     folder = build_architecture(arch, tmp_path / "model")
-    data = _write_data(folder, tmp_path / "data.jsonl", temperature=2.0, max_new_tokens=3)
+    data = _write_data(folder, tmp_path / "data.jsonl", temperature=2.0)
     config = TrainConfig(
         model=str(folder), data=str(data), verifier="exact", out=str(tmp_path / "run"), engine="vllm", steps=3,
-        prompts_per_step=8, group_size=8, max_new_tokens=3, temperature=2.0, num_minibatches=2, ppo_epochs=1,
+        prompts_per_step=8, group_size=8, max_new_tokens=1, temperature=2.0, num_minibatches=2, ppo_epochs=1,
         lr=3e-3, warmup_steps=0, num_eval=8, eval_every=100, eval_samples=1, max_model_len=64, seed=0,
     ).validate()
     run(config, progress=False)
@@ -156,8 +157,24 @@ def _digit_reward(completions, **_):
     return [float(c[:1].isdigit()) for c in completions]
 
 
+@pytest.fixture(scope="module")
+def trl_colocate():
+    """TRL's colocate mode sets the torch.distributed variables in os.environ and starts a process group, which
+    the next trainer of this module reuses: both go after the module's last TRL test."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.pop(name, None) for name in names}
+    yield
+    gc.collect()  # the engines go before the process group
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
 @pytest.mark.parametrize("arch", TRL_ARCHITECTURES)
-def test_architecture_trains_through_trl_in_sync(arch, tmp_path, monkeypatch):
+def test_architecture_trains_through_trl_in_sync(arch, tmp_path, trl_colocate):
     """Three TRL steps with colocated float32 vLLM: every sync passes the guard, and |pi - mu| of each step's
     first forward (before its update) stays at the float32 floor while the weights move (the tied head
     included)."""
@@ -167,8 +184,6 @@ def test_architecture_trains_through_trl_in_sync(arch, tmp_path, monkeypatch):
 
     from dppo_ext.integrations.trl import DPPOGRPOConfig, DPPOGRPOTrainer
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     folder = str(build_architecture(arch, tmp_path / "model"))
     steps = 3
     args = DPPOGRPOConfig(
@@ -192,5 +207,3 @@ def test_architecture_trains_through_trl_in_sync(arch, tmp_path, monkeypatch):
     assert not torch.equal(head.detach(), start), "the LM head moved between syncs"
     trainer = None
     gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
