@@ -59,13 +59,14 @@ __all__ = [
 # Tokens of the sequence the guard scores after every sync (prompt and response of an earlier rollout).
 PROBE_TOKENS = 32
 # |log pi - log mu| the guard accepts per token: ATOL + RTOL * |log pi|, by the narrower dtype of engine and trainer.
-# float32: the tests of python_tests/e2e/test_architectures.py measure at most 1e-5 on tiny random models of every
-# tested architecture (log-probs down to -23); a stale tensor or LM head moves them by 1e-3 or more. The 16-bit
-# rows are measured the same way (docs/architectures.md).
+# float32: at most 7.6e-6 measured on tiny random models of every tested architecture (log-probs down to -23,
+# python_tests/e2e/test_architectures.py); a stale tensor or LM head moves them by 1e-2 or more. bfloat16: up to
+# 0.24 measured (engine bf16, trainer fp32 or bf16; benchmarks/bench_sync_guard.py), so in bf16 the guard only
+# catches gross staleness. float16 (not measured): bf16's bound scaled by their mantissa widths.
 SYNC_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (5e-5, 1e-5),
-    torch.bfloat16: (0.25, 0.02),
-    torch.float16: (0.05, 0.005),
+    torch.bfloat16: (0.5, 0.05),
+    torch.float16: (0.1, 0.01),
 }
 _WIDTH = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
