@@ -59,8 +59,9 @@ __all__ = [
 # Tokens of the sequence the guard scores after every sync (prompt and response of an earlier rollout).
 PROBE_TOKENS = 32
 # |log pi - log mu| the guard accepts per token: ATOL + RTOL * |log pi|, by the narrower dtype of engine and trainer.
-# float32: at most 7.6e-6 measured on tiny random models of every tested architecture (log-probs down to -23,
-# python_tests/e2e/test_architectures.py); a stale tensor or LM head moves them by 1e-2 or more. bfloat16: up to
+# float32: at most 7.6e-6 measured on tiny random models of every tested architecture (log-probs down to -23;
+# python_tests/e2e/test_architectures.py, integrations/test_trl_architectures.py); a stale tensor or LM head moves
+# them by 1e-2 or more. bfloat16: up to
 # 0.24 measured (engine bf16, trainer fp32 or bf16; benchmarks/bench_sync_guard.py), so in bf16 the guard only
 # catches gross staleness. float16 (not measured): bf16's bound scaled by their mantissa widths.
 SYNC_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
