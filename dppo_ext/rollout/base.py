@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dppo_ext.rollout.noise import check_logit_noise
+from dppo_ext.rollout.weight_sync import SyncCheck
 
 
 @dataclass
@@ -121,6 +122,8 @@ class RolloutEngine(abc.ABC):
     """Samples responses and reports rollout log-probs; accepts trainer weights."""
 
     name: str
+    # What the sync guard measured after the latest sync_weights (engines with a guard), else None.
+    last_sync_check: SyncCheck | None = None
 
     @abc.abstractmethod
     def generate(

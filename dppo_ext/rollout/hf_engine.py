@@ -26,6 +26,7 @@ from dppo_ext.rollout.base import (
     force_sampled_into_topk,
 )
 from dppo_ext.rollout.noise import add_logit_noise
+from dppo_ext.rollout.vllm_parity import policy_load_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class HFEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self._calls = 0
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, **policy_load_kwargs(model_path)
+        )
         self.model.to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         if eos is None:

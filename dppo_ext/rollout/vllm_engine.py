@@ -15,11 +15,19 @@ of the requests that ask for it before vLLM's temperature scaling, so the token 
 its processed log-prob reports, ``mu = softmax((z + sigma * eps) / T)``.
 
 Weight sync: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
-"is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs through the model's
-own ``load_weights`` (vLLM's in-place reload path), then the prefix cache is reset so no KV
-block computed with the old weights is reused. vLLM's reload warns ``RotaryEmbedding: Failed to
-load weights`` each time (the rotary cos/sin cache is a buffer no checkpoint holds, so vLLM keeps
-it, correctly); that warning is filtered by name (``dppo_ext.rollout.vllm_logging``).
+"is_checkpoint_format": True})`` streams (HF checkpoint name, tensor) pairs of ``model.state_dict()`` through the
+model's own ``load_weights`` (vLLM's in-place reload path), then the prefix cache is reset so no KV block computed
+with the old weights is reused. What is sent under which name (tied heads, stacked shards, renamed modules) is
+decided once from the loaded vLLM model and checked before anything is loaded
+(:mod:`dppo_ext.rollout.weight_sync`, shared with the TRL integration). After every sync the sync guard
+(``sync_check=True``, the default) scores the first sequence of the latest rollout in vLLM and with the trainer's
+model and raises :class:`~dppo_ext.rollout.weight_sync.WeightSyncError` when they differ by more than the dtypes
+explain; :attr:`VLLMEngine.last_sync_check` holds what it measured. vLLM's per-sync ``Failed to load weights``
+warnings for layers that hold only buffers are filtered (``dppo_ext.rollout.vllm_logging``).
+
+The engine starts inside :func:`dppo_ext.rollout.vllm_parity.engine_private_model_classes`, so that vLLM's
+Transformers backend (OLMo2 and other architectures vLLM has no implementation of) leaves the process's
+transformers classes as they are and a trainer model can be created before or after the engine.
 
 In-process use: the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the weight iterator is
 passed by reference, not pickled) and, when unset, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache
@@ -35,6 +43,7 @@ engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -45,8 +54,16 @@ import torch
 
 from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample, check_generate_args
-from dppo_ext.rollout.vllm_logging import install_benign_warning_filters
 from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
+from dppo_ext.rollout.vllm_parity import attention_hint, engine_private_model_classes
+from dppo_ext.rollout.weight_sync import (
+    SyncCheck,
+    SyncGuard,
+    SyncPlan,
+    load_weights_into_vllm,
+    trainer_aliases,
+    vllm_sync_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +92,19 @@ def _checkpoint_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
+def _model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1] log-probs of ``ids[1:]`` under ``model`` (raw logits, eval mode, no gradient)."""
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts from an in-process ``vllm.LLM`` with processed (temperature-scaled) log-probs.
 
@@ -88,6 +118,8 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: skip graph compilation; None = True on CPU, False on CUDA.
         gpu_memory_utilization: fraction of GPU memory vLLM may take (CUDA only; leave room for
             the trainer in the same process).
+        sync_check: after every ``sync_weights``, check that vLLM's log-probs of the first sequence of the
+            latest rollout equal the model's (:class:`~dppo_ext.rollout.weight_sync.SyncGuard`).
         **llm_kwargs: extra keyword arguments for ``vllm.LLM``.
     """
 
@@ -103,6 +135,7 @@ class VLLMEngine(RolloutEngine):
         max_logprobs: int = 20,
         enforce_eager: bool | None = None,
         gpu_memory_utilization: float = 0.4,
+        sync_check: bool = True,
         **llm_kwargs: Any,
     ) -> None:
         if dtype not in MODEL_DTYPES:
@@ -143,20 +176,24 @@ class VLLMEngine(RolloutEngine):
         threads = torch.get_num_threads()
         set_num_threads = torch.set_num_threads
         start = time.perf_counter()
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_logprobs=max_logprobs,
-            logprobs_mode="processed_logprobs",
-            logits_processors=[LogitNoiseProcessor],
-            enforce_eager=enforce_eager,
-            **llm_kwargs,
-        )
+        with engine_private_model_classes(hf_config):
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                max_logprobs=max_logprobs,
+                logprobs_mode="processed_logprobs",
+                logits_processors=[LogitNoiseProcessor],
+                enforce_eager=enforce_eager,
+                **llm_kwargs,
+            )
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         logger.info("vLLM engine for %s (%s) started in %.1f s", model_path, dtype, time.perf_counter() - start)
+        self.guard = SyncGuard(getattr(torch, dtype), max_model_len) if sync_check else None
+        self.last_sync_check: SyncCheck | None = None
+        self._plans: dict[tuple[tuple[str, tuple[int, ...]], ...], SyncPlan] = {}  # by the model's names and shapes
 
     def generate(
         self,
@@ -193,23 +230,43 @@ class VLLMEngine(RolloutEngine):
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        if self.guard is not None and outputs and outputs[0].outputs:
+            self.guard.remember(list(outputs[0].prompt_token_ids) + list(outputs[0].outputs[0].token_ids))
         return rollout_samples_from_vllm(outputs, top_k)
+
+    def sync_plan(self, model: torch.nn.Module) -> SyncPlan:
+        """What a sync of ``model`` sends (decided from the engine's model on first use; raises
+        :class:`~dppo_ext.rollout.weight_sync.WeightSyncError` when ``model`` does not fit the engine)."""
+        model = _unwrap(model)
+        state = model.state_dict()
+        key = tuple((name, tuple(t.shape)) for name, t in state.items())
+        if key not in self._plans:
+            self._plans[key] = vllm_sync_plan(
+                self.llm,
+                list(state),
+                {name: tuple(t.shape) for name, t in state.items()},
+                aliases={alias: source for alias, source in trainer_aliases(model).items() if alias in state},
+                trained=[name for name, _ in model.named_parameters(remove_duplicate=False)],
+            )
+        return self._plans[key]
 
     @torch.no_grad()
     def sync_weights(self, model: torch.nn.Module) -> float:
-        """Reload the engine's weights in place from ``model.state_dict()``; return seconds."""
+        """Reload the engine's weights in place from ``model.state_dict()``, then (``sync_check``) check them on
+        the latest rollout's first sequence; return seconds (the check included, see ``last_sync_check``)."""
         start = time.perf_counter()
-        # vLLM warns "RotaryEmbedding: Failed to load weights" on every reload (its cos/sin cache is no checkpoint
-        # tensor and is rightly kept); drop exactly that and the other benign notes, unless verbose was asked for.
-        install_benign_warning_filters()
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={
-                "weights_iterator": _checkpoint_weights(model, getattr(torch, self.dtype)),
-                "is_checkpoint_format": True,
-            },
-        )
-        self.llm.reset_prefix_cache()
+        plan = self.sync_plan(model)
+        load_weights_into_vllm(self.llm, plan, _checkpoint_weights(model, getattr(torch, self.dtype)), None)
+        self.last_sync_check = None
+        if self.guard is not None:
+            self.last_sync_check = self.guard.check(
+                self.llm,
+                functools.partial(_model_logprobs, _unwrap(model)),
+                trainer_dtype=next(model.parameters()).dtype,
+                plan=plan,
+                trainer_tensors=_unwrap(model).state_dict,
+                hint=attention_hint(_unwrap(model)),
+            )
         return time.perf_counter() - start
 
     def close(self) -> None:

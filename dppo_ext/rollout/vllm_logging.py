@@ -1,11 +1,18 @@
 """Quiet vLLM for a training loop: its start-up INFO lines and the warnings that are known to be benign.
 
-vLLM logs about 30 INFO lines and a dozen warnings while an in-process engine starts, and one warning on every
-in-place weight reload (``RotaryEmbedding: Failed to load weights``: the rotary layer's ``cos_sin_cache`` is a
-buffer that no checkpoint holds, so vLLM puts the old one back, which is right, since it does not depend on the
-weights). Between progress-bar updates that reads like a failure. :func:`quiet_vllm_logging` lowers vLLM to
-warnings and drops exactly the messages listed in :data:`BENIGN_VLLM_WARNINGS`; every other vLLM warning still
-shows. :func:`verbose_vllm_logging` undoes it.
+vLLM logs about 30 INFO lines and a dozen warnings while an in-process engine starts, and on every in-place weight
+reload one ``<layer class>: Failed to load weights`` per layer that received no tensor. For a layer whose own
+tensors are all buffers that no checkpoint holds (a rotary layer's ``cos_sin_cache``, Gemma's embedding
+``normalizer``) that is right, and vLLM puts the old buffers back, which do not depend on the weights. Between
+progress-bar updates it reads like a failure. :func:`quiet_vllm_logging` lowers vLLM to warnings and drops the
+messages listed in :data:`BENIGN_VLLM_WARNINGS`; every other vLLM warning still shows.
+:func:`verbose_vllm_logging` undoes it.
+
+The reload warning is dropped by what it is about, not by class name: the weight-sync plan
+(``dppo_ext.rollout.weight_sync``) records, from the loaded vLLM model, the layer classes that hold buffers and no
+parameter of their own (:func:`note_buffer_only_layers`), and only their warning is dropped. A layer with
+parameters that got no tensor (a tied LM head left out of a sync, say) still warns; the sync plan refuses such a
+sync before it starts anyway.
 """
 
 from __future__ import annotations
@@ -13,16 +20,33 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterable
 
-__all__ = ["BENIGN_VLLM_WARNINGS", "quiet_vllm_logging", "verbose_vllm_logging"]
+__all__ = ["BENIGN_VLLM_WARNINGS", "note_buffer_only_layers", "quiet_vllm_logging", "verbose_vllm_logging"]
 
-# (logger, message template as vLLM passes it to the logger, first argument or None, why it is benign here).
-BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | None, str], ...] = (
+# Layer classes of loaded vLLM models whose own tensors are all buffers (note_buffer_only_layers).
+_buffer_only_layers: set[str] = set()
+
+
+def note_buffer_only_layers(class_names: Iterable[str]) -> None:
+    """Record vLLM layer classes that hold buffers and no parameter of their own: a reload gives them no tensor
+    and keeps their buffers, so their ``Failed to load weights`` warning is benign."""
+    _buffer_only_layers.update(class_names)
+
+
+def _is_buffer_only_layer(class_name: str) -> bool:
+    return class_name in _buffer_only_layers
+
+
+# (logger, message template as vLLM passes it to the logger, first argument (a value, a test of it, or None for
+# any), why it is benign here).
+BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | Callable[[str], bool] | None, str], ...] = (
     (
         "vllm.model_executor.model_loader.reload.layerwise",
         "%s: Failed to load weights",
-        "RotaryEmbedding",
-        "rotary cos/sin cache is not a checkpoint tensor; vLLM keeps the old (weight-independent) one",
+        _is_buffer_only_layer,
+        "the layer holds only buffers no checkpoint has (rotary cos/sin cache, an embedding normalizer); vLLM keeps "
+        "the old ones, which do not depend on the weights",
     ),
     (
         "vllm.model_executor.models.utils",
@@ -66,7 +90,7 @@ BENIGN_VLLM_WARNINGS: tuple[tuple[str, str, str | None, str], ...] = (
 class _BenignFilter(logging.Filter):
     """Drops the records of one logger that match one of its (template, first argument) pairs."""
 
-    def __init__(self, entries: list[tuple[str, str | None]]) -> None:
+    def __init__(self, entries: list[tuple[str, str | Callable[[str], bool] | None]]) -> None:
         super().__init__()
         self.entries = entries
 
@@ -78,7 +102,7 @@ class _BenignFilter(logging.Filter):
             if first_arg is None:
                 return False
             args = record.args if isinstance(record.args, tuple) else ()
-            if args and str(args[0]) == first_arg:
+            if args and (first_arg(str(args[0])) if callable(first_arg) else str(args[0]) == first_arg):
                 return False
         return True
 
@@ -121,7 +145,7 @@ def install_benign_warning_filters() -> None:
     no-op after :func:`verbose_vllm_logging`."""
     if _verbose:
         return
-    by_logger: dict[str, list[tuple[str, str | None]]] = {}
+    by_logger: dict[str, list[tuple[str, str | Callable[[str], bool] | None]]] = {}
     for name, template, first_arg, _why in BENIGN_VLLM_WARNINGS:
         by_logger.setdefault(name, []).append((template, first_arg))
     for name, entries in by_logger.items():

@@ -39,7 +39,13 @@ class TrainConfig:
 
     # model and data
     model: str = _opt("", "HF model folder or hub id; empty builds the embedded tiny model and warm-starts it")
-    data: str = _opt("", "JSONL training data ({'prompt','answer'} per line); empty uses the embedded arithmetic task")
+    data: str = _opt(
+        "",
+        "JSONL training data ({'prompt','answer'} per line); empty uses the embedded arithmetic task, which only "
+        'the embedded model can take. For --model, write that task as JSONL with: python -c "import json; from '
+        "dppo_ext.tasks import make_arithmetic_task; [print(json.dumps(vars(p))) for p in "
+        'make_arithmetic_task().train]" > arithmetic.jsonl',
+    )
     eval_data: str = _opt("", "JSONL held-out data; empty splits --num-eval problems off --data")
     num_eval: int = _opt(300, "held-out problems (split off the data or the embedded task)")
     verifier: str = _opt(
@@ -122,6 +128,12 @@ class TrainConfig:
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
+    sync_check: bool = _opt(
+        True,
+        "vLLM engine: after every weight sync, score the first sequence of the latest rollout in vLLM and with "
+        "the trainer's model and stop with an error when their log-probs differ by more than the dtypes explain (a "
+        "stale weight or LM head); its cost is each record's sync_check_s. --no-sync-check skips it",
+    )
     threads: int = _opt(
         0, "torch CPU threads of the trainer and the in-process vLLM engine; 0 = every CPU this process may use"
     )
@@ -300,7 +312,8 @@ class TrainConfig:
             raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
         if self.model and not self.data:
             raise ValueError(
-                f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny model)"
+                f"--model {self.model!r} needs --data (the embedded arithmetic task is for the embedded tiny "
+                "model; --help under --data shows how to write it as JSONL)"
             )
         if self.data and not self.model:
             raise ValueError(
@@ -333,6 +346,7 @@ RESUME_MAY_CHANGE = (
     "log_level",
     "verbose",
     "mechanism_metrics",
+    "sync_check",
 )
 
 

@@ -25,6 +25,7 @@ def make_rollout_engine(config: TrainConfig, model_path: str, device: torch.devi
     kwargs: dict[str, Any] = {}
     if kind == "vllm":
         kwargs["gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
+        kwargs["sync_check"] = config.sync_check
         if config.uses_topk:
             kwargs["max_logprobs"] = max(20, config.top_k)
         if not config.verbose:

@@ -13,6 +13,7 @@ import torch
 
 from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout import RolloutEngine
+from dppo_ext.rollout.vllm_parity import policy_load_kwargs
 from dppo_ext.tasks import Task
 from dppo_ext.trainer.checkpoint import MODEL_DIR, load_trainer_state
 from dppo_ext.trainer.config import TrainConfig
@@ -102,7 +103,13 @@ def run_locked(
         # vLLM reseeds torch's global RNG while starting: seed (or restore) after the engine exists.
         seed_everything(config.seed)
         tokenizer = AutoTokenizer.from_pretrained(policy_path)
-        model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=MODEL_DTYPES[config.dtype]).to(device).eval()
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                policy_path, dtype=MODEL_DTYPES[config.dtype], **policy_load_kwargs(policy_path)
+            )
+            .to(device)
+            .eval()
+        )
         if not own_engine:
             engine.sync_weights(model)
         trainer = Trainer(config, model, tokenizer, task, engine, out_dir)

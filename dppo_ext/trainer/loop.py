@@ -29,7 +29,9 @@ Weight sync is measured, not assumed: the first mini-batch of every step runs be
 update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
 compares the engine's log-probs with the trainer's own for exactly the same weights. It stays
 at rounding level (~1e-6 in float32) when the engine follows the trainer and jumps to the size
-of an update when it does not.
+of an update when it does not. On top of that the vLLM engine's sync guard checks every sync itself and stops
+the run when the engine's log-probs no longer follow the trainer's (``--sync-check``, on by default; the record's
+``sync_check_max`` and ``sync_check_s``).
 """
 
 from __future__ import annotations
@@ -352,11 +354,14 @@ class Trainer:
             record.update(self.update(batch))
             record["update_s"] = time.perf_counter() - update_start
             record["sync_s"] = self.sync_engine()
+            record.update(_sync_check_record(self.engine))
         else:
             # no update, but a lagged engine still moves one step along the trainer's history
             record.update(
                 update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0
             )
+            if self._lag_model is not None:
+                record.update(_sync_check_record(self.engine))
         record["trained_seqs"] = len(keep)
         self.step += 1
         return record
@@ -444,6 +449,13 @@ class Trainer:
                 self.save(self.elapsed_before_s + time.perf_counter() - start)
         bar.close()
         return {"steps": self.step, "elapsed_s": self.elapsed_before_s + time.perf_counter() - start}
+
+
+def _sync_check_record(engine: RolloutEngine) -> dict[str, float]:
+    """The sync guard's measurement of the sync just done (``sync_check_max``: the largest |log pi - log mu| on
+    the stored sequence; ``sync_check_s``: its part of ``sync_s``), or nothing when the engine has no guard."""
+    check = getattr(engine, "last_sync_check", None)
+    return {} if check is None else {"sync_check_max": check.max_diff, "sync_check_s": check.seconds}
 
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

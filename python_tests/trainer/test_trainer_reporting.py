@@ -120,9 +120,16 @@ def reload_logger(monkeypatch):
 def test_quiet_drops_only_the_benign_reload_warning_and_verbose_restores_it(reload_logger):
     logger, capture = reload_logger
     vllm_logging.quiet_vllm_logging()
+    # what a sync plan records from the loaded vLLM model: layer classes that hold buffers and no parameter
+    vllm_logging.note_buffer_only_layers(["RotaryEmbedding", "Gemma2Model"])
     logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+    logger.warning("%s: Failed to load weights", "Gemma2Model")
     logger.warning("%s: Failed to load weights", "QKVParallelLinear")
-    assert capture.messages == ["QKVParallelLinear: Failed to load weights"], "a real load failure must still show"
+    logger.warning("%s: Failed to load weights", "ParallelLMHead")
+    assert capture.messages == [
+        "QKVParallelLinear: Failed to load weights",
+        "ParallelLMHead: Failed to load weights",
+    ], "a layer with parameters that got no tensor must still show"
     vllm_logging.verbose_vllm_logging()
     vllm_logging.install_benign_warning_filters()  # what a weight sync does: no-op once verbose was asked for
     logger.warning("%s: Failed to load weights", "RotaryEmbedding")
@@ -220,6 +227,9 @@ def test_vllm_sync_weights_passes_the_engine_dtype():
     from dppo_ext.rollout.vllm_engine import VLLMEngine
 
     class RecordingLLM:
+        def apply_model(self, func):  # the sync plan is made from the engine's model: a Linear of the same shape
+            return [func(torch.nn.Linear(4, 3))]
+
         def collective_rpc(self, method, kwargs):
             self.method, self.weights = method, dict(kwargs["weights_iterator"])
 
@@ -227,7 +237,7 @@ def test_vllm_sync_weights_passes_the_engine_dtype():
             pass
 
     engine = object.__new__(VLLMEngine)  # no vLLM needed: only the sync path is exercised
-    engine.llm, engine.dtype = RecordingLLM(), "bfloat16"
+    engine.llm, engine.dtype, engine.guard, engine._plans = RecordingLLM(), "bfloat16", None, {}
     model = torch.nn.Linear(4, 3)
     engine.sync_weights(model)
     assert engine.llm.method == "reload_weights"

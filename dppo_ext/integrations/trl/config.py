@@ -85,6 +85,9 @@ class DPPOGRPOConfig(GRPOConfig):
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
         dppo_vllm_dtype: dtype of the colocated vLLM engine (``vllm_mode="colocate"``); ``auto`` is vLLM's choice,
             which runs a float32 checkpoint in bfloat16 or float16, so ``|pi - mu|`` then includes that rounding.
+        dppo_sync_check: after every weight sync into the colocated vLLM engine, score the first sequence of the
+            latest generation in vLLM and with the policy, and raise when their log-probs differ by more than the
+            dtypes explain (a stale weight or LM head; ``dppo_ext.rollout.weight_sync.SyncGuard``).
         dppo_vllm_kv_cache_gib: KV-cache size of the colocated vLLM engine in GiB; ``None``: vLLM sizes it from
             ``vllm_gpu_memory_utilization``, which on CPU is a share of the machine's RAM (0.3 by TRL's default)
             that must be free when the engine starts, or it refuses to start.
@@ -120,6 +123,13 @@ class DPPOGRPOConfig(GRPOConfig):
         metadata={
             "help": "dtype of the colocated vLLM engine: auto (vLLM's choice; it runs a float32 checkpoint in "
             "bfloat16/float16), float32, bfloat16 or float16."
+        },
+    )
+    dppo_sync_check: bool = field(
+        default=True,
+        metadata={
+            "help": "After every weight sync into the colocated vLLM engine, check that vLLM's log-probs of the "
+            "latest generation's first sequence equal the policy's; False skips it."
         },
     )
     dppo_vllm_kv_cache_gib: Optional[float] = field(

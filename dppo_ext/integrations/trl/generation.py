@@ -4,7 +4,8 @@
   log-prob and a fixed ``[K]`` top-K row with the sampled token forced in, by the conversion the reference
   trainer's vLLM engine uses (:func:`dppo_ext.rollout.ranked_topk_rows`); :func:`pad_topk` pads the ragged rows.
 * :func:`extra_llm_kwargs` adds keyword arguments (the engine's dtype) to the ``vllm.LLM`` TRL builds.
-* :func:`reload_weights_into_vllm` replaces TRL 1.16's colocate weight sync, which fails with vLLM 0.32.
+* :class:`VLLMWeightSync` replaces TRL 1.16's colocate weight sync (which fails with vLLM 0.32 and leaves a tied LM
+  head stale) by the reference trainer's rule, with the sync guard.
 
 Nothing here imports TRL or vLLM: the functions read the objects they are given.
 """
@@ -21,12 +22,20 @@ from typing import Any, Optional
 
 import torch
 
-from ...rollout.vllm_logging import install_benign_warning_filters
 from ...rollout.vllm_outputs import ranked_topk_rows
+from ...rollout.vllm_parity import attention_hint
+from ...rollout.weight_sync import (
+    SyncCheck,
+    SyncGuard,
+    SyncPlan,
+    load_weights_into_vllm,
+    trainer_aliases,
+    vllm_sync_plan,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["extra_llm_kwargs", "pad_topk", "reload_weights_into_vllm", "split_vllm_logprobs"]
+__all__ = ["VLLMWeightSync", "extra_llm_kwargs", "pad_topk", "split_vllm_logprobs"]
 
 
 def split_vllm_logprobs(
@@ -102,18 +111,68 @@ def kv_cache_env_lifted(kv_cache_memory_bytes: Optional[int]) -> Iterator[None]:
             os.environ[KV_CACHE_ENV] = held
 
 
-def reload_weights_into_vllm(generation: Any) -> None:
-    """TRL's colocate weight sync (a ``VLLMGeneration.sync_weights`` replacement) through vLLM's in-place reload.
+class VLLMWeightSync:
+    """TRL's colocate weight sync (a ``VLLMGeneration.sync_weights`` replacement) by the reference trainer's rule.
 
     TRL 1.16 calls the vLLM model's ``load_weights`` directly, which vLLM 0.32 no longer supports once the weights
-    are loaded (it raises ``'Parameter' object has no attribute 'weight_loader'`` on the CPU backend's float32
-    layers, as measured here). This streams the same ``(name, tensor)`` pairs (TRL's ``_iter_named_params``:
-    FSDP/DeepSpeed gathers, PEFT merges and names included) through ``reload_weights``, as
-    ``dppo_ext.rollout.VLLMEngine`` does, then resets the prefix cache so no KV block computed with the old weights
-    is reused.
+    are loaded (``'Parameter' object has no attribute 'weight_loader'`` on the CPU backend's float32 layers), and
+    it streams ``named_parameters()``, which names a tied LM head once: vLLM's CPU backend then keeps computing
+    logits from the packed copy of the head made at start-up (issue 26 measured |pi - mu| growing from 6.6e-7 to
+    4.4e-2 over 12 steps). This streams TRL's own ``(name, tensor)`` pairs (``_iter_named_params``: FSDP/DeepSpeed
+    gathers, PEFT merges and names included) through :func:`dppo_ext.rollout.weight_sync.load_weights_into_vllm`
+    by the plan :func:`~dppo_ext.rollout.weight_sync.vllm_sync_plan` makes from the engine's model (made on the
+    first sync, checked before anything loads; tied heads sent under both names), then, with ``sync_check``, runs
+    the sync guard on the first sequence of the latest generation and ``score`` (the trainer's log-probs).
     """
-    install_benign_warning_filters()
-    generation.llm.collective_rpc(
-        "reload_weights", kwargs={"weights_iterator": generation._iter_named_params(), "is_checkpoint_format": True}
-    )
-    generation.llm.reset_prefix_cache()
+
+    def __init__(
+        self, generation: Any, model: torch.nn.Module, score: Any, *, sync_check: bool, max_model_len: int
+    ) -> None:
+        self.generation = generation
+        self.model = model
+        self.score = score
+        llm = generation.llm
+        self.dtype = llm.llm_engine.model_config.dtype
+        self.guard = SyncGuard(self.dtype, max_model_len) if sync_check else None
+        self.plan: Optional[SyncPlan] = None
+        self.last_check: Optional[SyncCheck] = None
+        self.checks: list[SyncCheck] = []
+        generate = generation.generate
+
+        @functools.wraps(generate)
+        def remembering_generate(*args: Any, **kwargs: Any) -> Any:
+            out = generate(*args, **kwargs)
+            prompt_ids, completion_ids = out[0], out[1]
+            if self.guard is not None and prompt_ids and completion_ids:
+                self.guard.remember(list(prompt_ids[0]) + list(completion_ids[0]))
+            return out
+
+        generation.generate = remembering_generate
+
+    def _rename(self, name: str) -> str:
+        return self.generation._fix_param_name_to_vllm(name.replace(".base_layer", ""))
+
+    def _make_plan(self) -> SyncPlan:
+        shapes = {name: tuple(tensor.shape) for name, tensor in self.generation._iter_named_params()}
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        aliases = {alias: source for alias, source in trainer_aliases(base, self._rename).items() if source in shapes}
+        return vllm_sync_plan(self.generation.llm, list(shapes), shapes, aliases, trained=list(shapes))
+
+    def __call__(self) -> None:
+        """Push the trainer's weights into the colocated engine, then check them (``sync_check``)."""
+        llm = self.generation.llm
+        if self.plan is None:
+            self.plan = self._make_plan()
+        load_weights_into_vllm(llm, self.plan, self.generation._iter_named_params(), self.dtype)
+        if self.guard is None:
+            return
+        self.last_check = self.guard.check(
+            llm,
+            self.score,
+            trainer_dtype=next(self.model.parameters()).dtype,
+            plan=self.plan,
+            trainer_tensors=self.model.state_dict,
+            hint=attention_hint(self.model),
+        )
+        if self.last_check is not None:
+            self.checks.append(self.last_check)

@@ -8,21 +8,22 @@ dtype and weight sync (:mod:`.generation`), and the ``dppo/*`` metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import types
 from typing import Any, Optional
 
 import torch
 
 from ... import DPPOOutputs, aggregate_loss, dppo_metrics, micro_batch_scale
 from ...contract import IGNORE_INDEX, NORM_AGG_MODES, SUM_AGG_MODES, TOPK_MODES
+from ...rollout.vllm_parity import engine_private_model_classes, policy_attn_implementation
 from .config import DPPOGRPOConfig
 from .generation import (
+    VLLMWeightSync,
     extra_llm_kwargs,
     kv_cache_env_lifted,
     pad_topk,
-    reload_weights_into_vllm,
     split_vllm_logprobs,
 )
 from .head import DPPOForwardOutput, add_dppo_head, flat_float
@@ -105,15 +106,31 @@ class DPPOGRPOTrainer(GRPOTrainer):
             llm_kwargs["dtype"] = args.dppo_vllm_dtype
         if colocate and args.dppo_vllm_kv_cache_gib is not None:
             llm_kwargs["kv_cache_memory_bytes"] = args.dppo_vllm_kv_cache_bytes
+        hf_config = _model_config(model)
+        if isinstance(model, str) and policy_attn_implementation(hf_config):
+            # the policy must soft-cap attention logits as vLLM does (dppo_ext.rollout.vllm_parity)
+            init_kwargs = dict(args.model_init_kwargs or {})
+            init_kwargs.setdefault("attn_implementation", policy_attn_implementation(hf_config))
+            args.model_init_kwargs = init_kwargs
         # TRL checks vLLM's version again when it starts the engine.
         with (
             extra_llm_kwargs(trl_vllm_generation, **llm_kwargs),
             kv_cache_env_lifted(llm_kwargs.get("kv_cache_memory_bytes")),
             tested_vllm_warning_silenced(),
+            engine_private_model_classes(hf_config) if colocate and hf_config is not None else contextlib.nullcontext(),
         ):
             super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.dppo_weight_sync: Optional[VLLMWeightSync] = None
         if colocate and not args.vllm_enable_sleep_mode:
-            self.vllm_generation.sync_weights = types.MethodType(reload_weights_into_vllm, self.vllm_generation)
+            engine_len = self.vllm_generation.llm.llm_engine.model_config.max_model_len
+            self.dppo_weight_sync = VLLMWeightSync(
+                self.vllm_generation,
+                self.accelerator.unwrap_model(self.model),
+                self._dppo_score,
+                sync_check=args.dppo_sync_check,
+                max_model_len=engine_len,
+            )
+            self.vllm_generation.sync_weights = self.dppo_weight_sync
         self._dppo_topk = args.dppo_topk if args.dppo_mode in TOPK_MODES else 0
         if self._dppo_topk:
             if self.tools or self.rollout_func is not None:
@@ -126,6 +143,19 @@ class DPPOGRPOTrainer(GRPOTrainer):
         add_dppo_head(target, args, self.temperature)
         self._dppo_recompute_noted = False
         self._dppo_topk_pending: Optional[tuple[list, list]] = None
+
+    def _dppo_score(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids) - 1] the policy's log-probs of ``ids[1:]`` (raw logits; the sync guard's trainer side)."""
+        model = self.model
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.accelerator.autocast():
+                logits = model(input_ids=torch.tensor([ids], device=self.accelerator.device)).logits[0, :-1]
+        finally:
+            model.train(training)
+        targets = torch.tensor(ids[1:], device=logits.device)
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's vLLM branch, keeping the top-K log-probs (top-K modes); otherwise TRL's method unchanged."""
@@ -278,3 +308,12 @@ class DPPOGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["entropy"].append(self._metrics[mode]["dppo/entropy_mean"][-1])
         self._metrics[mode]["dppo/recompute_variant"].append(float(recompute))
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss.detach()).mean().item())
+
+
+def _model_config(model: Any) -> Any:
+    """The transformers config of ``model`` (a model or a model id / folder), or None when there is none."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return getattr(model, "config", None)

@@ -28,7 +28,7 @@ SUPPORTED_TRL = SpecifierSet(">=1.16.0,<1.17.0")
 TESTED_TRL = "1.16.0"
 # The vLLM release this integration is tested with (requirements/cpu.txt). TRL 1.16 lists vLLM 0.22-0.31 only; with
 # this release its generation path works and its colocate weight sync is replaced by ours
-# (generation.reload_weights_into_vllm).
+# (generation.VLLMWeightSync).
 TESTED_VLLM = "0.32.0"
 # TRL's warning, each time it checks for vLLM, that the installed vLLM is outside its list (five times while its
 # generation module is imported, once more when a trainer starts vLLM).
