@@ -29,7 +29,9 @@ Weight sync is measured, not assumed: the first mini-batch of every step runs be
 update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
 compares the engine's log-probs with the trainer's own for exactly the same weights. It stays
 at rounding level (~1e-6 in float32) when the engine follows the trainer and jumps to the size
-of an update when it does not.
+of an update when it does not. (``pg_pi_old`` feeds the op pi_old in place of mu, so its
+``mismatch_mean`` reads ``|pi - pi_old|``; the mechanism metrics' ``pre_mismatch_mean`` is against mu
+for every loss.)
 """
 
 from __future__ import annotations
@@ -215,16 +217,18 @@ class Trainer:
                     micro = batch.select(part).to(self.device)
                     share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
                     logits = response_logits(self.model, micro)
+                    # pg_pi_old: the op's weight pi / mu becomes pi / pi_old (the loss ignores the rollout mismatch)
+                    on_old = cfg.weights_on_recompute
                     loss, metrics = self._dppo_loss(
                         logits,
                         micro.tokens,
-                        micro.rollout_logprobs,
+                        micro.anchor_logprobs if on_old else micro.rollout_logprobs,
                         micro.advantages,
                         response_mask=micro.response_mask,
                         mode=cfg.mode,
                         topk_ids=micro.topk_ids,
                         topk_logprobs=micro.topk_logprobs,
-                        anchor_logprobs=micro.anchor_logprobs,
+                        anchor_logprobs=None if on_old else micro.anchor_logprobs,
                         temperature=cfg.temperature,
                         loss_agg_mode=cfg.loss_agg_mode,
                         loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
@@ -233,6 +237,8 @@ class Trainer:
                     if mechanism is not None:
                         rows, valid, mu, adv = op_rows(logits, micro, cfg.mode, cfg.temperature, settings)
                         mechanism.add_mask(rows.mask, valid, mu, adv, first=first)
+                        if first:
+                            mechanism.add_pre_update(rows.logp, valid, mu)
                         before.append(rows.logp)
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
