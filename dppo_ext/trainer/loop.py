@@ -144,9 +144,15 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
-        """Held-out accuracy of the current weights (through the engine: generation only)."""
+        """Held-out accuracy of the current weights (through the engine: generation only).
+
+        With ``rollout_lag`` the engine holds the weights of k steps ago: the current weights go into it for
+        the evaluation and the lagged ones back after it, so the accuracy is the trained policy's.
+        """
         start = time.perf_counter()
         problems = self.task.eval
+        if self._lag_model is not None:
+            self.engine.sync_weights(self.model)
         groups = self.engine.generate(
             [self.encode_prompt(p.prompt) for p in problems],
             n=self.config.eval_samples,
@@ -154,6 +160,8 @@ class Trainer:
             max_tokens=self.config.max_new_tokens,
             seed=self.config.seed + EVAL_SEED_OFFSET,
         )
+        if self._lag_model is not None:
+            self.engine.sync_weights(self._lag_model)
         rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
         lengths = [len(s.response_ids) for group in groups for s in group]
         return EvalResult(

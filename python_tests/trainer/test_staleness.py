@@ -249,3 +249,32 @@ def test_without_a_lag_the_negative_control_is_pg_is(tiny_dir, tmp_path):
     moved = sum(float((p - p0).norm() ** 2) for p, p0 in zip(a.model.parameters(), start)) ** 0.5
     apart = sum(float((pa - pb).norm() ** 2) for pa, pb in zip(a.model.parameters(), b.model.parameters())) ** 0.5
     assert moved > 0 and apart < 1e-3 * moved
+
+
+def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_returns_to_the_lagged_ones(
+    tiny_dir, tmp_path
+):
+    trainer = _trainer(tiny_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=2)
+    held = {}  # the weights the engine holds: the last ones synced into it
+    real_sync, real_generate = trainer.engine.sync_weights, trainer.engine.generate
+
+    def spy_sync(model):
+        held["now"] = {k: v.clone() for k, v in model.state_dict().items()}
+        return real_sync(model)
+
+    generated_with = []
+
+    def spy_generate(*args, **kwargs):
+        generated_with.append(held.get("now"))
+        return real_generate(*args, **kwargs)
+
+    trainer.engine.sync_weights, trainer.engine.generate = spy_sync, spy_generate
+    for _ in range(3):
+        trainer.train_step()
+    lagged = held["now"]
+    current = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert any(not torch.equal(lagged[k], current[k]) for k in current)  # the engine is behind the trainer
+    generated_with.clear()
+    trainer.evaluate()
+    assert len(generated_with) == 1 and all(torch.equal(generated_with[0][k], current[k]) for k in current)
+    assert all(torch.equal(held["now"][k], lagged[k]) for k in lagged)  # and back to the lagged weights after it
