@@ -237,6 +237,34 @@ def verdict(
     return "inconclusive", [*lines, "failed: " + "; ".join(failed)]
 
 
+def step_size_verdict(summaries: Summaries, seeds_needed: int = len(STALE_SEEDS)) -> tuple[str, list[str]]:
+    """Part 4 of the pre-registration: J(lr) = D(pg_is, lr) - D(pg_is, lr 1e-4) per seed (lr 1e-4: ``stale0``), and
+    the dose check F(pg_is, 3e-4) - F(pg_is, 1e-4). Returns ``(verdict, the clauses it rests on)``."""
+    base = differences(summaries, "stale0", "pg_is")
+    js, names = {}, list(STEP_SIZES)
+    for name in names:
+        at = differences(summaries, name, "pg_is")
+        js[name] = {s: at[s] - base[s] for s in sorted(set(at) & set(base))}
+    complete = sorted(set.intersection(*(set(v) for v in js.values()))) if all(js.values()) else []
+    if len(complete) < seeds_needed:
+        return "incomplete", [f"{len(complete)} complete seeds of {seeds_needed} needed"]
+    est = {name: estimate([js[name][s] for s in complete]) for name in names}
+    top = names[-1]
+    a, b = summaries[top]["pg_is"], summaries["stale0"]["pg_is"]
+    bite = estimate([a[s]["final"] - b[s]["final"] for s in complete])
+    lines = [f"J({name}) = {est[name].text()} points (90% half-width {100 * est[name].half90:.1f})" for name in names]
+    lines.append(f"PG-IS at {top} − PG-IS at lr 1e-4: {bite.text()} points")
+    if est[top].mean + est[top].half95 < 0 and est[top].mean <= -SESOI and est[top].mean <= est[names[0]].mean:
+        return "confirmed", lines
+    if all(abs(e.mean) + e.half90 < SESOI for e in est.values()) and bite.mean + bite.half95 < 0 and (
+        bite.mean <= -SESOI
+    ):
+        return "refuted at this scale", lines
+    if est[top].mean - est[top].half95 > 0 and est[top].mean >= SESOI:
+        return "reversed", lines
+    return "inconclusive", lines
+
+
 # ---------------------------------------------------------------------------- evaluation noise
 def measure_eval_noise(runs: list[Run], work: Path, out: Path, seeds: int = EVAL_NOISE_SEEDS) -> Path:
     """Evaluate each finished pilot run's final weights ``seeds`` times (different sampling seeds, k =
@@ -380,7 +408,20 @@ def verdict_section(summaries: Summaries) -> list[str]:
     for method in RULED:
         name, why = verdict(interactions(summaries, method), control)
         lines += [f"**{method}**: {name}", "", *(f"- {w}" for w in why), ""]
+    name, why = step_size_verdict(summaries)
+    lines += ["**Trust region vs step size (part 4)**: " + name, "", *(f"- {w}" for w in why), ""]
     return lines
+
+
+def cost_lines(metas: dict[str, Any]) -> list[str]:
+    """The measured compute of the runs whose data files record it (the worker's CPU and wall seconds)."""
+    costs = [m["cost"] for ms in metas.values() for seeds in ms.values() for m in seeds.values() if m.get("cost")]
+    if not costs:
+        return ["No run records its cost."]
+    cpu = [c["cpu_s"] for c in costs]
+    return [f"{len(costs)} runs record their cost: {sum(cpu):.0f} CPU-s in all, median {statistics.median(cpu):.0f} "
+            f"CPU-s a run (range {min(cpu):.0f}-{max(cpu):.0f}; one torch thread, niceness 19 on a shared machine), "
+            f"median wall {statistics.median(c['wall_s'] for c in costs):.0f} s."]
 
 
 def report(data: Path, pilot_data: Path, noise_path: Path, out: Path) -> list[Path]:
@@ -409,6 +450,10 @@ def report(data: Path, pilot_data: Path, noise_path: Path, out: Path) -> list[Pa
         *outcome_table(summaries, [c for c in (*ARMS["staleness"], *STEP_SIZES) if c in summaries]),
         "",
         *verdict_section(summaries),
+        "## Compute",
+        "",
+        *cost_lines(metas),
+        "",
         "## Hosts",
         "",
         *host_lines({**pilot_metas, **metas}),

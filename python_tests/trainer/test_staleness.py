@@ -278,3 +278,53 @@ def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_re
     trainer.evaluate()
     assert len(generated_with) == 1 and all(torch.equal(generated_with[0][k], current[k]) for k in current)
     assert all(torch.equal(held["now"][k], lagged[k]) for k in lagged)  # and back to the lagged weights after it
+
+
+def _write_run(data, condition, method, seed, final):
+    """A collected data file whose last four evaluations average ``final`` (the format ``sweep.collect`` writes)."""
+    from experiments.sanity.sweep import BIN_COLUMNS, COLUMNS, data_file_rows
+
+    records = _records(0.1, [0.1] * 11 + [final] * 4)
+    meta = {"run": f"{condition}/{method}/seed{seed}", "columns": [*COLUMNS, *BIN_COLUMNS], "hosts": [],
+            "cost": {"cpu_s": 200.0, "wall_s": 900.0}}
+    path = data / condition / method / f"seed{seed}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta}) + "\n" + "".join(json.dumps(r) + "\n" for r in data_file_rows(records)))
+
+
+def test_the_report_applies_the_rules_to_the_data_files_alone(tmp_path):
+    data = tmp_path / "data"
+    wobble = [0.004, -0.006, 0.002, 0.0, -0.003, 0.005, -0.001, -0.001]
+    for i, seed in enumerate(SEEDS):
+        for condition, pg_is, control in (("stale0", 0.30, 0.30), ("stale64", 0.14 + wobble[i], 0.10)):
+            _write_run(data, condition, "dppo_binary_tv", seed, 0.30 if condition == "stale0" else 0.20)
+            _write_run(data, condition, "pg_is", seed, pg_is)
+            _write_run(data, condition, "pg_pi_old", seed, control)
+    out = tmp_path / "report"
+    staleness.report(data, tmp_path / "no-pilot", tmp_path / "none.json", out)
+    tables = (out / "tables.md").read_text()
+    # I(64) = (0.14 - 0.20) - (0.30 - 0.30) = -6 points, tight: beyond the 4-point effect, only the top dose ran
+    assert "**pg_is**: confirmed at lag 64, dose-response untested" in tables
+    assert "**minirl**: incomplete" in tables and "No pilot data yet." in tables
+    assert "48 runs record their cost: 9600 CPU-s in all" in tables
+    assert (out / "figure_staleness.png").stat().st_size > 10_000
+    # the same files give the same report
+    staleness.report(data, tmp_path / "no-pilot", tmp_path / "none.json", tmp_path / "again")
+    assert (tmp_path / "again" / "tables.md").read_text() == tables
+
+
+def test_the_step_size_rule():
+    def summaries(j: float, bite: float) -> dict:
+        out = {}
+        for condition, pg_is, dppo in (("stale0", 0.30, 0.30), ("steplr2e-4", 0.30 + bite / 2 + j / 2, 0.30 + bite / 2),
+                                       ("steplr3e-4", 0.30 + bite + j, 0.30 + bite)):
+            out[condition] = {
+                "pg_is": {s: {"final": pg_is + 0.002 * (i % 3 - 1)} for i, s in enumerate(SEEDS)},
+                "dppo_binary_tv": {s: {"final": dppo} for s in SEEDS},
+            }
+        return out
+
+    assert staleness.step_size_verdict(summaries(-0.08, -0.10))[0] == "confirmed"
+    assert staleness.step_size_verdict(summaries(0.0, -0.10))[0] == "refuted at this scale"
+    assert staleness.step_size_verdict(summaries(0.0, 0.0))[0] == "inconclusive"  # the larger step does not bite
+    assert staleness.step_size_verdict({})[0] == "incomplete"
