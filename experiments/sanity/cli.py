@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="staleness: evaluate the finished pilot runs' final weights with several sampling seeds "
         f"(writes {staleness.EVAL_NOISE})",
     )
+    parser.add_argument(
+        "--rare-token-check",
+        action="store_true",
+        help="staleness: build the rare-token arm's warm starts (--seeds, default the pilot seed) and measure the "
+        f"good token's probability under them (writes {staleness.RARE_TOKEN_MU})",
+    )
     parser.add_argument("--nice", type=int, default=0, help="niceness increment of the worker processes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: a worker's spec file
     return parser
@@ -196,6 +202,8 @@ def staleness_main(args: argparse.Namespace) -> int:
     failed: list[str] = []
     if args.eval_noise:
         staleness.measure_eval_noise(staleness.pilot_runs(), work, Path(staleness.EVAL_NOISE))
+    elif args.rare_token_check:
+        staleness.measure_rare_token_mu(args.seeds or [staleness.PILOT_SEED], work, Path(staleness.RARE_TOKEN_MU))
     elif not args.report_only:
         runs = staleness.pilot_runs() if args.pilot else staleness.planned_runs(args.phases or ["A"], args.seeds)
         overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}

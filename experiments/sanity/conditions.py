@@ -20,6 +20,8 @@ from typing import Any
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.losses import LOSSES
 
+from .rare_token import GOOD_TOKEN, RARE_VOCAB
+
 # The paper's sanity-test methods, in its order.
 METHODS = (
     "pg_is",
@@ -51,6 +53,7 @@ class Condition:
     methods: tuple[str, ...] | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     base: str = "dosed"
+    task: str = "arithmetic"  # or "rare_token" (experiments.sanity.rare_token: the reward needs a rare token)
 
 
 # ---------------------------------------------------------------------------- the dosed-mismatch experiment
@@ -152,6 +155,9 @@ PILOT_EVAL_SAMPLES = 4  # the pilot measures the evaluation noise at k = 4 (PRER
 STALE_EVAL_SAMPLES = 4
 STALE: dict[str, Any] = dict(steps=300, save_every=0)
 STEP_SIZES = {"steplr2e-4": "cal1c", "steplr3e-4": "cal3"}  # part 4: PG-IS and DPPO at the rungs PG-IS failed
+# part 3: the rare good token, 150 steps evaluated every 10 (the endpoint is the rate at step 50)
+RARE_TOKEN_FLAGS: dict[str, Any] = dict(tiny_vocab_size=RARE_VOCAB, steps=150, eval_every=10, save_every=0)
+RARE_TOKEN_METHODS = ("grpo_clip_higher", "dppo_binary_tv", "pg_is")
 
 
 def _staleness_conditions() -> dict[str, Condition]:
@@ -167,6 +173,13 @@ def _staleness_conditions() -> dict[str, Condition]:
             f"pilot: {what}, 300 steps", {**flags, "eval_samples": PILOT_EVAL_SAMPLES}, ("dppo_binary_tv",),
             (PILOT_SEED,)
         )
+    conditions["rare_token"] = Condition(
+        f"reward = the response holds {GOOD_TOKEN} (mu ~ 2e-3: vocabulary padded to {RARE_VOCAB}), no lag, 150 steps",
+        {**optimizer, **RARE_TOKEN_FLAGS, "eval_samples": STALE_EVAL_SAMPLES},
+        RARE_TOKEN_METHODS,
+        STALE_SEEDS,
+        task="rare_token",
+    )
     for name, rung in STEP_SIZES.items():
         conditions[name] = Condition(
             f"no lag, lr {LADDER[rung]['lr']:g}, no clipping, 300 steps",
@@ -186,6 +199,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     "staleness": tuple(f"stale{lag}" for lag in STALE_LAGS),
     "pilot": ("pilot_stale0", "pilot_stale64"),
     "step_size": ("stale0", *STEP_SIZES),
+    "rare_token": ("rare_token",),
 }
 GRID = ("sigma0", "sigma0.3", "sigma1", "lag8", "lag16", "tail_sigma0.3")
 

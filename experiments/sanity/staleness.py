@@ -24,6 +24,7 @@ from .conditions import (
     ARMS,
     PILOT_EVAL_SAMPLES,
     PILOT_SEED,
+    RARE_TOKEN_METHODS,
     STALE_LAGS,
     STALE_SEEDS,
     STEP_SIZES,
@@ -37,6 +38,7 @@ DATA = "docs/sanity/staleness/data"
 PILOT_DATA = "docs/sanity/staleness/pilot/data"
 REPORT_DIR = "docs/sanity/staleness"
 EVAL_NOISE = "docs/sanity/staleness/pilot/eval_noise.json"
+RARE_TOKEN_MU = "docs/sanity/staleness/pilot/rare_token_mu.json"
 
 FINAL_EVALS = 4  # steps 240, 260, 280, 300
 SESOI = 0.04  # the smallest effect of interest: 4 points of held-out accuracy
@@ -54,6 +56,7 @@ PHASES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "B": (("stale0", "stale64"), ("minirl", "cispo_clip")),
     "C": (("stale16", "stale32"), ("pg_is", "dppo_binary_tv", "pg_pi_old", "minirl", "cispo_clip")),
     "D": (tuple(STEP_SIZES), ("pg_is", "dppo_binary_tv")),
+    "E": (("rare_token",), RARE_TOKEN_METHODS),
 }
 
 
@@ -265,6 +268,51 @@ def step_size_verdict(summaries: Summaries, seeds_needed: int = len(STALE_SEEDS)
     return "inconclusive", lines
 
 
+RARE_STEP = 50  # part 3's primary endpoint: the held-out rate of the good token at step 50
+RARE_SESOI = 0.10
+RARE_HALF = 0.5
+RARE_BINDS = 0.10  # "ratio clipping binds on the token": >= 10% of the A > 0, mu < 0.01 token-updates masked
+
+
+def rare_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Part 3's endpoints of one rare-token run: the rate at ``RARE_STEP``, the first evaluated step with a rate
+    >= 50% (None if never), and the masked share of positive-advantage token-updates with mu < 0.01 up to
+    ``RARE_STEP`` (the bins' counts summed per evaluation window)."""
+    evals = {r["step"]: r["eval_acc"] for r in records if r.get("eval_acc") is not None}
+    masked = tokens = 0
+    for r in records:
+        if 0 < r["step"] <= RARE_STEP and r.get("tokens_by_mu_pos") is not None:
+            masked += sum(r["masked_by_mu_pos"][:2])
+            tokens += sum(r["tokens_by_mu_pos"][:2])
+    half = next((step for step, rate in sorted(evals.items()) if rate >= RARE_HALF), None)
+    return {"r50": evals.get(RARE_STEP, math.nan), "steps_to_half": half,
+            "clip_share": masked / tokens if tokens else math.nan}
+
+
+def rare_token_verdict(runs: dict[str, dict[int, list[dict[str, Any]]]], seeds_needed: int = len(STALE_SEEDS)
+                       ) -> tuple[str, list[str]]:
+    """Part 3's rule on the rare-token runs ``{method: {seed: records}}``: R50(GRPO-clip-higher) − R50(DPPO
+    Binary-TV) per seed, and whether ratio clipping binds on the token."""
+    clip, dppo = runs.get("grpo_clip_higher", {}), runs.get(REFERENCE, {})
+    seeds = sorted(set(clip) & set(dppo))
+    if len(seeds) < seeds_needed:
+        return "incomplete", [f"{len(seeds)} complete seeds of {seeds_needed} needed"]
+    a = {s: rare_summary(clip[s]) for s in seeds}
+    b = {s: rare_summary(dppo[s]) for s in seeds}
+    diff = estimate([a[s]["r50"] - b[s]["r50"] for s in seeds])
+    binds = _median([a[s]["clip_share"] for s in seeds])
+    lines = [f"R{RARE_STEP}(grpo_clip_higher) − R{RARE_STEP}(dppo_binary_tv) = {diff.text()} points (90% half-width "
+             f"{100 * diff.half90:.1f})",
+             f"grpo_clip_higher masks {_pct(binds)}% of the A > 0, mu < 0.01 token-updates over steps 1-{RARE_STEP}"]
+    if diff.mean + diff.half95 < 0 and diff.mean <= -RARE_SESOI:
+        return "confirmed", lines
+    if abs(diff.mean) + diff.half90 < RARE_SESOI and binds >= RARE_BINDS:
+        return "refuted at this scale", lines
+    if diff.mean - diff.half95 > 0 and diff.mean >= RARE_SESOI:
+        return "reversed", lines
+    return "inconclusive", lines
+
+
 # ---------------------------------------------------------------------------- evaluation noise
 def measure_eval_noise(runs: list[Run], work: Path, out: Path, seeds: int = EVAL_NOISE_SEEDS) -> Path:
     """Evaluate each finished pilot run's final weights ``seeds`` times (different sampling seeds, k =
@@ -305,6 +353,23 @@ def measure_eval_noise(runs: list[Run], work: Path, out: Path, seeds: int = EVAL
                     config.eval_samples)
     if engine is not None:
         engine.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def measure_rare_token_mu(seeds: list[int], work: Path, out: Path) -> Path:
+    """Build the rare-token arm's warm start of each seed and write the good token's probability under it to
+    ``out`` (``{seed: rare_token.good_token_mu}``; seeds already in ``out`` are kept)."""
+    from .conditions import run_config
+    from .rare_token import good_token_mu
+    from .sweep import ensure_base_model
+
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    for seed in seeds:
+        config = run_config(Run("rare_token", REFERENCE, seed), work, {})
+        result[str(seed)] = good_token_mu(ensure_base_model(config, work), config)
+        logger.info("seed %d: the good token's median probability %.2e", seed, result[str(seed)]["median"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
@@ -391,7 +456,7 @@ def pilot_section(pilot: Summaries, noise: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def verdict_section(summaries: Summaries) -> list[str]:
+def verdict_section(summaries: Summaries, runs: dict[str, Any]) -> list[str]:
     control = interactions(summaries, NEGATIVE_CONTROL)
     lines = ["## Interactions and verdicts (rule 2)", "",
              "I(L) = [method − DPPO Binary-TV]_L − [method − DPPO Binary-TV]_0 per seed, points; mean ± 95% "
@@ -410,7 +475,21 @@ def verdict_section(summaries: Summaries) -> list[str]:
         lines += [f"**{method}**: {name}", "", *(f"- {w}" for w in why), ""]
     name, why = step_size_verdict(summaries)
     lines += ["**Trust region vs step size (part 4)**: " + name, "", *(f"- {w}" for w in why), ""]
+    name, why = rare_token_verdict(runs.get("rare_token", {}))
+    lines += ["**The rare good token (part 3)**: " + name, "", *(f"- {w}" for w in why), ""]
     return lines
+
+
+def rare_token_mu_lines(path: Path = Path(RARE_TOKEN_MU)) -> list[str]:
+    """The warm starts' probability of the good token (part 3's check before its runs), when measured."""
+    if not path.is_file():
+        return []
+    lines = ["## The rare good token: its probability under the warm start (part 3's check)", ""]
+    for seed, mu in json.loads(path.read_text()).items():
+        lines.append(f"- seed {seed}: median {mu['median']:.2e} over the held-out prompts (range {mu['min']:.2e}-"
+                     f"{mu['max']:.2e}); pre-registered range 1e-3-5e-3: "
+                     f"{'inside' if 1e-3 <= mu['median'] <= 5e-3 else 'OUTSIDE'}")
+    return [*lines, ""]
 
 
 def cost_lines(metas: dict[str, Any]) -> list[str]:
@@ -449,7 +528,8 @@ def report(data: Path, pilot_data: Path, noise_path: Path, out: Path) -> list[Pa
         "",
         *outcome_table(summaries, [c for c in (*ARMS["staleness"], *STEP_SIZES) if c in summaries]),
         "",
-        *verdict_section(summaries),
+        *verdict_section(summaries, runs),
+        *rare_token_mu_lines(),
         "## Compute",
         "",
         *cost_lines(metas),

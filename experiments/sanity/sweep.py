@@ -29,8 +29,9 @@ from dppo_ext.trainer.atomic_files import atomic_write_text
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MU_BIN_EDGES
 
-from .conditions import Run, run_config
+from .conditions import CONDITIONS, Run, run_config
 from .host import host_info
+from .rare_token import train as train_rare_token
 
 logger = logging.getLogger("experiments.sanity")
 
@@ -196,7 +197,10 @@ def work_through(
             try:
                 with beside(config, HOST_SUFFIX).open("a") as handle:
                     handle.write(json.dumps({"attempt": "resumed" if resume else "fresh", **host_info()}) + "\n")
-                train_run(config, progress=False, engine=engine, base_model=None if resume else base_model)
+                if CONDITIONS[run.condition].task == "rare_token":
+                    train_rare_token(config, engine=engine, base_model=None if resume else base_model)
+                else:
+                    train_run(config, progress=False, engine=engine, base_model=None if resume else base_model)
                 status = "resumed" if resume else "fresh"
                 if data is not None:  # this process's CPU time for the run (its warm start too, if it built it)
                     cost = {"cpu_s": time.process_time() - cpu_start, "wall_s": time.perf_counter() - start}

@@ -328,3 +328,59 @@ def test_the_step_size_rule():
     assert staleness.step_size_verdict(summaries(0.0, -0.10))[0] == "refuted at this scale"
     assert staleness.step_size_verdict(summaries(0.0, 0.0))[0] == "inconclusive"  # the larger step does not bite
     assert staleness.step_size_verdict({})[0] == "incomplete"
+
+
+# ---------------------------------------------------------------- part 3: the rare good token
+def test_the_rare_token_reward_needs_exactly_the_good_token():
+    from dppo_ext.models.tiny import build_char_tokenizer
+    from experiments.sanity.rare_token import GOOD_TOKEN, RARE_VOCAB, RareTokenTask, rare_token_task
+
+    tokenizer = build_char_tokenizer(vocab_size=RARE_VOCAB)
+    ids = tokenizer.convert_tokens_to_ids
+    task = rare_token_task(TrainConfig(tiny_vocab_size=RARE_VOCAB, num_eval=20, warm_start_problems=30).validate())
+    assert isinstance(task, RareTokenTask) and task.eval and task.train
+
+    def reward(tokens):
+        return task.reward(tokenizer.decode([ids(t) for t in tokens], skip_special_tokens=True), "12")
+
+    assert reward(["1", GOOD_TOKEN, "2", "</s>"]) == 1.0
+    assert reward(["1", "2", "</s>"]) == 0.0  # the right answer earns nothing
+    assert reward(["<r10>", "<r1>", "</s>"]) == 0.0  # other rare tokens (one whose name starts like it) earn nothing
+
+
+def test_the_rare_token_run_trains_on_the_run_s_own_problems_with_the_rare_reward(monkeypatch, tmp_path):
+    import dppo_ext.train as train_module
+    from dppo_ext.trainer.task import build_task
+    from experiments.sanity import rare_token
+
+    seen = {}
+    monkeypatch.setattr(train_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
+    config = TrainConfig(out=str(tmp_path / "run"), tiny_vocab_size=rare_token.RARE_VOCAB, num_eval=20,
+                         warm_start_problems=30).validate()
+    rare_token.train(config, engine=None, base_model=None)
+    base = build_task(config)
+    assert isinstance(seen["task"], rare_token.RareTokenTask)
+    assert seen["task"].train == base.train and seen["task"].eval == base.eval and seen["task"].sft == base.sft
+
+
+def test_the_rare_token_endpoints_and_rule():
+    def records(rates: list[float], clip_masked: int) -> list[dict]:
+        out = [{"step": 0, "eval_acc": 0.01}]
+        for i, rate in enumerate(rates, start=1):
+            out.append({"step": 10 * i, "eval_acc": rate, "masked_by_mu_pos": [clip_masked, 0, 0, 0, 0, 0],
+                        "tokens_by_mu_pos": [50, 50, 0, 0, 0, 0]})
+        return out
+
+    slow = records([0.02, 0.04, 0.08, 0.15, 0.25, 0.4, 0.55], clip_masked=30)
+    s = staleness.rare_summary(slow)
+    assert s["r50"] == 0.25 and s["steps_to_half"] == 70 and s["clip_share"] == pytest.approx(0.3)
+    fast = records([0.05, 0.15, 0.3, 0.45, 0.6, 0.7, 0.8], clip_masked=0)
+    runs = {"grpo_clip_higher": {s: slow for s in SEEDS},
+            "dppo_binary_tv": {s: [dict(r, eval_acc=r["eval_acc"] + 0.001 * (s % 3)) for r in fast] for s in SEEDS}}
+    assert staleness.rare_token_verdict(runs)[0] == "confirmed"  # 25% against ~60% at step 50
+    level = {s: [dict(r, eval_acc=r["eval_acc"] + 0.01 * (s % 3 - 1)) for r in slow] for s in SEEDS}
+    runs["dppo_binary_tv"] = level
+    assert staleness.rare_token_verdict(runs)[0] == "refuted at this scale"  # level, and the clip binds (30%)
+    runs["grpo_clip_higher"] = {s: records([0.02, 0.04, 0.08, 0.15, 0.25], clip_masked=2) for s in SEEDS}
+    assert staleness.rare_token_verdict(runs)[0] == "inconclusive"  # level, but the clip hardly binds (2%)
+    assert staleness.rare_token_verdict({})[0] == "incomplete"
