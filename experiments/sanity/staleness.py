@@ -431,7 +431,12 @@ def pilot_section(pilot: Summaries, noise: dict[str, Any]) -> list[str]:
     lines = ["## Pilot (seed 100, DPPO Binary-TV, 300 steps, k = 4)", ""]
     if not pilot:
         return [*lines, "No pilot data yet.", ""]
-    lines += outcome_table(pilot, list(ARMS["pilot"])) + [""]
+    lines += outcome_table(pilot, list(ARMS["pilot"])) + [
+        "",
+        "The pilot ran before amendment 1: its lag-64 evaluations scored the engine's weights, those of 64 steps "
+        "earlier; the evaluation-noise check below scores the final (current) weights.",
+        "",
+    ]
     top = pilot.get("pilot_stale64", {}).get(REFERENCE, {}).get(PILOT_SEED)
     if top is not None:
         ok = not top["collapsed"] and top["gain"] >= SESOI
@@ -496,7 +501,7 @@ def cost_lines(metas: dict[str, Any]) -> list[str]:
     """The measured compute of the runs whose data files record it (the worker's CPU and wall seconds)."""
     costs = [m["cost"] for ms in metas.values() for seeds in ms.values() for m in seeds.values() if m.get("cost")]
     if not costs:
-        return ["No run records its cost."]
+        return ["No finished run records its cost yet (the pilot's, measured from /proc, is in STATUS.md)."]
     cpu = [c["cpu_s"] for c in costs]
     return [f"{len(costs)} runs record their cost: {sum(cpu):.0f} CPU-s in all, median {statistics.median(cpu):.0f} "
             f"CPU-s a run (range {min(cpu):.0f}-{max(cpu):.0f}; one torch thread, niceness 19 on a shared machine), "
