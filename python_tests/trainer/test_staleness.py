@@ -246,8 +246,9 @@ def test_without_a_lag_the_negative_control_is_pg_is(tiny_dir, tmp_path):
     assert trained >= 1
     # the weights agree to well under 1% of how far the updates moved them (AdamW amplifies the ~1e-7 gap between
     # mu and pi_old on near-zero gradients, so a few elements differ by more than rounding)
-    moved = sum(float((p - p0).norm() ** 2) for p, p0 in zip(a.model.parameters(), start)) ** 0.5
-    apart = sum(float((pa - pb).norm() ** 2) for pa, pb in zip(a.model.parameters(), b.model.parameters())) ** 0.5
+    with torch.no_grad():
+        moved = sum(float((p - p0).norm() ** 2) for p, p0 in zip(a.model.parameters(), start)) ** 0.5
+        apart = sum(float((pa - pb).norm() ** 2) for pa, pb in zip(a.model.parameters(), b.model.parameters())) ** 0.5
     assert moved > 0 and apart < 1e-3 * moved
 
 
