@@ -385,3 +385,20 @@ def test_the_rare_token_endpoints_and_rule():
     runs["grpo_clip_higher"] = {s: records([0.02, 0.04, 0.08, 0.15, 0.25], clip_masked=2) for s in SEEDS}
     assert staleness.rare_token_verdict(runs)[0] == "inconclusive"  # level, but the clip hardly binds (2%)
     assert staleness.rare_token_verdict({})[0] == "incomplete"
+
+
+def test_a_finished_run_is_collected_at_once_with_its_cost_and_the_new_metrics(tmp_path):
+    from experiments.sanity.conditions import QUICK, Run
+    from experiments.sanity.sweep import read_data_file, work_through
+
+    run = Run("stale64", "pg_pi_old", 10)
+    data = tmp_path / "data"
+    assert work_through([run], tmp_path / "work", dict(QUICK, engine="hf"), tmp_path / "status.jsonl", data) == 0
+    path = data / "stale64" / "pg_pi_old" / "seed10.jsonl"
+    assert staleness.data_file_complete(path, QUICK["steps"])
+    meta, records = read_data_file(path)
+    assert meta["cost"]["cpu_s"] > 0 and meta["cost"]["wall_s"] > 0
+    assert meta["config"]["rollout_lag"] == 64 and meta["config"]["loss"] == "pg_pi_old"
+    trained = [r for r in records[1:] if r.get("optimizer_steps")]
+    assert trained and all("pre_mismatch_mean" in r and "bad_neg_frac" in r for r in trained)
+    assert not list(data.rglob(".*.tmp-*"))  # written through a temporary sibling, renamed into place
