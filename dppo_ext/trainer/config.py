@@ -184,8 +184,13 @@ class TrainConfig:
 
     @property
     def uses_recompute_anchor(self) -> bool:
-        """True when the loss anchors its mask on log-probs recomputed by the trainer (MiniRL)."""
-        return LOSSES[self.loss].anchor == "recompute"
+        """True when the loss needs log-probs recomputed by the trainer (MiniRL's mask, ``pg_pi_old``'s weight)."""
+        return LOSSES[self.loss].recomputes
+
+    @property
+    def weights_on_recompute(self) -> bool:
+        """True when the loss's weight is pi / pi_old (the op gets the recomputed log-probs in place of mu)."""
+        return LOSSES[self.loss].weight == "recompute"
 
     def loss_settings(self) -> dict[str, float]:
         """``delta_low``, ``delta_high``, ``ratio_cap`` for the op: the flags, else the loss's defaults."""

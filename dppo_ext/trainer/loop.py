@@ -32,6 +32,8 @@ at rounding level (~1e-6 in float32) when the engine follows the trainer and jum
 of an update when it does not. On top of that the vLLM engine's sync guard checks every sync itself and stops
 the run when the engine's log-probs no longer follow the trainer's (``--sync-check``, on by default; the record's
 ``sync_check_max`` and ``sync_check_s``).
+(``pg_pi_old`` feeds the op pi_old in place of mu, so its ``mismatch_mean`` reads ``|pi - pi_old|``; the mechanism
+metrics' ``pre_mismatch_mean`` is against mu for every loss.)
 """
 
 from __future__ import annotations
@@ -144,9 +146,15 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> EvalResult:
-        """Held-out accuracy of the current weights (through the engine: generation only)."""
+        """Held-out accuracy of the current weights (through the engine: generation only).
+
+        With ``rollout_lag`` the engine holds the weights of k steps ago: the current weights go into it for
+        the evaluation and the lagged ones back after it, so the accuracy is the trained policy's.
+        """
         start = time.perf_counter()
         problems = self.task.eval
+        if self._lag_model is not None:
+            self.engine.sync_weights(self.model)
         groups = self.engine.generate(
             [self.encode_prompt(p.prompt) for p in problems],
             n=self.config.eval_samples,
@@ -154,6 +162,8 @@ class Trainer:
             max_tokens=self.config.max_new_tokens,
             seed=self.config.seed + EVAL_SEED_OFFSET,
         )
+        if self._lag_model is not None:
+            self.engine.sync_weights(self._lag_model)
         rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
         lengths = [len(s.response_ids) for group in groups for s in group]
         return EvalResult(
@@ -217,16 +227,18 @@ class Trainer:
                     micro = batch.select(part).to(self.device)
                     share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
                     logits = response_logits(self.model, micro)
+                    # pg_pi_old: the op's weight pi / mu becomes pi / pi_old (the loss ignores the rollout mismatch)
+                    on_old = cfg.weights_on_recompute
                     loss, metrics = self._dppo_loss(
                         logits,
                         micro.tokens,
-                        micro.rollout_logprobs,
+                        micro.anchor_logprobs if on_old else micro.rollout_logprobs,
                         micro.advantages,
                         response_mask=micro.response_mask,
                         mode=cfg.mode,
                         topk_ids=micro.topk_ids,
                         topk_logprobs=micro.topk_logprobs,
-                        anchor_logprobs=micro.anchor_logprobs,
+                        anchor_logprobs=None if on_old else micro.anchor_logprobs,
                         temperature=cfg.temperature,
                         loss_agg_mode=cfg.loss_agg_mode,
                         loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
@@ -235,6 +247,8 @@ class Trainer:
                     if mechanism is not None:
                         rows, valid, mu, adv = op_rows(logits, micro, cfg.mode, cfg.temperature, settings)
                         mechanism.add_mask(rows.mask, valid, mu, adv, first=first)
+                        if first:
+                            mechanism.add_pre_update(rows.logp, valid, mu)
                         before.append(rows.logp)
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share

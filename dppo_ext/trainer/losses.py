@@ -4,7 +4,9 @@ Every loss below computes, per response token, ``l = -A * w * M * log pi`` with 
 ``w = min(pi / mu, C)`` and the mask ``M`` both constants for autograd (docs/contract.md). They
 differ only in what the mask tests (``mode``), which distribution anchors that test (the rollout
 engine's ``mu``, or ``pi_old``: log-probs the trainer recomputes with its own weights once per
-rollout batch, before that batch's first optimizer step), the thresholds and the cap C.
+rollout batch, before that batch's first optimizer step), the thresholds and the cap C. One loss,
+``pg_pi_old``, also takes its weight against ``pi_old`` (``w = pi / pi_old``): it ignores the
+rollout mismatch, the negative control of the staleness experiment (docs/sanity/staleness/).
 
 The table of what each loss masks, what anchors the mask, what weights the gradient and which
 reference it follows is in README.md, section "Does DPPO's stability hold here?"; ``LOSSES``
@@ -26,6 +28,9 @@ from dppo_ext.contract import MODE_ALIASES, TOPK_MODES
 __all__ = ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
 
 TIS_CAP = 10.0
+# CISPO as MiniMax-M1 (arXiv 2506.13585, section 3.1) runs it: the weight clipped at 1 + eps_high with no lower bound;
+# eps_high = 0.28 (DAPO's clip-higher, the default upper clip range of Trinity-RFT's cispo loss).
+CISPO_CAP = 1.28
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class LossSpec:
         delta_low, delta_high: default thresholds (None: the op's per-mode default).
         ratio_cap: default cap C of the weight; ``math.inf`` = uncapped.
         source: which reference implementation this configuration follows.
+        weight: ``rollout`` (``w = pi / mu``) or ``recompute`` (``w = pi / pi_old``: the op is fed pi_old in
+            place of mu, so the weight ignores the rollout mismatch; only with ``mode="none"``).
     """
 
     mode: str
@@ -47,16 +54,38 @@ class LossSpec:
     delta_high: Optional[float] = None
     ratio_cap: float = TIS_CAP
     source: str = ""
+    weight: str = "rollout"
+
+    def __post_init__(self) -> None:
+        if self.weight not in ("rollout", "recompute"):
+            raise ValueError(f"LossSpec weight must be 'rollout' or 'recompute', got {self.weight!r}")
+        if self.weight == "recompute" and self.mode != "none":
+            raise ValueError(
+                f"LossSpec weight='recompute' needs mode='none' (a mask against mu would still see the "
+                f"mismatch), got mode={self.mode!r}"
+            )
 
     @property
     def uses_topk(self) -> bool:
         """True when the mode needs the rollout's top-K log-probs."""
         return self.mode in TOPK_MODES
 
+    @property
+    def recomputes(self) -> bool:
+        """True when the trainer must recompute pi_old for this loss (its mask's anchor or its weight)."""
+        return self.anchor == "recompute" or self.weight == "recompute"
+
 
 LOSSES: dict[str, LossSpec] = {
     "pg_is": LossSpec("none", ratio_cap=math.inf, source="PG-IS: Stable-RL pg_no_mask without the cap"),
     "cispo": LossSpec("none", source="CISPO / PG-TIS: Stable-RL pg_no_mask (weight capped at 10)"),
+    "cispo_clip": LossSpec("none", ratio_cap=CISPO_CAP, source="CISPO: MiniMax-M1, weight capped at 1 + 0.28"),
+    "pg_pi_old": LossSpec(
+        "none",
+        ratio_cap=math.inf,
+        weight="recompute",
+        source="PG weighted by pi / pi_old: ignores the rollout mismatch (negative control)",
+    ),
     "grpo_clip": LossSpec("ratio", delta_low=0.2, delta_high=0.2, source="GRPO: Stable-RL ppo, symmetric clip"),
     "grpo_clip_higher": LossSpec("ratio", delta_low=0.2, delta_high=0.28, source="GRPO clip-higher: Stable-RL ppo"),
     "minirl": LossSpec(

@@ -20,6 +20,17 @@ tokens count too: their probability still moves with the shared weights. It is w
 says destabilises training: steps that move a sampled token's probability ever further from the
 distribution it was sampled from.
 
+The **pre-update mismatch** ``pre_mismatch_mean`` / ``pre_mismatch_max`` is ``|pi - mu|`` of the first
+mini-batch's tokens before the step's first update, mu the rollout engine's probability: the same
+quantity for every loss (the loss's own ``mismatch_mean`` compares pi with what the op was fed, which
+is pi_old for ``pg_pi_old``).
+
+A **bad negative update** (``bad_neg_frac``, docs/sanity/staleness/PREREGISTRATION.md, part 5): a
+token-update with A < 0 and mu > 0.5 that left the token's probability more than 0.15 below mu and
+lower than before the update (``pi_new < mu - 0.15`` and ``pi_new < pi_old``), as a fraction of the
+token-updates with A < 0 and mu > 0.5 (``neg_high_tokens``). Unlike ``bad_update_frac`` it cannot
+count a positive-advantage token being learned.
+
 Counts are over tokens x updates (a token is seen once per epoch), so fractions are token means.
 """
 
@@ -88,6 +99,10 @@ class MechanismStats:
         self.bad = 0.0
         self.neg_high_removed = 0.0
         self.neg_high_tokens = 0.0
+        self.bad_neg = 0.0
+        self.pre_mismatch_sum = 0.0
+        self.pre_mismatch_max = 0.0
+        self.pre_tokens = 0.0
         self.clipped_updates = 0
 
     def add_mask(
@@ -103,6 +118,14 @@ class MechanismStats:
             rows = valid & side
             self._add_counts(self.bin_tokens[sign], bins[rows])
             self._add_counts(self.bin_masked[sign], bins[rows & masked])
+
+    def add_pre_update(self, logp: torch.Tensor, valid: torch.Tensor, mu: torch.Tensor) -> None:
+        """The first mini-batch's tokens ``[N]`` before the step's first update: ``logp`` = log pi, ``mu`` the rollout
+        probabilities."""
+        gap = torch.where(valid, (logp.float().exp() - mu).abs(), torch.zeros_like(mu))
+        self.pre_mismatch_sum += float(gap.sum())
+        self.pre_mismatch_max = max(self.pre_mismatch_max, float(gap.max())) if gap.numel() else self.pre_mismatch_max
+        self.pre_tokens += float(valid.sum())
 
     def _add_counts(self, counts: list[int], bins: torch.Tensor) -> None:
         for b, c in enumerate(torch.bincount(bins, minlength=len(counts)).tolist()):
@@ -129,6 +152,7 @@ class MechanismStats:
         high_neg = valid & (advantages < 0) & (mu > HIGH_MU)
         self.neg_high_removed += float((pi_old - pi)[high_neg].sum())
         self.neg_high_tokens += float(high_neg.sum())
+        self.bad_neg += float((high_neg & (pi < mu - BAD_UPDATE_DELTA) & (pi < pi_old)).sum())
 
     def record(self) -> dict[str, Any]:
         """The step's fields (fractions are NaN, i.e. null in the JSONL, when nothing was counted)."""
@@ -145,5 +169,8 @@ class MechanismStats:
             "bad_update_frac": frac(self.bad, self.drift_tokens),
             "neg_high_removed": frac(self.neg_high_removed, self.neg_high_tokens),
             "neg_high_tokens": int(self.neg_high_tokens),
+            "bad_neg_frac": frac(self.bad_neg, self.neg_high_tokens),
+            "pre_mismatch_mean": frac(self.pre_mismatch_sum, self.pre_tokens),
+            "pre_mismatch_max": self.pre_mismatch_max if self.pre_tokens else float("nan"),
             "clipped_updates": self.clipped_updates,
         }

@@ -12,6 +12,7 @@ from typing import Any
 
 from dppo_ext.trainer.losses import LOSSES
 
+from . import staleness
 from .conditions import (
     ARMS,
     CONDITIONS,
@@ -82,6 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
         "steps, tiny warm start",
     )
     parser.add_argument("--report-only", action="store_true", help="only redraw figures and tables from --data")
+    parser.add_argument(
+        "--experiment",
+        default="dosed",
+        choices=("dosed", "staleness"),
+        help="dosed: the dosed-mismatch experiment (docs/sanity.md); staleness: the staleness ladder "
+        "(docs/sanity/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot)",
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=None,
+        choices=list(staleness.PHASES),
+        help="staleness: the phases to run, in order (default: A)",
+    )
+    parser.add_argument("--pilot", action="store_true", help="staleness: run the pilot (seed 100) instead")
+    parser.add_argument(
+        "--eval-noise",
+        action="store_true",
+        help="staleness: evaluate the finished pilot runs' final weights with several sampling seeds "
+        f"(writes {staleness.EVAL_NOISE})",
+    )
+    parser.add_argument(
+        "--rare-token-check",
+        action="store_true",
+        help="staleness: build the rare-token arm's warm starts (--seeds, default the pilot seed) and measure the "
+        f"good token's probability under them (writes {staleness.RARE_TOKEN_MU})",
+    )
+    parser.add_argument("--nice", type=int, default=0, help="niceness increment of the worker processes")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: a worker's spec file
     return parser
 
@@ -108,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
         runs = [Run(*r) for r in spec["runs"]]
-        return 1 if work_through(runs, Path(spec["work"]), spec["overrides"], Path(spec["status"])) else 0
+        data = Path(spec["data"]) if spec.get("data") else None
+        return 1 if work_through(runs, Path(spec["work"]), spec["overrides"], Path(spec["status"]), data) else 0
+    if args.experiment == "staleness":
+        return staleness_main(args)
     data, report_dir = Path(args.data), Path(args.report_dir)
     failed: list[str] = []
     if not args.report_only:
@@ -156,5 +188,44 @@ def main(argv: list[str] | None = None) -> int:
             f"sanity: {len(failed)} run(s) failed (see <run folder>.train.log beside each): {', '.join(failed)}",
             file=sys.stderr,
         )
+        return 1
+    return 0
+
+
+def staleness_main(args: argparse.Namespace) -> int:
+    """The staleness experiment: its runs (skipping those whose committed data file is complete), each collected
+    as it finishes; or the pilot's evaluation noise; then its report from the committed files."""
+    data = Path(staleness.PILOT_DATA if args.pilot else args.data if args.data != DATA else staleness.DATA)
+    report_dir = Path(args.report_dir if args.report_dir != REPORT_DIR else staleness.REPORT_DIR)
+    pilot_data = data if args.pilot else Path(staleness.PILOT_DATA)
+    work = Path(args.work)
+    failed: list[str] = []
+    if args.eval_noise:
+        staleness.measure_eval_noise(staleness.pilot_runs(), work, Path(staleness.EVAL_NOISE))
+    elif args.rare_token_check:
+        staleness.measure_rare_token_mu(args.seeds or [staleness.PILOT_SEED], work, Path(staleness.RARE_TOKEN_MU))
+    elif not args.report_only:
+        runs = staleness.pilot_runs() if args.pilot else staleness.planned_runs(args.phases or ["A"], args.seeds)
+        overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
+        configs = {run: run_config(run, work, overrides) for run in runs}
+        todo = [
+            run
+            for run in runs
+            if not staleness.data_file_complete(
+                data / run.condition / run.method / f"seed{run.seed}.jsonl", configs[run].steps
+            )
+        ]
+        logger.info("%d of %d runs to train (%d have complete data files)", len(todo), len(runs), len(runs) - len(todo))
+        start = time.perf_counter()
+        results = launch_workers(todo, work, overrides, args.jobs, data=data, nice=args.nice) if todo else []
+        counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
+        logger.info("staleness sweep: %d runs in %.0f s wall (%s)", len(todo), time.perf_counter() - start, counts)
+        failed = [r["run"] for r in results if r["status"] == "failed"]
+    for path in staleness.report(
+        Path(staleness.DATA) if args.pilot else data, pilot_data, Path(staleness.EVAL_NOISE), report_dir
+    ):
+        print(f"wrote {path}")
+    if failed:
+        print(f"sanity: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0

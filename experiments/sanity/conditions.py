@@ -20,6 +20,8 @@ from typing import Any
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.losses import LOSSES
 
+from .rare_token import GOOD_TOKEN, RARE_VOCAB
+
 # The paper's sanity-test methods, in its order.
 METHODS = (
     "pg_is",
@@ -34,7 +36,7 @@ METHODS = (
     "dppo_topk_kl",
 )
 # Methods that have no trust region or anchor it elsewhere than on mu (drawn dashed).
-BASELINES = ("pg_is", "cispo", "minirl", "minirl_tis")
+BASELINES = ("pg_is", "cispo", "minirl", "minirl_tis", "cispo_clip", "pg_pi_old")
 # The paper uses K = 20 of a ~150k vocabulary; the embedded model has 17 tokens, where K = 20 would be the whole
 # distribution (an exact divergence). K = 4 keeps the top-K modes an approximation there; the padded
 # 4,096-token vocabulary of the tail arm uses the paper's K = 20.
@@ -51,6 +53,7 @@ class Condition:
     methods: tuple[str, ...] | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     base: str = "dosed"
+    task: str = "arithmetic"  # or "rare_token" (experiments.sanity.rare_token: the reward needs a rare token)
 
 
 # ---------------------------------------------------------------------------- the dosed-mismatch experiment
@@ -139,12 +142,66 @@ def _dosed_conditions() -> dict[str, Condition]:
     return conditions
 
 
+# ---------------------------------------------------------------------------- the staleness experiment
+# docs/sanity/staleness/PREREGISTRATION.md: the dosed experiment's setting with the calibrated optimizer, 300 steps,
+# no periodic checkpoint (an interrupted stale run starts over: a resumed one would restart its lag window), fresh
+# seeds 10-17, the pilot on seed 100.
+STALE_LAGS = (0, 16, 32, 64)
+STALE_METHODS = ("pg_is", "dppo_binary_tv", "pg_pi_old", "minirl", "cispo_clip")
+STALE_SEEDS = tuple(range(10, 18))
+PILOT_SEED = 100
+PILOT_EVAL_SAMPLES = 4  # the pilot measures the evaluation noise at k = 4 (PREREGISTRATION.md, "Common setting")
+# k of every ladder run: the smallest of 4, 8, 16 whose one-evaluation noise the pilot measured at <= 1 point
+STALE_EVAL_SAMPLES = 4
+STALE: dict[str, Any] = dict(steps=300, save_every=0)
+STEP_SIZES = {"steplr2e-4": "cal1c", "steplr3e-4": "cal3"}  # part 4: PG-IS and DPPO at the rungs PG-IS failed
+# part 3: the rare good token, 150 steps evaluated every 10 (the endpoint is the rate at step 50)
+RARE_TOKEN_FLAGS: dict[str, Any] = dict(tiny_vocab_size=RARE_VOCAB, steps=150, eval_every=10, save_every=0)
+RARE_TOKEN_METHODS = ("grpo_clip_higher", "dppo_binary_tv", "pg_is")
+
+
+def _staleness_conditions() -> dict[str, Condition]:
+    optimizer = LADDER[CALIBRATED]
+    conditions = {}
+    for lag in STALE_LAGS:
+        what = "no lag (control)" if lag == 0 else f"rollouts {lag} steps stale (--rollout-lag {lag})"
+        flags = {**optimizer, **STALE, "rollout_lag": lag}
+        conditions[f"stale{lag}"] = Condition(
+            f"{what}, 300 steps", {**flags, "eval_samples": STALE_EVAL_SAMPLES}, STALE_METHODS, STALE_SEEDS
+        )
+        conditions[f"pilot_stale{lag}"] = Condition(
+            f"pilot: {what}, 300 steps",
+            {**flags, "eval_samples": PILOT_EVAL_SAMPLES},
+            ("dppo_binary_tv",),
+            (PILOT_SEED,),
+        )
+    conditions["rare_token"] = Condition(
+        f"reward = the response holds {GOOD_TOKEN} (mu ~ 2e-3: vocabulary padded to {RARE_VOCAB}), no lag, 150 steps",
+        {**optimizer, **RARE_TOKEN_FLAGS, "eval_samples": STALE_EVAL_SAMPLES},
+        RARE_TOKEN_METHODS,
+        STALE_SEEDS,
+        task="rare_token",
+    )
+    for name, rung in STEP_SIZES.items():
+        conditions[name] = Condition(
+            f"no lag, lr {LADDER[rung]['lr']:g}, no clipping, 300 steps",
+            {**LADDER[rung], **STALE, "eval_samples": STALE_EVAL_SAMPLES},
+            ("pg_is", "dppo_binary_tv"),
+            STALE_SEEDS,
+        )
+    return conditions
+
+
 # Arms: the conditions drawn in one figure and compared in one table, the control first.
 ARMS: dict[str, tuple[str, ...]] = {
     "calibration": tuple(LADDER),
     "noise": ("sigma0", "sigma0.3", "sigma1"),
     "lag": ("sigma0", "lag8", "lag16"),
     "tail": ("tail_sigma0.3",),
+    "staleness": tuple(f"stale{lag}" for lag in STALE_LAGS),
+    "pilot": ("pilot_stale0", "pilot_stale64"),
+    "step_size": ("stale0", *STEP_SIZES),
+    "rare_token": ("rare_token",),
 }
 GRID = ("sigma0", "sigma0.3", "sigma1", "lag8", "lag16", "tail_sigma0.3")
 
@@ -226,7 +283,7 @@ HISTORY: dict[str, Condition] = {
     ),
 }
 
-CONDITIONS: dict[str, Condition] = {**_dosed_conditions(), **HISTORY}
+CONDITIONS: dict[str, Condition] = {**_dosed_conditions(), **_staleness_conditions(), **HISTORY}
 BASES = {"dosed": DOSED, "history": BASE}
 
 # The CI smoke test: the top noise dose on a tiny warm start, a few steps.

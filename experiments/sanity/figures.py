@@ -50,6 +50,13 @@ PANELS: dict[str, list[tuple[Callable[[dict[str, Any]], float | None], str, bool
         (_bin_share("tokens", 0), "share of trained tokens with μ < 1e-3 (per 20 steps)", False, False),
         (_key("masked_frac_first"), "masked fraction, first mini-batch", False, True),
     ],
+    "staleness": [
+        (_key("eval_acc"), "held-out accuracy", False, False),
+        (_key("pre_mismatch_mean"), "pre-update mean |π − μ| (first mini-batch, against μ)", True, True),
+        (_key("masked_frac_first"), "masked fraction, first mini-batch", False, True),
+        (_key("bad_neg_frac"), "bad negative updates (A < 0, μ > 0.5, π_new < μ − 0.15)", False, True),
+        (_key("entropy_mean"), "entropy (nats)", False, True),
+    ],
     "calibration": [
         (_key("eval_acc"), "held-out accuracy", False, False),
         (_key("reward"), "training reward", False, True),
@@ -75,12 +82,13 @@ def arm_figure(arm: str, conditions: dict[str, dict[str, dict[int, Records]]], p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = PANELS.get(arm, PANELS["default"])
+    panels = PANELS.get("staleness" if arm in ("pilot", "step_size") else arm, PANELS["default"])
     names = list(conditions)
     size = (max(4.0 * len(names) + 1.2, 9.0), 2.4 * len(panels) + 0.6)
     fig, axes = plt.subplots(len(panels), len(names), figsize=size, squeeze=False, sharex=True)
     colors = plt.get_cmap("tab10")
-    methods = [m for m in METHODS if any(m in runs for runs in conditions.values())]
+    present = {m for runs in conditions.values() for m in runs}
+    methods = [m for m in METHODS if m in present] + sorted(present - set(METHODS))
     for col, condition in enumerate(names):
         for row, (value, title, log_scale, smooth) in enumerate(panels):
             ax = axes[row][col]

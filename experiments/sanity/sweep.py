@@ -27,9 +27,11 @@ from typing import Any
 
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MU_BIN_EDGES
+from dppo_ext.trainer.run_folder.files import atomic_write_text
 
-from .conditions import Run, run_config
+from .conditions import CONDITIONS, Run, run_config
 from .host import host_info
+from .rare_token import train as train_rare_token
 
 logger = logging.getLogger("experiments.sanity")
 
@@ -51,6 +53,9 @@ COLUMNS = (
     "bad_update_frac",
     "neg_high_removed",
     "neg_high_tokens",
+    "bad_neg_frac",
+    "pre_mismatch_mean",
+    "pre_mismatch_max",
     "entropy_mean",
     "ratio_max",
     "grad_norm",
@@ -154,12 +159,15 @@ def _engine_key(config: TrainConfig) -> tuple:
     return config.engine, config.rollout_dtype, config.tiny_vocab_size, config.uses_topk and config.top_k > 20
 
 
-def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_path: Path) -> int:
+def work_through(
+    runs: list[Run], work: Path, overrides: dict[str, Any], status_path: Path, data: Path | None = None
+) -> int:
     """Train ``runs`` one after another in this process, sharing one rollout engine among them.
 
     A worker of the sweep: skips finished runs, resumes interrupted ones, and appends one JSON
     line ``{"run", "status", "seconds"}`` per run to ``status_path`` (status: skipped, fresh,
-    resumed or failed). Returns the number of failed runs.
+    resumed or failed). With ``data``, a run that finishes is collected there at once (atomically), so a
+    sweep stopped later keeps every finished run's data file. Returns the number of failed runs.
     """
     import torch
 
@@ -170,7 +178,7 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
     engine, engine_key, failed = None, None, 0
     for run in runs:
         config = run_config(run, work, overrides)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if _finished(config):
             status = "skipped"
         else:
@@ -192,8 +200,14 @@ def work_through(runs: list[Run], work: Path, overrides: dict[str, Any], status_
             try:
                 with beside(config, HOST_SUFFIX).open("a") as handle:
                     handle.write(json.dumps({"attempt": "resumed" if resume else "fresh", **host_info()}) + "\n")
-                train_run(config, progress=False, engine=engine, base_model=None if resume else base_model)
+                if CONDITIONS[run.condition].task == "rare_token":
+                    train_rare_token(config, engine=engine, base_model=None if resume else base_model)
+                else:
+                    train_run(config, progress=False, engine=engine, base_model=None if resume else base_model)
                 status = "resumed" if resume else "fresh"
+                if data is not None:  # this process's CPU time for the run (its warm start too, if it built it)
+                    cost = {"cpu_s": time.process_time() - cpu_start, "wall_s": time.perf_counter() - start}
+                    collect(run, config, data, cost=cost)
             except Exception:  # one failed run must not stop the others; the sweep reports it
                 logger.exception("%s failed", run.name)
                 status, failed = "failed", failed + 1
@@ -221,8 +235,13 @@ def worker_env() -> dict[str, str]:
     )
 
 
-def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs: int) -> list[dict[str, Any]]:
-    """Split ``runs`` over ``jobs`` worker processes (one torch thread each), wait, return the status lines."""
+def launch_workers(
+    runs: list[Run], work: Path, overrides: dict[str, Any], jobs: int, data: Path | None = None, nice: int = 0
+) -> list[dict[str, Any]]:
+    """Split ``runs`` over ``jobs`` worker processes (one torch thread each), wait, return the status lines.
+
+    ``data``: collect each run into it as soon as it finishes (``work_through``); ``nice``: the workers' niceness
+    increment (``os.nice``), so a long sweep yields the CPU to other work."""
     from tqdm.auto import tqdm
 
     logs = work / "_workers" / f"sweep-{os.getpid()}"  # two sweeps may share a work folder (different runs)
@@ -243,6 +262,7 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
                     "work": str(work),
                     "overrides": overrides,
                     "status": str(status),
+                    "data": None if data is None else str(data),
                 }
             )
         )
@@ -254,6 +274,7 @@ def launch_workers(runs: list[Run], work: Path, overrides: dict[str, Any], jobs:
                     stderr=subprocess.STDOUT,
                     env=worker_env(),
                     cwd=REPO,
+                    preexec_fn=(lambda: os.nice(nice)) if nice else None,
                 )
             )
         status_paths.append(status)
@@ -307,11 +328,12 @@ def data_file_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
-def collect(run: Run, config: TrainConfig, data: Path) -> Path:
+def collect(run: Run, config: TrainConfig, data: Path, cost: dict[str, float] | None = None) -> Path:
     """Write ``run``'s data file ``<data>/<condition>/<method>/seed<k>.jsonl``.
 
-    Line 1: ``{"meta": {run, config, hosts (one per attempt), columns, mu_bin_edges}}``; then one JSON
-    array per metrics record, in ``columns`` order (``data_file_rows``).
+    Line 1: ``{"meta": {run, config, hosts (one per attempt), columns, mu_bin_edges}}`` (and ``cost``, the
+    worker's measured ``cpu_s`` / ``wall_s`` for the run, when given); then one JSON array per metrics record, in
+    ``columns`` order (``data_file_rows``).
     """
     from dppo_ext.trainer.metrics import read_metrics
 
@@ -332,10 +354,11 @@ def collect(run: Run, config: TrainConfig, data: Path) -> Path:
         "hosts": hosts,
         "columns": [*COLUMNS, *BIN_COLUMNS],
         "mu_bin_edges": list(MU_BIN_EDGES),
+        **({"cost": {k: round(v, 1) for k, v in cost.items()}} if cost else {}),
     }
     rows = data_file_rows(read_metrics(out / "metrics.jsonl"))
-    target.write_text(json.dumps({"meta": meta}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
-    return target
+    # atomically: a reader (or a sweep stopped mid-write) never sees a half-written file
+    return atomic_write_text(target, json.dumps({"meta": meta}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def read_data_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

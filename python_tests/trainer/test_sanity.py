@@ -21,6 +21,7 @@ from experiments.sanity.conditions import QUICK_CONDITION, QUICK_METHODS
 REFERENCE_BASELINES = {
     "pg_is": (None, 0.0, 0.0, None),
     "cispo": (None, 0.0, 0.0, 10.0),
+    "cispo_clip": (None, 0.0, 0.0, 1.28),  # MiniMax-M1's CISPO: the weight clipped at 1 + 0.28, no lower bound
     "grpo_clip": ("rollout", 0.2, 0.2, 10.0),
     "grpo_clip_higher": ("rollout", 0.2, 0.28, 10.0),
     "minirl": ("recompute", 0.2, 0.28, None),
