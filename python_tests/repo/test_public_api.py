@@ -47,12 +47,18 @@ DOCUMENTED = {
     "dppo_ext.rollout": ["ranked_topk_rows", "vllm_rollout_tensors"],
     "dppo_ext.models.tiny": ["build_tiny_model"],
     "dppo_ext.integrations.trl": ["DPPOGRPOConfig", "DPPOGRPOTrainer"],
+    "dppo_ext.integrations.verl.config": ["validate"],
     "dppo_ext.integrations.verl.loss": ["ppo_loss"],
     "dppo_ext.train": ["main", "run"],
     "dppo_ext._C": ["cpu_capability", "cuda_compiled"],
 }
 # Modules the docs name as a whole (``python -m dppo_ext.train``, "``dppo_ext.integrations.trl`` plugs ...").
-DOCUMENTED_MODULES = {"dppo_ext.reference", "dppo_ext.rollout", "dppo_ext.vocab_parallel"} | set(DOCUMENTED)
+DOCUMENTED_MODULES = {
+    "dppo_ext.reference",
+    "dppo_ext.rollout",
+    "dppo_ext.rollout.weight_sync",
+    "dppo_ext.vocab_parallel",
+} | set(DOCUMENTED)
 
 
 def _import(module: str):
