@@ -82,13 +82,28 @@ def check_no_functorch(api: str, *tensors: Optional[Tensor]) -> None:
         )
 
 
+def _may_overlap(t: Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory. torch's own test answers "too hard to tell" for every
+    non-contiguous layout, a column slice included; then the dimensions, by increasing stride, must each step
+    past everything the smaller ones span (sufficient for no overlap; a stride-0 dimension never does)."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no overlap, 1: overlap, 2: too hard to tell
+    if verdict != 2:
+        return verdict == 1
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def check_inplace_backward(logits: Tensor, name: str = "logits") -> None:
     """Refuse the uses of ``inplace_backward=True`` that would silently corrupt a tensor or a gradient."""
     if torch.compiler.is_compiling():
         return
     # under torch.func a wrapped tensor looks like a leaf: name the transform, not the leaf rule
     check_no_functorch(f"inplace_backward=True on {name}", logits)
-    if torch._debug_has_internal_overlap(logits) != 0:  # 1: overlaps (a stride-0 dim), 2: too complex to tell
+    if _may_overlap(logits):
         raise ValueError(
             f"inplace_backward=True would write the gradient over {name}, whose elements share memory (shape "
             f"{tuple(logits.shape)}, strides {logits.stride()}: a stride-0 dimension from expand() or broadcasting, "
