@@ -371,12 +371,12 @@ def test_the_rare_token_reward_needs_exactly_the_good_token():
 
 
 def test_the_rare_token_run_trains_on_the_run_s_own_problems_with_the_rare_reward(monkeypatch, tmp_path):
-    import dppo_ext.train as train_module
+    import dppo_ext.trainer.locked_run as locked_run_module
     from dppo_ext.trainer.task import build_task
     from experiments.sanity import rare_token
 
     seen = {}
-    monkeypatch.setattr(train_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
+    monkeypatch.setattr(locked_run_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
     config = TrainConfig(
         out=str(tmp_path / "run"), tiny_vocab_size=rare_token.RARE_VOCAB, num_eval=20, warm_start_problems=30
     ).validate()
