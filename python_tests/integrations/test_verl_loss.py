@@ -105,7 +105,8 @@ def fork_terms(data, logits: torch.Tensor, config, mode: str) -> dict[str, torch
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     cap = config.clip_ratio_c
     padded = data.select("responses", "rollout_log_probs", "advantages", "response_mask").to_padded_tensor()
-    log_q = response_view(data, torch.log_softmax(logits.squeeze(0).float(), dim=-1))  # [B, R, V]
+    work = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for a float64 reference
+    log_q = response_view(data, torch.log_softmax(logits.squeeze(0).to(work), dim=-1))  # [B, R, V]
     tokens = padded["responses"]
     logp = log_q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     mu_log = padded["rollout_log_probs"]
@@ -235,6 +236,77 @@ def test_binary_modes_match_verls_own_loss(mode, agg):
     for name in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss"):
         assert metric_value(metrics[name]) == pytest.approx(metric_value(ref_metrics[name]), rel=1e-5, abs=1e-6), name
     assert 0.0 < metric_value(metrics["actor/pg_clipfrac"]) < 1.0
+
+
+def bf16_rounding_bound(exact: torch.Tensor) -> torch.Tensor:
+    """How far a bf16 result may be from ``exact`` when it is computed in float32 and rounded once to bf16.
+
+    Rounding to nearest bf16 (8 significant bits) is off by at most half the bf16 spacing at ``|exact|``,
+    ``2^(floor(log2 |exact|) - 8)``. The float32 work before that rounding (a softmax over V terms, the weight,
+    the aggregation's scale) is off by a few hundred float32 units ``2^-24`` at most; that error may move a value
+    to the other side of a rounding midpoint, so it is added, with room: ``2^-16 |exact|``. One bf16 step more
+    (an extra rounding of an intermediate to bf16, as bf16 log-probs cause) breaks the bound.
+    """
+    mag = exact.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 8) + 2.0**-16 * exact.abs()
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "dppo_topk_tv", "dppo_topk_kl"])
+def test_bf16_gradients_are_float64s_rounded_once(mode):
+    """From bf16 logits, the plugin's loss is float64's to float32 precision and its gradient is float64's
+    gradient rounded once to bf16 (bound: :func:`bf16_rounding_bound`), in every mode, on a batch whose trust
+    region masks some tokens. The float64 reference is verl's own loss (binary modes) or the fork's formula
+    (top-K) on the same bf16 values upcast exactly. benchmarks/verl_bf16_accuracy.py measures verl's own bf16
+    path against the same reference (docs/verl.md)."""
+    binary = mode in ("dppo_tv", "dppo_kl")
+    fields = {"clip_ratio_low": 0.08, "clip_ratio_high": 0.08} if mode == "dppo_tv" else {}
+    config = verl_cpu.actor_config_for(mode, clip_ratio_c=4.0, **fields)
+    data = micro_batch(make_batch(topk=not binary, seed=11), config)
+    logits = packed_logits(data, seed=12, dtype=torch.bfloat16)
+    loss, metrics, grad = run_plugin(config, data, logits, inplace=True)
+    assert grad.dtype == torch.bfloat16
+    assert 0.0 < metric_value(metrics["actor/pg_clipfrac"]) < 1.0
+
+    exact_leaf = logits.double().requires_grad_(True)
+    if binary:
+        labels = torch.roll(data["input_ids"].values(), shifts=-1)
+        log_probs = torch.log_softmax(exact_leaf.squeeze(0), -1).gather(-1, labels[:, None]).squeeze(-1)
+        nested = torch.nested.nested_tensor_from_jagged(log_probs, data["input_ids"].offsets())
+        exact, _ = verl_ppo_loss(config, {"log_probs": nested}, data)
+    else:
+        mask = data.select("response_mask").to_padded_tensor()["response_mask"].bool()
+        per_token = fork_reference(data, exact_leaf, config, mode)
+        exact = agg_loss(loss_mat=per_token, loss_mask=mask, loss_agg_mode="token-mean", **config.global_batch_info)
+    exact.backward()
+    assert exact.dtype == torch.float64 and exact_leaf.grad.abs().max() > 0
+    assert float(loss) == pytest.approx(float(exact.detach()), rel=1e-6)
+    error = (grad.double() - exact_leaf.grad).abs()
+    bound = bf16_rounding_bound(exact_leaf.grad)
+    assert (error <= bound).all(), f"{int((error > bound).sum())} elements beyond one bf16 rounding"
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_bf16_bound_rejects_verls_bf16_log_probs(mode):
+    """The bound of the test above has power: verl's own loss on bf16 log-probs (its engine's path without
+    flash-attn, ``logprobs_from_logits`` on the bf16 logits) breaks it on more than a fifth of the elements of
+    the same batch's gradient."""
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    fields = {"clip_ratio_low": 0.08, "clip_ratio_high": 0.08} if mode == "dppo_tv" else {}
+    config = verl_cpu.actor_config_for(mode, clip_ratio_c=4.0, **fields)
+    data = micro_batch(make_batch(topk=False, seed=11), config)
+    logits = packed_logits(data, seed=12, dtype=torch.bfloat16)
+    labels = torch.roll(data["input_ids"].values(), shifts=-1)
+    grads = {}
+    for name, leaf in (("bf16", logits.clone()), ("float64", logits.double())):
+        leaf.requires_grad_(True)
+        nested = torch.nested.nested_tensor_from_jagged(
+            logprobs_from_logits(leaf.squeeze(0), labels), data["input_ids"].offsets()
+        )
+        verl_ppo_loss(config, {"log_probs": nested}, data)[0].backward()
+        grads[name] = leaf.grad.double()
+    beyond = (grads["bf16"] - grads["float64"]).abs() > bf16_rounding_bound(grads["float64"])
+    assert beyond.double().mean() > 0.2
 
 
 def test_entropy_bonus_and_kl_loss_use_the_ops_outputs():
@@ -373,3 +445,22 @@ def test_partial_matches_what_the_worker_builds():
     assert engine_workers.ppo_loss is vloss.ppo_loss
     fn = functools.partial(engine_workers.ppo_loss, config=verl_cpu.actor_config_for("dppo_topk_tv"))
     assert dppo_ext.integrations.verl.plugin._plugin_mode(fn) == "dppo_topk_tv"
+
+
+def test_bf16_accuracy_benchmark_at_a_small_size(tmp_path):
+    """benchmarks/verl_bf16_accuracy.py (docs/verl.md's table) runs and its plugin rows are correctly rounded."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "verl_bf16_accuracy.py"
+    spec = importlib.util.spec_from_file_location("verl_bf16_accuracy", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "acc.json"
+    bench.main(["--vocab", "64", "--seeds", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["vocab"], r["mode"]) for r in rows] == [(64, "dppo_tv"), (64, "dppo_kl")]
+    for row in rows:
+        assert row["plugin"]["max_rounding_steps"] <= 0.5 + 1e-3 and row["plugin"]["mask_flips"] == 0, row
+        assert row["verl"]["max_rounding_steps"] > 1, row
