@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from dppo_testing.tasks import leading_digit_task
+from dppo_testing.trainers import hf_trainer
 
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MU_BIN_EDGES
@@ -16,22 +16,8 @@ from dppo_ext.trainer.mechanism import MU_BIN_EDGES
 TEMPERATURE = 0.5  # a random tiny model is near-uniform; a low temperature makes the noisy mu peaked (mu > 0.5 exists)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from dppo_ext.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-def _trainer(tiny_dir, tmp_path, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dppo_ext.rollout import make_engine
-    from dppo_ext.trainer.loop import Trainer
-
+def _trainer(model_dir, tmp_path, **overrides):
     settings = dict(
-        out=str(tmp_path),
-        engine="hf",
         steps=2,
         prompts_per_step=8,
         group_size=4,
@@ -46,12 +32,7 @@ def _trainer(tiny_dir, tmp_path, **overrides):
         mechanism_metrics=True,
         rollout_logit_noise=1.0,
     )
-    settings.update(overrides)
-    config = TrainConfig(**settings).validate()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
-    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), leading_digit_task(), engine, tmp_path)
+    return hf_trainer(model_dir, tmp_path, **{**settings, **overrides})
 
 
 def _token_logp(model, micro) -> torch.Tensor:
@@ -73,10 +54,10 @@ def _reference_mask(loss: str, logp: torch.Tensor, micro) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("loss", ["dppo_binary_tv", "grpo_clip_higher"])
-def test_mechanism_metrics_match_a_recomputation(tiny_dir, tmp_path, loss):
+def test_mechanism_metrics_match_a_recomputation(tiny_model_dir, tmp_path, loss):
     from dppo_ext.trainer import loop
 
-    trainer = _trainer(tiny_dir, tmp_path, loss=loss)
+    trainer = _trainer(tiny_model_dir, tmp_path, loss=loss)
     seen = []  # per optimizer update: [(micro, log pi before, log pi after)]
     pending = []
     real_logits = loop.response_logits
@@ -150,14 +131,14 @@ def test_mechanism_metrics_match_a_recomputation(tiny_dir, tmp_path, loss):
     assert sum(record["tokens_by_mu_pos"]) + sum(record["tokens_by_mu_neg"]) == masked["first"][1] + masked["later"][1]
 
 
-def test_mechanism_metrics_are_off_by_default_and_cost_nothing_then(tiny_dir, tmp_path):
-    record = _trainer(tiny_dir, tmp_path, mechanism_metrics=False).train_step()
+def test_mechanism_metrics_are_off_by_default_and_cost_nothing_then(tiny_model_dir, tmp_path):
+    record = _trainer(tiny_model_dir, tmp_path, mechanism_metrics=False).train_step()
     assert "masked_frac_first" not in record and "drift_mean" not in record
     assert record["optimizer_steps"] == 4
 
 
-def test_rollout_logit_noise_reaches_the_rollouts_but_not_the_evaluation(tiny_dir, tmp_path):
-    trainer = _trainer(tiny_dir, tmp_path, rollout_logit_noise=0.3)
+def test_rollout_logit_noise_reaches_the_rollouts_but_not_the_evaluation(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, rollout_logit_noise=0.3)
     calls = []
     real_generate = trainer.engine.generate
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dppo_testing.tasks import leading_digit_task
+from dppo_testing.trainers import hf_trainer
 
 from dppo_ext import dppo_loss
 from dppo_ext.trainer.config import TrainConfig
@@ -119,22 +119,8 @@ def test_loss_flags_override_the_loss_defaults():
 
 
 # ---------------------------------------------------------------- the trainer: anchor and lag
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from dppo_ext.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-def _trainer(tiny_dir, tmp_path, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dppo_ext.rollout import make_engine
-    from dppo_ext.trainer.loop import Trainer
-
+def _trainer(model_dir, tmp_path, **overrides):
     settings = dict(
-        out=str(tmp_path),
-        engine="hf",
         steps=2,
         prompts_per_step=6,
         group_size=4,
@@ -146,20 +132,15 @@ def _trainer(tiny_dir, tmp_path, **overrides):
         seed=1,
         max_model_len=64,
     )
-    settings.update(overrides)
-    config = TrainConfig(**settings).validate()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
-    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), leading_digit_task(), engine, tmp_path)
+    return hf_trainer(model_dir, tmp_path, **{**settings, **overrides})
 
 
-def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_dir, tmp_path, monkeypatch):
+def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_model_dir, tmp_path, monkeypatch):
     import copy
 
     from dppo_ext.trainer import loop
 
-    trainer = _trainer(tiny_dir, tmp_path, loss="minirl")
+    trainer = _trainer(tiny_model_dir, tmp_path, loss="minirl")
     calls = []  # (micro batch, its anchor, the trainer's log-probs when the loss ran)
     pending = []
     real_response_logits, real_loss = loop.response_logits, trainer._dppo_loss
@@ -197,8 +178,8 @@ def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_dir, tmp_
     assert (logp_now - anchor)[calls[-1][0].response_mask].abs().max() > 1e-3
 
 
-def test_rollout_lag_feeds_the_engine_weights_of_k_steps_ago(tiny_dir, tmp_path):
-    trainer = _trainer(tiny_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=1, steps=3)
+def test_rollout_lag_feeds_the_engine_weights_of_k_steps_ago(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=1, steps=3)
     synced = []
     real_sync = trainer.engine.sync_weights
 
@@ -283,10 +264,10 @@ def test_quick_sweep_runs_resumes_skips_and_repeats(tmp_path):
     assert (tmp_path / "r" / "tables.md").read_text() == tables
 
 
-def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(tiny_dir, tmp_path):
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(tiny_model_dir, tmp_path):
     import math
 
-    trainer = _trainer(tiny_dir, tmp_path)
+    trainer = _trainer(tiny_model_dir, tmp_path)
     with torch.no_grad():  # one NaN row of the LM head: every logits row is NaN, so are loss and grads
         trainer.model.get_output_embeddings().weight[3].fill_(float("nan"))
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}

@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 import torch
-from dppo_testing.tasks import leading_digit_task
+from dppo_testing.trainers import hf_trainer
 
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.losses import LossSpec
@@ -169,22 +169,8 @@ def test_a_weight_on_pi_old_needs_an_unmasked_loss():
     assert TrainConfig(loss="cispo_clip").validate().loss_settings()["ratio_cap"] == 1.28
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from dppo_ext.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-def _trainer(tiny_dir, tmp_path, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dppo_ext.rollout import make_engine
-    from dppo_ext.trainer.loop import Trainer
-
+def _trainer(model_dir, tmp_path, **overrides):
     settings = dict(
-        out=str(tmp_path),
-        engine="hf",
         steps=8,
         prompts_per_step=6,
         group_size=4,
@@ -197,16 +183,11 @@ def _trainer(tiny_dir, tmp_path, **overrides):
         max_model_len=64,
         mechanism_metrics=True,
     )
-    settings.update(overrides)
-    config = TrainConfig(**settings).validate()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    engine = make_engine("hf", str(tiny_dir), dtype="float32", seed=0, max_model_len=64, device="cpu")
-    return Trainer(config, model, AutoTokenizer.from_pretrained(tiny_dir), leading_digit_task(), engine, tmp_path)
+    return hf_trainer(model_dir, tmp_path, **{**settings, **overrides})
 
 
-def test_the_negative_control_weights_by_pi_old_and_ignores_the_stale_mu(tiny_dir, tmp_path):
-    trainer = _trainer(tiny_dir, tmp_path, loss="pg_pi_old", rollout_lag=1)
+def test_the_negative_control_weights_by_pi_old_and_ignores_the_stale_mu(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path, loss="pg_pi_old", rollout_lag=1)
     calls = []
     real_loss = trainer._dppo_loss
 
@@ -245,9 +226,9 @@ def test_the_negative_control_weights_by_pi_old_and_ignores_the_stale_mu(tiny_di
     assert records[-1]["mismatch_mean"] < 1e-5 < records[-1]["pre_mismatch_mean"]
 
 
-def test_without_a_lag_the_negative_control_is_pg_is(tiny_dir, tmp_path):
-    a = _trainer(tiny_dir, tmp_path / "a", loss="pg_pi_old")
-    b = _trainer(tiny_dir, tmp_path / "b", loss="pg_is")
+def test_without_a_lag_the_negative_control_is_pg_is(tiny_model_dir, tmp_path):
+    a = _trainer(tiny_model_dir, tmp_path / "a", loss="pg_pi_old")
+    b = _trainer(tiny_model_dir, tmp_path / "b", loss="pg_is")
     start = [p.detach().clone() for p in a.model.parameters()]
     trained = 0
     for _ in range(2):
@@ -267,9 +248,9 @@ def test_without_a_lag_the_negative_control_is_pg_is(tiny_dir, tmp_path):
 
 
 def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_returns_to_the_lagged_ones(
-    tiny_dir, tmp_path
+    tiny_model_dir, tmp_path
 ):
-    trainer = _trainer(tiny_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=2)
+    trainer = _trainer(tiny_model_dir, tmp_path, loss="dppo_binary_tv", rollout_lag=2)
     held = {}  # the weights the engine holds: the last ones synced into it
     real_sync, real_generate = trainer.engine.sync_weights, trainer.engine.generate
 
