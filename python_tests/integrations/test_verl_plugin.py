@@ -321,6 +321,7 @@ def test_the_example_command_passes_verls_config_checks(tmp_path):
             lr=1e-3,
             ray_cpus=8,
             seed=0,
+            no_bypass=False,
         )
         config = verl_cpu.compose(
             example.overrides(tmp_path / "model", tmp_path / "t.parquet", tmp_path / "v.parquet", args)

@@ -2,10 +2,10 @@
 
 What it changes, all through verl's public extension points, none of verl's code edited:
 
-* :class:`CPUPlatform` is a ``verl.plugin.platform.PlatformBase`` whose device is ``"cpu"`` and whose collective
-  backend is gloo, installed with ``verl.plugin.platform.set_platform`` before the engine modules cache the device
-  name (verl ships CUDA, ROCm and NPU platforms only; the FSDP engine otherwise stops at ``torch.cuda.set_device``).
-  Its ``device_module`` answers the memory queries of verl's logging with zeros.
+* :class:`CPUPlatform`, the ``verl.plugin.platform.PlatformBase`` of examples/verl_cpu_platform.py (device
+  ``"cpu"``, gloo collectives, zeros for the memory queries of verl's logging), is installed with
+  ``verl.plugin.platform.set_platform`` before the engine modules cache the device name (verl ships CUDA, ROCm and NPU
+  platforms only; the FSDP engine otherwise stops at ``torch.cuda.set_device``).
 * The FSDP engine is built directly (``FSDPEngineWithLMHead(...)``): ``EngineRegistry`` lists it for cuda/npu
   devices only.
 * The tiny model is dppo_ext's own (``dppo_ext.models.tiny``, no download) with ``sdpa`` attention.
@@ -17,99 +17,37 @@ non-tensor flags) and :func:`train_flags` adds the keys ``TrainingWorker.train_b
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
+import importlib.util
 import os
-import types
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
-from verl.plugin.platform import PlatformBase, set_platform
+from verl.plugin.platform import set_platform
 
 
-class CPUPlatform(PlatformBase):
-    """verl's device abstraction pointed at the CPU (gloo collectives, no memory statistics)."""
+def _example_platform_module():
+    """examples/verl_cpu_platform.py, the CPU platform the end-to-end example runs verl with (one home for it).
 
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = types.SimpleNamespace(
-        memory_allocated=lambda *a: 0,
-        memory_reserved=lambda *a: 0,
-        max_memory_allocated=lambda *a: 0,
-        max_memory_reserved=lambda *a: 0,
-        mem_get_info=lambda *a: (0, 0),
-        synchronize=lambda *a: None,
-        empty_cache=lambda: None,
-        current_device=lambda: "cpu",
-        is_available=lambda: True,
-        device_count=lambda: 1,
-        manual_seed=torch.manual_seed,
-        manual_seed_all=torch.manual_seed,
-        set_device=lambda *a: None,
-        get_rng_state=torch.get_rng_state,
-        set_rng_state=torch.set_rng_state,
-    )
+    Imported without ``VERL_PLATFORM=cpu`` it only defines and registers the platform: none of its run-time bridges
+    (gloo backend, engine registration, vLLM) is applied in the test process.
+    """
+    name = "verl_cpu_platform"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
-    def is_available(self):
-        return True
 
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self):
-        return 1
-
-    def set_device(self, device_index):
-        pass
-
-    def synchronize(self, device_index=None):
-        pass
-
-    def manual_seed(self, seed):
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed):
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings):
-        pass
-
-    def empty_cache(self):
-        pass
-
-    def get_device_capability(self, device_index=0):
-        return (None, None)
-
-    def communication_backend_name(self):
-        return "gloo"
-
-    def visible_devices_envvar(self):
-        return "CUDA_VISIBLE_DEVICES"
-
-    def profiler_start(self):
-        pass
-
-    def profiler_stop(self):
-        pass
-
-    def ray_resource_name(self):
-        return "CPU"
-
-    def ray_noset_envvars(self):
-        return []
-
-    def is_ipc_supported(self):
-        return False
-
-    def cudart(self):
-        return None
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg):
-        yield
+CPUPlatform = _example_platform_module().CPUPlatform
 
 
 def use_cpu_platform() -> None:
