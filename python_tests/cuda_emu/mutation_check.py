@@ -253,6 +253,57 @@ MUTANTS += [
         header=BACKWARD,
     ),
 ]
+# The blind spots of the grid before the 2^32, vocabulary-parallel -inf, FMA contraction and launch policy
+# coverage (issue 29): each passes the grid without that coverage and is caught with it.
+MUTANTS += [
+    # Rows past 2^32 elements (test_row_offsets_beyond_2_31_and_2_32_elements: rows 4 to 6).
+    Mutant(
+        "row-offset-uint32",
+        "the backward forms its input row's offset i * ld in 32 unsigned bits",
+        "  const scalar_t* in = p.logits + i * p.ld_in;",
+        "  const scalar_t* in = p.logits + static_cast<uint32_t>(i * p.ld_in);",
+        "fiber",
+        r"Segmentation fault|" + WRONG_VALUES,
+        "beyond_2_31",
+        BACKWARD,
+    ),
+    # -inf logits mixed into a rank's slice with the entropy on (vp_inputs' row 4): exp(-inf) * -inf = NaN.
+    Mutant(
+        "vp-entropy-no-floor",
+        "the vocabulary-parallel statistics use s - max unfloored in the entropy moment",
+        "      if (with_ent) x = x > shift_floor<acc_t>() ? x : shift_floor<acc_t>();\n",
+        "",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    # nvcc contracts a plain product into the subtraction that follows (an FMA): the max logit then gives
+    # x = z * inv_t - round(z * inv_t) != 0, the rounding error of a 1e30 logit, exp() of which overflows.
+    # Only the contracting (plain) build of the emulator sees it.
+    Mutant(
+        "scale-logit-plain-multiply",
+        "scale_logit multiplies with a plain * instead of __fmul_rn (contracted into an FMA by nvcc)",
+        "float scale_logit(float z, float inv_t) { return __fmul_rn(z, inv_t); }",
+        "float scale_logit(float z, float inv_t) { return z * inv_t; }",
+        "fiber",
+        WRONG_VALUES,
+        "match_reference and huge",
+        COMMON,
+    ),
+    # The launch policy's split over N, V and SM counts (test_launch_policy_follows_its_rule): rounding
+    # target / N down launches fewer blocks than its rule where ceil(target / N), not the work, sets the split.
+    Mutant(
+        "policy-split-rounds-down",
+        "the launch policy's blocks per row round target / N down",
+        "  const int64_t wanted = (target_blocks + n - 1) / n;",
+        "  const int64_t wanted = target_blocks / n;",
+        "fiber",
+        r"(forward|backward) N=\d+ V=\d+ SMs=\d+: want split",
+        "split_override_sets or launch_policy",
+        "cuda/launch_policy.cuh",
+    ),
+]
 TSAN_MUTANTS = [
     Mutant(
         "no-syncthreads (tsan)",
