@@ -45,7 +45,7 @@ class Mutant:
     why: str
     old: str
     new: str
-    variant: str  # how the tests run against it: fiber | asan | tsan
+    variant: str  # how the tests run against it: fiber | asan | tsan | traffic
     expect: str  # a regex the failing run's output must contain
     select: str = "match_reference"  # pytest -k: which tests run against it
     header: str = FORWARD  # the kernels header (under csrc/) it is planted in
@@ -302,6 +302,71 @@ MUTANTS += [
         r"(forward|backward) N=\d+ V=\d+ SMs=\d+: want split",
         "split_override_sets or launch_policy",
         "cuda/launch_policy.cuh",
+    ),
+]
+# The blind spots of the traffic step and the ASan subset before the edges' shape (V = 26403: heads and tails in
+# every dtype, shares of a full unrolled round, backward at split 3) and the ASan residues (issue 29): each
+# passes the old traffic step and ASan subset, and moves no value the fiber grid compares.
+TRAFFIC_LOGITS = r'stream\["logits"\]\["load'
+TRAFFIC_BACKWARD_LOADS = r'src\["load"\] == src\["load_unique"\]'
+TRAFFIC_BACKWARD_STORES = r'dst\["store"\] == dst\["store_unique"\]'
+MUTANTS += [
+    # The unrolled loop's over-read: at the residues where the last row's last block ends its loop at the body's
+    # end, the round past the share reads (and in the backward writes) past the tensor.
+    Mutant(
+        "unrolled-loop-bound<= (asan)",
+        "as unrolled-loop-bound<=, seen by AddressSanitizer past the end of the last row",
+        "  for (; vi + (kUnroll - 1) * nthr < ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "  for (; vi + (kUnroll - 1) * nthr <= ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "asan",
+        r"AddressSanitizer: heap-buffer-overflow",
+        "vector_loop_residues",
+    ),
+    # A row's head read as the aligned 16-byte vector that ends where its body begins, the elements before the
+    # row masked off: the values are the same, the reads are not (V = 1000 rows have no head).
+    Mutant(
+        "forward-head-aligned-down (traffic)",
+        "the one-block forward reads a row's unaligned head as one aligned-down 16-byte vector (bytes before the "
+        "row loaded and masked off)",
+        "  add_scalars<kEntropy>(st, row, 0, head, a, p.inv_t);\n  add_scalars<kEntropy>(st, row, head + nvec",
+        "  if (head > 0 && threadIdx.x == 0) {\n"
+        "    const Pack<scalar_t> hp = load_ro(row + head - kVec);\n"
+        "    for (int64_t k = kVec - head; k < kVec; ++k) {\n"
+        "      if (k - (kVec - head) == a) continue;\n"
+        "      st = merge_state<kEntropy>(st, EntState<acc_t>{scale_logit(static_cast<acc_t>(hp.v[k]), p.inv_t), "
+        "acc_t(1), acc_t(0)});\n"
+        "    }\n"
+        "  }\n"
+        "  add_scalars<kEntropy>(st, row, head + nvec",
+        "traffic",
+        TRAFFIC_LOGITS,
+        "traffic_forward",
+    ),
+    # The unrolled loop (never reached at V = 1000) takes the target's logit from global memory again instead
+    # of from the vector it has just loaded: the same value, one extra read per row.
+    Mutant(
+        "backward-unrolled-target-reread (traffic)",
+        "the backward's unrolled loop reads the target logit again from memory instead of its loaded vector",
+        "          if (j0 + k == ab) o.v[k] = static_cast<scalar_t>(rg.target(static_cast<acc_t>(pk[u].v[k])));",
+        "          if (j0 + k == ab) o.v[k] = static_cast<scalar_t>(rg.target(static_cast<acc_t>(in_body[ab])));",
+        "traffic",
+        TRAFFIC_BACKWARD_LOADS,
+        "traffic_backward",
+        BACKWARD,
+    ),
+    # Zeros are zeros: every block of a padding row writes the whole row, which only the store count shows,
+    # and only at split > 1 (the old traffic step's backward ran at split 1).
+    Mutant(
+        "backward-padding-every-split (traffic)",
+        "every block of a padding row zeroes the row's whole body, not its share",
+        "    for (int64_t vi = vb + threadIdx.x; vi < ve; vi += blockDim.x) store_stream(",
+        "    for (int64_t vi = threadIdx.x; vi < nvec; vi += blockDim.x) store_stream(",
+        "traffic",
+        TRAFFIC_BACKWARD_STORES,
+        "traffic_backward",
+        BACKWARD,
     ),
 ]
 TSAN_MUTANTS = [
