@@ -2,7 +2,8 @@
 // shared library, whose static initialisers register every op (ops.cpp, cpu/, cuda/) with the
 // dispatcher; the ops themselves are reached as torch.ops.dppo.*, never through pybind11.
 // It also reports the CPU instruction set the CPU ops run with (cpu/dispatch.h), chosen at import,
-// and the bytes the CPU backward's buffer cache holds for reuse (cpu/buffer_cache.h).
+// and the CPU backward's buffer cache (cpu/buffer_cache.h): whether it is on, the bytes it holds for
+// reuse, and a call that frees them.
 #include <torch/extension.h>
 
 #include "cpu/buffer_cache.h"
@@ -34,6 +35,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cpu_capability") = dppo::cpu_capability();  // throws (ImportError) on a bad DPPO_CPU_CAPABILITY
   m.attr("cpu_capabilities") = dppo::cpu_capabilities_compiled();
   m.attr("torch_version") = DPPO_TORCH_VERSION;
+  // throws (ImportError) on a value of DPPO_CPU_BUFFER_CACHE or DPPO_CPU_HUGEPAGES that is not a boolean
+  m.attr("cpu_buffer_cache") = dppo::cache_enabled();
   m.def("cpu_cached_bytes", &dppo::cached_free_bytes,
         "Bytes of freed CPU gradient buffers the library keeps resident for reuse (cpu/buffer_cache.h)");
+  m.def("cpu_empty_cache", &dppo::empty_cache,
+        "Return every freed CPU gradient buffer the library keeps for reuse to the allocator; the bytes released");
 }

@@ -32,6 +32,7 @@ from .contract import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES
 # python_tests/repo/test_public_api.py checks that the two agree.
 _LAZY = {
     "cuda_compiled": "_native",
+    "empty_cpu_cache": "_native",
     "DPPOLoss": "loss",
     "dppo_loss": "loss",
     "dppo_loss_per_row": "loss",
@@ -40,7 +41,7 @@ _LAZY = {
     "fused_linear_dppo_loss_per_row": "fused_linear",
 }
 if TYPE_CHECKING:
-    from ._native import cuda_compiled
+    from ._native import cuda_compiled, empty_cpu_cache
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
     from .loss import DPPOLoss, dppo_loss, dppo_loss_per_row
 

@@ -1,7 +1,7 @@
 """Loads the native library ``dppo_ext._C`` (which registers ``torch.ops.dppo.*``) with errors a
-user can act on: not built, built against another torch than the one loaded, or a bad
-``DPPO_CPU_CAPABILITY``. Only the op modules import this; ``dppo_ext.reference``, the trainer's
-config and the tasks work without the library.
+user can act on: not built, built against another torch than the one loaded, or a bad run-time switch
+(``DPPO_CPU_CAPABILITY``, ``DPPO_CPU_BUFFER_CACHE``, ``DPPO_CPU_HUGEPAGES``). Only the op modules import
+this; ``dppo_ext.reference``, the trainer's config and the tasks work without the library.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUILD_COMMAND", "cuda_compiled", "library"]
+__all__ = ["BUILD_COMMAND", "cuda_compiled", "empty_cpu_cache", "library"]
 
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
 _MARKER = re.compile(rb"dppo_ext-built-with-torch=([^\x00]+)\x00")
+# Environment variables the library reads when it loads: a bad value fails the import with the library's message.
+_SWITCHES = ("DPPO_CPU_CAPABILITY", "DPPO_CPU_BUFFER_CACHE", "DPPO_CPU_HUGEPAGES")
 
 
 def _release(version: str) -> str:
@@ -50,8 +52,9 @@ def _load():
     try:
         lib = importlib.import_module(f"{__package__}._C")
     except ImportError as exc:
-        if "DPPO_CPU_CAPABILITY" in str(exc):  # the library loaded, the requested instruction set is unusable
-            raise ImportError(f"dppo_ext._C: {exc}") from None
+        if any(name in str(exc) for name in _SWITCHES):  # the library loaded, a switch's value is unusable
+            message = str(exc).split("\nException raised from", 1)[0]  # c10's C++ source location is noise here
+            raise ImportError(f"dppo_ext._C: {message}") from None
         built = _built_with(spec.origin)
         if built is not None and built != torch.__version__:
             raise ImportError(
@@ -70,3 +73,15 @@ def _load():
 
 library = _load()
 cuda_compiled: bool = library.cuda_compiled
+
+
+def empty_cpu_cache() -> int:
+    """Return every idle block of the CPU backward's gradient buffer cache to the allocator; the bytes released.
+
+    The CPU backward keeps up to two freed ``[N, V]`` gradient blocks resident for the next step (a fresh
+    buffer's page faults cost more than the backward itself); a freed block that 8 later backward calls (of
+    any size) do not take goes back by itself. Call this after a phase with large batches, before measuring
+    memory, or to hand the memory to something else. ``DPPO_CPU_BUFFER_CACHE=0`` turns the cache off
+    (docs/development.md). Gradients still alive are not touched; the block of one freed later is cached again.
+    """
+    return int(library.cpu_empty_cache())

@@ -4,7 +4,7 @@
 //
 // What it provides: the CUDA keywords, threadIdx / blockIdx / blockDim / gridDim, dim3 / uint3 /
 // uint4 (16-byte aligned), __syncthreads, __shfl_xor_sync, __ldg / __ldcs / __stcs, __fmul_rn /
-// __dmul_rn (exact only under -ffp-contract=off, which the build sets), cudaDeviceGetAttribute with
+// __dmul_rn (one rounding, never fused into an FMA, also in the contracting build), cudaDeviceGetAttribute with
 // a settable SM count, and cuda_emu::launch, which launch_kernel (csrc/cuda/launch.cuh) calls.
 //
 // A launch runs its blocks one after another in a shuffled order; every CUDA thread of a block is
@@ -211,5 +211,15 @@ inline void __stcs(uint4* p, uint4 v) {
 }
 
 // Round-to-nearest products that the compiler may not fuse into an FMA (-ffp-contract=off).
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
+// The product is rounded on its own, as on the GPU, also in a build that contracts a * b + c into an FMA
+// (emu_build.py's plain variant, -ffp-contract=fast as nvcc): the empty asm hides it from the contraction.
+inline float __fmul_rn(float a, float b) {
+  float r = a * b;
+  __asm__("" : "+x"(r));
+  return r;
+}
+inline double __dmul_rn(double a, double b) {
+  double r = a * b;
+  __asm__("" : "+x"(r));
+  return r;
+}

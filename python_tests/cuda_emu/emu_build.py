@@ -6,9 +6,9 @@ the emulation layer cuda_emu.h and the CPU torch's headers, plus the emulator's 
 into one shared library with an op namespace of its own. A test tool: it is built into
 build/cuda_emu/ (or a folder given), never into the wheel.
 
-Variants: ``plain`` (-O1), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer), ``traffic`` (every
-global-memory access counted, cuda_emu_traffic.h). Sanitized libraries need the sanitizer runtime preloaded
-into Python: see ``sanitizer_env``.
+Variants: ``plain`` (-O1, FMA contraction as nvcc), ``asan`` (AddressSanitizer), ``tsan`` (ThreadSanitizer),
+``traffic`` (every global-memory access counted, cuda_emu_traffic.h). Sanitized libraries need the sanitizer
+runtime preloaded into Python: see ``sanitizer_env``.
 
     python python_tests/cuda_emu/emu_build.py [--variant plain|asan|tsan] [--csrc DIR] [--out DIR]
 
@@ -46,14 +46,16 @@ def _cxx() -> str:
 
 
 def _flags(variant: str) -> list[str]:
-    # -ffp-contract=off: the kernels' __fmul_rn / __dmul_rn are plain products here and must not be
-    # fused into an FMA with the subtraction that follows (the nvcc build relies on the same rounding).
+    # Floating-point contraction both ways: the plain (fiber) build contracts a * b + c into an FMA wherever it
+    # can, as nvcc does by default (-ffp-contract=fast with FMA instructions; g++ contracts only with
+    # -fexpensive-optimizations, off at -O1), so a plain `*` where the kernels need an intrinsic's separate
+    # rounding (__fmul_rn, kept unfused by cuda_emu.h) shows; the sanitizer and traffic builds keep every
+    # operation rounded on its own (-ffp-contract=off).
     flags = [
         "-std=c++20",
         "-O1",
         "-fPIC",
         "-shared",
-        "-ffp-contract=off",
         "-fvisibility=hidden",
         "-fvisibility-inlines-hidden",
         "-Wall",
@@ -61,6 +63,8 @@ def _flags(variant: str) -> list[str]:
         "-pthread",
         "-U_FORTIFY_SOURCE",
     ]  # fiber switches _longjmp between stacks, which fortify forbids
+    contract = ["-ffp-contract=fast", "-mfma", "-fexpensive-optimizations"]
+    flags += contract if variant == "plain" else ["-ffp-contract=off"]
     if variant == "plain":
         flags.append("-g0")
     elif variant == "asan":

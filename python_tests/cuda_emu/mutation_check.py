@@ -45,7 +45,7 @@ class Mutant:
     why: str
     old: str
     new: str
-    variant: str  # how the tests run against it: fiber | asan | tsan
+    variant: str  # how the tests run against it: fiber | asan | tsan | traffic
     expect: str  # a regex the failing run's output must contain
     select: str = "match_reference"  # pytest -k: which tests run against it
     header: str = FORWARD  # the kernels header (under csrc/) it is planted in
@@ -251,6 +251,122 @@ MUTANTS += [
         "fiber",
         WRONG_VALUES,
         header=BACKWARD,
+    ),
+]
+# The blind spots of the grid before the 2^32, vocabulary-parallel -inf, FMA contraction and launch policy
+# coverage (issue 29): each passes the grid without that coverage and is caught with it.
+MUTANTS += [
+    # Rows past 2^32 elements (test_row_offsets_beyond_2_31_and_2_32_elements: rows 4 to 6).
+    Mutant(
+        "row-offset-uint32",
+        "the backward forms its input row's offset i * ld in 32 unsigned bits",
+        "  const scalar_t* in = p.logits + i * p.ld_in;",
+        "  const scalar_t* in = p.logits + static_cast<uint32_t>(i * p.ld_in);",
+        "fiber",
+        r"Segmentation fault|" + WRONG_VALUES,
+        "beyond_2_31",
+        BACKWARD,
+    ),
+    # -inf logits mixed into a rank's slice with the entropy on (vp_inputs' row 4): exp(-inf) * -inf = NaN.
+    Mutant(
+        "vp-entropy-no-floor",
+        "the vocabulary-parallel statistics use s - max unfloored in the entropy moment",
+        "      if (with_ent) x = x > shift_floor<acc_t>() ? x : shift_floor<acc_t>();\n",
+        "",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    # nvcc contracts a plain product into the subtraction that follows (an FMA): the max logit then gives
+    # x = z * inv_t - round(z * inv_t) != 0, the rounding error of a 1e30 logit, exp() of which overflows.
+    # Only the contracting (plain) build of the emulator sees it.
+    Mutant(
+        "scale-logit-plain-multiply",
+        "scale_logit multiplies with a plain * instead of __fmul_rn (contracted into an FMA by nvcc)",
+        "float scale_logit(float z, float inv_t) { return __fmul_rn(z, inv_t); }",
+        "float scale_logit(float z, float inv_t) { return z * inv_t; }",
+        "fiber",
+        WRONG_VALUES,
+        "match_reference and huge",
+        COMMON,
+    ),
+    # The launch policy's split over N, V and SM counts (test_launch_policy_follows_its_rule): rounding
+    # target / N down launches fewer blocks than its rule where ceil(target / N), not the work, sets the split.
+    Mutant(
+        "policy-split-rounds-down",
+        "the launch policy's blocks per row round target / N down",
+        "  const int64_t wanted = (target_blocks + n - 1) / n;",
+        "  const int64_t wanted = target_blocks / n;",
+        "fiber",
+        r"(forward|backward) N=\d+ V=\d+ SMs=\d+: want split",
+        "split_override_sets or launch_policy",
+        "cuda/launch_policy.cuh",
+    ),
+]
+# The blind spots of the traffic step and the ASan subset before the edges' shape (V = 26403: heads and tails in
+# every dtype, shares of a full unrolled round, backward at split 3) and the ASan residues (issue 29): each
+# passes the old traffic step and ASan subset, and moves no value the fiber grid compares.
+TRAFFIC_LOGITS = r'stream\["logits"\]\["load'
+TRAFFIC_BACKWARD_LOADS = r'src\["load"\] == src\["load_unique"\]'
+TRAFFIC_BACKWARD_STORES = r'dst\["store"\] == dst\["store_unique"\]'
+MUTANTS += [
+    # The unrolled loop's over-read: at the residues where the last row's last block ends its loop at the body's
+    # end, the round past the share reads (and in the backward writes) past the tensor.
+    Mutant(
+        "unrolled-loop-bound<= (asan)",
+        "as unrolled-loop-bound<=, seen by AddressSanitizer past the end of the last row",
+        "  for (; vi + (kUnroll - 1) * nthr < ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "  for (; vi + (kUnroll - 1) * nthr <= ve; vi += kUnroll * nthr) {\n    Pack<scalar_t> pk[kUnroll];\n"
+        "    bool has_target",
+        "asan",
+        r"AddressSanitizer: heap-buffer-overflow",
+        "vector_loop_residues",
+    ),
+    # A row's head read as the aligned 16-byte vector that ends where its body begins, the elements before the
+    # row masked off: the values are the same, the reads are not (V = 1000 rows have no head).
+    Mutant(
+        "forward-head-aligned-down (traffic)",
+        "the one-block forward reads a row's unaligned head as one aligned-down 16-byte vector (bytes before the "
+        "row loaded and masked off)",
+        "  add_scalars<kEntropy>(st, row, 0, head, a, p.inv_t);\n  add_scalars<kEntropy>(st, row, head + nvec",
+        "  if (head > 0 && threadIdx.x == 0) {\n"
+        "    const Pack<scalar_t> hp = load_ro(row + head - kVec);\n"
+        "    for (int64_t k = kVec - head; k < kVec; ++k) {\n"
+        "      if (k - (kVec - head) == a) continue;\n"
+        "      st = merge_state<kEntropy>(st, EntState<acc_t>{scale_logit(static_cast<acc_t>(hp.v[k]), p.inv_t), "
+        "acc_t(1), acc_t(0)});\n"
+        "    }\n"
+        "  }\n"
+        "  add_scalars<kEntropy>(st, row, head + nvec",
+        "traffic",
+        TRAFFIC_LOGITS,
+        "traffic_forward",
+    ),
+    # The unrolled loop (never reached at V = 1000) takes the target's logit from global memory again instead
+    # of from the vector it has just loaded: the same value, one extra read per row.
+    Mutant(
+        "backward-unrolled-target-reread (traffic)",
+        "the backward's unrolled loop reads the target logit again from memory instead of its loaded vector",
+        "          if (j0 + k == ab) o.v[k] = static_cast<scalar_t>(rg.target(static_cast<acc_t>(pk[u].v[k])));",
+        "          if (j0 + k == ab) o.v[k] = static_cast<scalar_t>(rg.target(static_cast<acc_t>(in_body[ab])));",
+        "traffic",
+        TRAFFIC_BACKWARD_LOADS,
+        "traffic_backward",
+        BACKWARD,
+    ),
+    # Zeros are zeros: every block of a padding row writes the whole row, which only the store count shows,
+    # and only at split > 1 (the old traffic step's backward ran at split 1).
+    Mutant(
+        "backward-padding-every-split (traffic)",
+        "every block of a padding row zeroes the row's whole body, not its share",
+        "    for (int64_t vi = vb + threadIdx.x; vi < ve; vi += blockDim.x) store_stream(",
+        "    for (int64_t vi = threadIdx.x; vi < nvec; vi += blockDim.x) store_stream(",
+        "traffic",
+        TRAFFIC_BACKWARD_STORES,
+        "traffic_backward",
+        BACKWARD,
     ),
 ]
 TSAN_MUTANTS = [

@@ -3,8 +3,12 @@ reused, so a steady training loop does not page-fault its gradient in again ever
 
 What must hold: a reused block is fully overwritten (no stale values, padding rows zero), a live gradient is
 never handed out twice, the cache keeps at most two freed blocks, a block serves only requests of at least
-half its size, and DPPO_CPU_BUFFER_CACHE=0 turns it off. The page-fault count of a warm backward (a count,
-not a timing) shows the reuse.
+half its size, a freed block that 8 backward calls of any size do not take goes back (a workload that shrinks
+does not keep its big block), dppo_ext.empty_cpu_cache() frees every idle block, a cached gradient's storage
+resizes like any tensor's (FSDP/ZeRO free a gradient with untyped_storage().resize_(0)), and
+DPPO_CPU_BUFFER_CACHE / DPPO_CPU_HUGEPAGES are read as PyTorch's build reads a boolean switch (0/off/no/false/n
+turn it off, any case; an unknown value fails the import, naming the variable). The page-fault
+count of a warm backward (a count, not a timing) shows the reuse.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import resource
 import subprocess
 import sys
 
+import pytest
 import torch
 from dppo_testing import child_env
 
+import dppo_ext
 from dppo_ext import _native
 
 MIB = 1 << 20
@@ -102,23 +108,99 @@ def test_warm_backward_does_not_fault_its_gradient_in():
     assert faults < pages // 4, f"3 warm backwards faulted {faults} pages (a fresh gradient is {pages} pages)"
 
 
-def test_cache_off_by_environment():
+def test_a_shrinking_workload_returns_its_big_block():
+    dppo_ext.empty_cpu_cache()
+    big = _backward(*_inputs(2304, 8192, seed=10))  # 72 MiB
+    del big
+    assert _cached() >= 72 * MIB
+    small_inputs = _inputs(64, 8192, seed=11)  # 2 MiB: never served by the 72 MiB block
+    for step in range(8):
+        assert _cached() >= 72 * MIB, f"the big block went back after only {step} smaller steps"
+        small = _backward(*small_inputs)
+        del small
+    assert _cached() < 8 * MIB, f"after 8 small steps the cache still holds {_cached() / MIB:.0f} MiB"
+
+
+def test_steps_too_small_for_the_cache_return_the_big_block_too():
+    dppo_ext.empty_cpu_cache()
+    big = _backward(*_inputs(2304, 8192, seed=13))  # 72 MiB
+    del big
+    tiny_inputs = _inputs(16, 4096, seed=14)  # 256 KiB: at::empty serves it, yet it passes the big block over
+    for _ in range(8):
+        tiny = _backward(*tiny_inputs)
+        del tiny
+    assert _cached() == 0, f"after 8 small steps the cache still holds {_cached() / MIB:.0f} MiB"
+
+
+def test_empty_cpu_cache_frees_every_idle_block():
+    grads = [_backward(*_inputs(n, 8192, seed=n)) for n in (256, 512)]
+    del grads
+    held = _cached()
+    assert held >= (256 + 512) * 8192 * 4
+    assert dppo_ext.empty_cpu_cache() == held
+    assert _cached() == 0
+    assert dppo_ext.empty_cpu_cache() == 0
+
+
+def test_cached_gradient_storage_resizes_like_any_tensor():
+    logits, tokens = _inputs(64, 8192, seed=12)
+    want = _expected(logits, tokens)
+    grad = _backward(logits, tokens)
+    kept = grad.clone()
+    dppo_ext.empty_cpu_cache()
+    grad.untyped_storage().resize_(0)  # FSDP/ZeRO's way to free a gradient's memory, keeping the tensor
+    assert grad.untyped_storage().nbytes() == 0
+    assert _cached() >= 64 * 8192 * 4, "the freed storage's block should go back to the cache"
+    grad.untyped_storage().resize_(64 * 8192 * 4)
+    grad.copy_(kept)
+    torch.testing.assert_close(grad.double(), want, atol=1e-6, rtol=1e-4)
+    other = _backward(logits, tokens)
+    other.resize_(128, 8192)  # growing: moves to the allocator, the first half kept
+    torch.testing.assert_close(other[:64].double(), want, atol=1e-6, rtol=1e-4)
+    other.resize_(8)
+    assert other.shape == (8,)
+
+
+def _cached_after_one_backward(**env: str) -> subprocess.CompletedProcess:
     code = (
         "import torch, dppo_ext.ops; from dppo_ext import _native\n"
         "z = torch.randn(64, 8192); t = torch.zeros(64, dtype=torch.long)\n"
         "g = torch.ops.dppo.dppo_loss_backward(torch.ones(64), None, z, t, torch.logsumexp(z, -1), None, 1.0)\n"
         "del g\n"
-        "print(_native.library.cpu_cached_bytes())\n"
+        "print(_native.library.cpu_buffer_cache, _native.library.cpu_cached_bytes())\n"
     )
-    out = {}
-    for value in ("0", "1"):
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
-            env=child_env(DPPO_CPU_BUFFER_CACHE=value),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr
-        out[value] = int(proc.stdout.split()[-1])
-    assert out["0"] == 0 and out["1"] >= 64 * 8192 * 4
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# tools/setup_helpers/env.py's spellings (how PyTorch's build reads its switches), in any case; empty is unset.
+OFF = ("0", "off", "no", "false", "n")
+ON = ("1", "on", "yes", "true", "y")
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "No", "n", "1", "true", "On", "YES", "Y", ""])
+def test_cache_switch_reads_like_a_torch_boolean(value):
+    proc = _cached_after_one_backward(DPPO_CPU_BUFFER_CACHE=value)
+    assert proc.returncode == 0, proc.stderr
+    enabled, cached = proc.stdout.split()[-2:]
+    if value.lower() in OFF:
+        assert (enabled, int(cached)) == ("False", 0)
+    else:
+        assert value.lower() in ON + ("",)
+        assert enabled == "True" and int(cached) >= 64 * 8192 * 4
+
+
+@pytest.mark.parametrize("name", ["DPPO_CPU_BUFFER_CACHE", "DPPO_CPU_HUGEPAGES"])
+@pytest.mark.parametrize("value", ["disabled", "2", " 0"])
+def test_switches_refuse_an_unknown_value_at_import(name, value):
+    proc = _cached_after_one_backward(**{name: value})
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: dppo_ext._C: "), proc.stderr
+    assert f"{name}={value} is not a boolean" in last
+    assert "1, on, yes, true, y (enable) or 0, off, no, false, n (disable)" in last

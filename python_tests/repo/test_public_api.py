@@ -34,6 +34,7 @@ DOCUMENTED = {
         "dppo_loss",
         "dppo_loss_per_row",
         "dppo_metrics",
+        "empty_cpu_cache",
         "fused_linear_dppo_loss",
         "fused_linear_dppo_loss_per_row",
         "micro_batch_scale",
