@@ -122,15 +122,15 @@ def verl_path(config, data, logits, labels, upcast=None):
     x = leaf.squeeze(0) if upcast is None else leaf.squeeze(0).to(upcast)
     log_probs = logprobs_from_logits(x, labels)
     nested = torch.nested.nested_tensor_from_jagged(log_probs, data["input_ids"].offsets())
-    loss, metrics = verl_ppo_loss(config, {"log_probs": nested}, data)
+    loss, _ = verl_ppo_loss(config, {"log_probs": nested}, data)
     loss.backward()
-    return loss.detach().double(), leaf.grad.double(), metrics
+    return loss.detach().double(), leaf.grad.double(), log_probs.detach()
 
 
-def masked_tokens_verl(config, data, logits, labels, dtype) -> torch.Tensor:
-    """[B, R] bool: the response tokens verl's formula masks with log-probs of ``dtype`` (its formula, recomputed)."""
-    x = logits.squeeze(0) if dtype == torch.bfloat16 else logits.squeeze(0).to(dtype)
-    lp = no_padding_2_padding(logprobs_from_logits(x, labels), data)
+def masked_tokens_verl(config, data, log_probs) -> torch.Tensor:
+    """[B, R] bool: the response tokens verl's formula masks, given the packed log-probs its loss read (its
+    formula recomputed, in their dtype)."""
+    lp = no_padding_2_padding(log_probs, data)
     padded = vloss._padded(data, "old_log_probs", "advantages", "response_mask")
     old, adv = padded["old_log_probs"].to(lp.dtype), padded["advantages"]
     prob, old_prob = lp.exp(), old.exp()
@@ -162,17 +162,14 @@ def run(vocabs: list[int], seeds: int) -> list[dict]:
         for mode in MODES:
             for seed in range(seeds):
                 config, data, logits, labels = make_case(vocab, seed, mode)
-                loss64, grad64, _ = verl_path(config, data, logits, labels, upcast=torch.float64)
-                mask64 = masked_tokens_verl(config, data, logits, labels, torch.float64)
+                loss64, grad64, log_probs64 = verl_path(config, data, logits, labels, upcast=torch.float64)
+                mask64 = masked_tokens_verl(config, data, log_probs64)
                 results = {}
                 loss, grad, mask = plugin_path(config, data, logits)
                 results["plugin"] = {**errors(loss, grad, loss64, grad64), "mask_flips": int((mask != mask64).sum())}
-                for name, upcast, dtype in (
-                    ("verl", None, torch.bfloat16),
-                    ("verl_fp32_logprobs", torch.float32, torch.float32),
-                ):
-                    loss, grad, _ = verl_path(config, data, logits, labels, upcast=upcast)
-                    flips = int((masked_tokens_verl(config, data, logits, labels, dtype) != mask64).sum())
+                for name, upcast in (("verl", None), ("verl_fp32_logprobs", torch.float32)):
+                    loss, grad, log_probs = verl_path(config, data, logits, labels, upcast=upcast)
+                    flips = int((masked_tokens_verl(config, data, log_probs) != mask64).sum())
                     results[name] = {**errors(loss, grad, loss64, grad64), "mask_flips": flips}
                 tokens = int(vloss._padded(data, "response_mask")["response_mask"].sum())
                 masked = int(mask64.sum())
