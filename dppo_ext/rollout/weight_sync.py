@@ -60,12 +60,16 @@ __all__ = [
 PROBE_TOKENS = 32
 # |log pi - log mu| the guard accepts per token: ATOL + RTOL * |log pi|, by the narrower dtype of engine and trainer.
 # float32: at most 7.6e-6 measured on tiny random models of every tested architecture (log-probs down to -23;
-# python_tests/e2e/test_architectures.py, integrations/test_trl_architectures.py); a stale tensor or LM head moves
-# them by 1e-2 or more. bfloat16: up to
+# python_tests/e2e/test_architectures.py, integrations/test_trl_architectures.py), but up to 1.6e-4 on models trained
+# for a few hundred RL steps, at a position whose forward is ill-conditioned: there the trainer's own float32
+# log-prob is 3.9e-5 off its float64 value too, with every engine parameter equal to the trainer's
+# (benchmarks/bench_sync_guard_trained.py). A stale tensor or LM head moves log-probs by 1e-2 or more; one RL step of
+# those runs moves the sampled tokens' probabilities by 0.0014-0.084 on average (median 0.017, lag 0), so an engine
+# one step behind can sit near this bound on the quietest steps. bfloat16: up to
 # 0.24 measured (engine bf16, trainer fp32 or bf16; benchmarks/bench_sync_guard.py), so in bf16 the guard only
 # catches gross staleness. float16 (not measured): bf16's bound scaled by their mantissa widths.
 SYNC_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (5e-5, 1e-5),
+    torch.float32: (1e-3, 1e-5),
     torch.bfloat16: (0.5, 0.05),
     torch.float16: (0.1, 0.01),
 }
