@@ -425,7 +425,16 @@ def _start_cli(out: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / f"cli-{time.monotonic_ns()}.err"
     argv = [sys.executable, "-m", "dppo_ext.train", *_argv(out, warm_start_steps="1000000")]
     with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=child_env(), cwd=tmp_path)
+        # SIGINT at its default in the child, as in a terminal: a shell that starts a job in the background (`cmd &`
+        # in a script) has it ignored, the child inherits that, and Python then installs no KeyboardInterrupt
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=child_env(),
+            cwd=tmp_path,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     deadline = time.monotonic() + 180
     while not (out.is_dir() and any(p.name.startswith(".base_model.tmp-") for p in out.iterdir())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -446,7 +455,12 @@ def test_the_cli_interrupted_or_killed_during_the_warm_start_leaves_a_folder_the
     out = tmp_path / "run"
     proc, log = _start_cli(out, tmp_path)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
+    try:
+        status = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the CLI did not stop within 120 s of SIGINT: {log.read_text()}") from None
+    assert status == 130
     err = log.read_text()
     assert "dppo-train: interrupted" in err and "Traceback" not in err, err
     assert not out.exists()
