@@ -27,22 +27,14 @@ from dppo_testing.architectures import ARCHITECTURES, build_architecture  # noqa
 
 from dppo_ext.rollout.vllm_engine import VLLMEngine, _model_logprobs  # noqa: E402
 from dppo_ext.rollout.vllm_parity import policy_load_kwargs  # noqa: E402
-
-try:
-    from vllm import SamplingParams
-except ImportError:
-    SamplingParams = None
+from dppo_ext.rollout.weight_sync import engine_logprobs  # noqa: E402
 
 PROMPTS = [[1, 5, 16, 7, 15], [1, 9, 14, 4, 15], [1, 6, 14, 12, 15], [1, 8, 16, 10, 15]]
 
 
 def guard_diff(engine: VLLMEngine, model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """What the sync guard computes: the trainer's and vLLM's log-probs of ``ids[1:]`` (float64)."""
-    res = engine.llm.generate(
-        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0), use_tqdm=False
-    )[0]
-    mu = torch.tensor([e[t].logprob for t, e in zip(ids[1:], res.prompt_logprobs[1:])], dtype=torch.float64)
-    return _model_logprobs(model, ids).double(), mu
+    return _model_logprobs(model, ids).double(), engine_logprobs(engine.llm, ids)
 
 
 def measure(arch: str, folder: Path, engine_dtype: str, rounds: int) -> dict:

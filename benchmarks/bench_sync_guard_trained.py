@@ -71,13 +71,8 @@ class Recorder:
         weight_sync.SyncGuard.check = check
 
     def explain(self, guard, llm, score, kwargs, max_diff: float) -> None:
-        from vllm import SamplingParams
-
         ids = guard.probe
-        out = llm.generate(
-            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0), use_tqdm=False
-        )[0]
-        mu = torch.tensor([e[t].logprob for t, e in zip(ids[1:], out.prompt_logprobs[1:])], dtype=torch.float64)
+        mu = weight_sync.engine_logprobs(llm, ids)
         model = score.args[0]  # functools.partial(_model_logprobs, model)
         pi32 = _model_logprobs(model, ids).double()
         pi64 = _model_logprobs(copy.deepcopy(model).double(), ids).double()

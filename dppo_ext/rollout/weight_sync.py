@@ -49,6 +49,7 @@ __all__ = [
     "SyncGuard",
     "SyncPlan",
     "WeightSyncError",
+    "engine_logprobs",
     "load_weights_into_vllm",
     "plan_weight_sync",
     "sync_tolerance",
@@ -350,6 +351,19 @@ def load_weights_into_vllm(
     llm.reset_prefix_cache()
 
 
+def engine_logprobs(llm: Any, ids: Sequence[int]) -> torch.Tensor:
+    """[len(ids) - 1] float64 log-probs of ``ids[1:]`` under a ``vllm.LLM`` (``prompt_logprobs``, the raw
+    distribution): what the sync guard compares with the trainer's."""
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [{"prompt_token_ids": list(ids)}], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0), use_tqdm=False
+    )[0]
+    return torch.tensor(
+        [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])], dtype=torch.float64
+    )
+
+
 @dataclass(frozen=True)
 class SyncCheck:
     """One guard check: the largest ``|log pi - log mu|`` over the probe, what was accepted, its cost."""
@@ -392,16 +406,9 @@ class SyncGuard:
         """Compare vLLM with the trainer on the stored sequence; return the check, or None without a sequence."""
         if self.probe is None:
             return None
-        from vllm import SamplingParams
-
         start = time.perf_counter()
         ids = self.probe
-        out = llm.generate(
-            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0), use_tqdm=False
-        )[0]
-        mu = torch.tensor(
-            [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])], dtype=torch.float64
-        )
+        mu = engine_logprobs(llm, ids)
         with torch.no_grad():
             pi = score(ids).detach().double().cpu().reshape(-1)
         atol, rtol = sync_tolerance(self.engine_dtype, trainer_dtype)
