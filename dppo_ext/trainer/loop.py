@@ -31,7 +31,7 @@ compares the engine's log-probs with the trainer's own for exactly the same weig
 at rounding level (~1e-6 in float32) when the engine follows the trainer and jumps to the size
 of an update when it does not. On top of that the vLLM engine's sync guard checks every sync itself and stops
 the run when the engine's log-probs no longer follow the trainer's (``--sync-check``, on by default; the record's
-``sync_check_max`` and ``sync_check_s``).
+``sync_check_max`` and ``sync_check_s``, and ``eval_sync_check_max`` for the syncs around a lagged run's evaluation).
 (``pg_pi_old`` feeds the op pi_old in place of mu, so its ``mismatch_mean`` reads ``|pi - pi_old|``; the mechanism
 metrics' ``pre_mismatch_mean`` is against mu for every loss.)
 """
@@ -75,6 +75,9 @@ class EvalResult:
     accuracy: float
     response_len: float
     seconds: float
+    # Under a lag: the sync guard's largest |log pi - log mu| over the evaluation's two syncs (current weights in,
+    # lagged ones back); None without a lag or without a guard.
+    sync_check_max: float | None = None
 
 
 class Trainer:
@@ -153,8 +156,10 @@ class Trainer:
         """
         start = time.perf_counter()
         problems = self.task.eval
+        checks = []
         if self._lag_model is not None:
             self.engine.sync_weights(self.model)
+            checks.append(self.engine.last_sync_check)
         groups = self.engine.generate(
             [self.encode_prompt(p.prompt) for p in problems],
             n=self.config.eval_samples,
@@ -164,12 +169,15 @@ class Trainer:
         )
         if self._lag_model is not None:
             self.engine.sync_weights(self._lag_model)
+            checks.append(self.engine.last_sync_check)
+        measured = [c.max_diff for c in checks if c is not None]
         rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
         lengths = [len(s.response_ids) for group in groups for s in group]
         return EvalResult(
             accuracy=sum(rewards) / len(rewards),
             response_len=sum(lengths) / len(lengths),
             seconds=time.perf_counter() - start,
+            sync_check_max=max(measured) if measured else None,
         )
 
     # ------------------------------------------------------------------ one step
@@ -439,6 +447,7 @@ class Trainer:
                 "eval_acc": result.accuracy,
                 "eval_response_len": result.response_len,
                 "eval_s": result.seconds,
+                **_eval_sync_check_record(result),
             }
             writer.write(record)
             reporter.write(record)
@@ -450,6 +459,7 @@ class Trainer:
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 result = self.evaluate()
                 record.update(eval_acc=result.accuracy, eval_response_len=result.response_len, eval_s=result.seconds)
+                record.update(_eval_sync_check_record(result))
                 last_acc = result.accuracy
             record["elapsed_s"] = self.elapsed_before_s + time.perf_counter() - start
             writer.write(record)
@@ -487,3 +497,8 @@ def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:
             raise ValueError("--prompt-format chat: the tokenizer has no chat template; use --prompt-format plain")
         return True
     return prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def _eval_sync_check_record(result: EvalResult) -> dict[str, float]:
+    """``eval_sync_check_max``: the guard's measurement of the syncs around a lagged run's evaluation, if any."""
+    return {} if result.sync_check_max is None else {"eval_sync_check_max": result.sync_check_max}

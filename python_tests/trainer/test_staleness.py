@@ -276,6 +276,34 @@ def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_re
     assert all(torch.equal(held["now"][k], lagged[k]) for k in lagged)  # and back to the lagged weights after it
 
 
+def test_the_guards_checks_around_a_lagged_evaluation_are_recorded(tiny_model_dir, tmp_path):
+    """The two syncs of a lagged run's evaluation (current weights in, lagged ones back) are checked by the guard
+    like the step's sync; their largest difference goes into the evaluation's record as ``eval_sync_check_max``."""
+    from dppo_ext.rollout.weight_sync import SyncCheck
+
+    trainer = _trainer(tiny_model_dir, tmp_path / "lag", loss="dppo_binary_tv", rollout_lag=2, steps=2, eval_every=1)
+    measured = iter([3e-6, 7e-6, 2e-6, 5e-6, 4e-6, 1e-6, 6e-6, 8e-6, 9e-6, 2e-6, 3e-6, 1e-6])
+    real_sync = trainer.engine.sync_weights
+
+    def stand_in_guard(model):  # the HF engine has no guard: every sync reports the next stand-in measurement
+        seconds = real_sync(model)
+        trainer.engine.last_sync_check = SyncCheck(max_diff=next(measured), tolerance=1e-3, tokens=8, seconds=0.0)
+        return seconds
+
+    trainer.engine.sync_weights = stand_in_guard
+    trainer.run(progress=False)
+    records = [json.loads(line) for line in (tmp_path / "lag" / "metrics.jsonl").read_text().splitlines()]
+    # step 0: the evaluation's two syncs (3e-6, 7e-6); each step: its own sync, then the evaluation's two
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[0]["eval_sync_check_max"] == 7e-6
+    assert records[1]["sync_check_max"] == 2e-6 and records[1]["eval_sync_check_max"] == 5e-6
+    assert records[2]["sync_check_max"] == 1e-6 and records[2]["eval_sync_check_max"] == 8e-6
+    # without a lag the evaluation syncs nothing, so it records no check
+    plain = _trainer(tiny_model_dir, tmp_path / "plain", loss="dppo_binary_tv", steps=1)
+    plain.engine.last_sync_check = SyncCheck(max_diff=1e-6, tolerance=1e-3, tokens=8, seconds=0.0)
+    assert plain.evaluate().sync_check_max is None
+
+
 def _write_run(data, condition, method, seed, final):
     """A collected data file whose last four evaluations average ``final`` (the format ``sweep.collect`` writes)."""
     from experiments.sanity.sweep import BIN_COLUMNS, COLUMNS, data_file_rows
