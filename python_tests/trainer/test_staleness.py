@@ -336,6 +336,13 @@ def test_the_report_applies_the_rules_to_the_data_files_alone(tmp_path):
     assert "**minirl**: incomplete" in tables and "No pilot data yet." in tables
     assert "48 runs record their cost: 9600 CPU-s in all" in tables
     assert (out / "figure_staleness.png").stat().st_size > 10_000
+    assert (out / "figure_dose_response.png").stat().st_size > 10_000
+    # the dose-response figure's numbers: I(64) of PG-IS is -6 points over the 8 seeds, the control's -10
+    curves = staleness.dose_response(staleness._summaries(data)[1])
+    assert set(curves) == {"pg_is", "pg_pi_old"} and curves["pg_is"][0] == (0, 0.0, 0.0, 8)
+    (lag, mean, half, n), (_, control, _, _) = curves["pg_is"][1], curves["pg_pi_old"][1]
+    assert (lag, n) == (64, 8) and mean == pytest.approx(-6.0, abs=1e-9) and 0 < half < 1
+    assert control == pytest.approx(-10.0, abs=1e-9)
     # the same files give the same report
     staleness.report(data, tmp_path / "no-pilot", tmp_path / "none.json", tmp_path / "again")
     assert (tmp_path / "again" / "tables.md").read_text() == tables
