@@ -256,7 +256,11 @@ def step_size_verdict(summaries: Summaries, seeds_needed: int = len(STALE_SEEDS)
     top = names[-1]
     a, b = summaries[top]["pg_is"], summaries["stale0"]["pg_is"]
     bite = estimate([a[s]["final"] - b[s]["final"] for s in complete])
-    lines = [f"J({name}) = {est[name].text()} points (90% half-width {100 * est[name].half90:.1f})" for name in names]
+    lines = [
+        f"J({name}) = {est[name].text()} points (90% half-width {100 * est[name].half90:.1f}; detectable with 80% "
+        f"power: {_pct(detectable(est[name].sd, est[name].n))})"
+        for name in names
+    ]
     lines.append(f"PG-IS at {top} − PG-IS at lr 1e-4: {bite.text()} points")
     if est[top].mean + est[top].half95 < 0 and est[top].mean <= -SESOI and est[top].mean <= est[names[0]].mean:
         return "confirmed", lines
@@ -310,7 +314,7 @@ def rare_token_verdict(
     binds = _median([a[s]["clip_share"] for s in seeds])
     lines = [
         f"R{RARE_STEP}(grpo_clip_higher) − R{RARE_STEP}(dppo_binary_tv) = {diff.text()} points (90% half-width "
-        f"{100 * diff.half90:.1f})",
+        f"{100 * diff.half90:.1f}; detectable with 80% power: {_pct(detectable(diff.sd, diff.n))})",
         f"grpo_clip_higher masks {_pct(binds)}% of the A > 0, mu < 0.01 token-updates over steps 1-{RARE_STEP}",
     ]
     if diff.mean + diff.half95 < 0 and diff.mean <= -RARE_SESOI:
