@@ -444,10 +444,7 @@ class Trainer:
             result = self.evaluate()
             record = {
                 "step": 0,
-                "eval_acc": result.accuracy,
-                "eval_response_len": result.response_len,
-                "eval_s": result.seconds,
-                **_eval_sync_check_record(result),
+                **_eval_record(result),
             }
             writer.write(record)
             reporter.write(record)
@@ -458,8 +455,7 @@ class Trainer:
             record = self.train_step()
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 result = self.evaluate()
-                record.update(eval_acc=result.accuracy, eval_response_len=result.response_len, eval_s=result.seconds)
-                record.update(_eval_sync_check_record(result))
+                record.update(_eval_record(result))
                 last_acc = result.accuracy
             record["elapsed_s"] = self.elapsed_before_s + time.perf_counter() - start
             writer.write(record)
@@ -499,6 +495,10 @@ def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:
     return prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None))
 
 
-def _eval_sync_check_record(result: EvalResult) -> dict[str, float]:
-    """``eval_sync_check_max``: the guard's measurement of the syncs around a lagged run's evaluation, if any."""
-    return {} if result.sync_check_max is None else {"eval_sync_check_max": result.sync_check_max}
+def _eval_record(result: EvalResult) -> dict[str, float]:
+    """An evaluation's fields of a metrics record; ``eval_sync_check_max`` (the guard's measurement of the syncs
+    around a lagged run's evaluation) only when there was one."""
+    record = {"eval_acc": result.accuracy, "eval_response_len": result.response_len, "eval_s": result.seconds}
+    if result.sync_check_max is not None:
+        record["eval_sync_check_max"] = result.sync_check_max
+    return record
