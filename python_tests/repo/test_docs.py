@@ -129,6 +129,7 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
             assert re.fullmatch(r"with\s+\w+", block.marker), f"{block.name}: unknown marker {block.marker!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")], ids=lambda b: b.name
 )
@@ -136,6 +137,7 @@ def test_python_block_runs(block: Block, tmp_path):
     _run_block(block, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_broken_block_fails(tmp_path):
     """The runner reports a snippet that does not run (a check that cannot fail checks nothing)."""
     block = Block(ROOT / "README.md", 1, "python", "from dppo_ext import fused_linear_dppo\n", "with inputs")
