@@ -21,6 +21,7 @@ from ..conditions import COLLAPSE_CONDITION, COLLAPSE_METHODS, COLLAPSE_SEEDS, R
 from ..counts import (
     clopper_pearson,
     fisher_greater,
+    fisher_power,
     holm,
     kaplan_meier,
     logrank,
@@ -363,6 +364,24 @@ def _ladder_rule(records: list[dict[str, Any]]) -> bool:
     return run_summary(records)["collapsed"]
 
 
+POWER_RATES = ((0.20, 0.04), (0.25, 0.04), (0.30, 0.04), (0.33, 0.0))  # (PG-IS, DPPO) true collapse rates
+POWER_SEEDS = (32, 40, 48)
+
+
+def power_lines() -> list[str]:
+    """The pre-registered power table: the exact power of the one-sided Fisher test at 0.025 (and of "confirmed",
+    which also needs an observed excess >= 15 points) for seeds x true rates."""
+    head = " | ".join(f"{100 * a:.0f}% vs {100 * b:.0f}%" for a, b in POWER_RATES)
+    lines = [f"| seeds | {head} |", "|---|" + "---|" * len(POWER_RATES)]
+    for n in POWER_SEEDS:
+        cells = [
+            f"{fisher_power(n, a, b, ALPHA):.2f} / {fisher_power(n, a, b, ALPHA, min_excess=EXCESS):.2f}"
+            for a, b in POWER_RATES
+        ]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def cost_lines(metas: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
     """The measured compute of the finished runs (each worker's CPU and wall seconds, warm starts included)."""
     costs = [m["cost"] for seeds in metas.values() for m in seeds.values() if m.get("cost")]
@@ -410,6 +429,13 @@ def report(data: Path, out: Path, staleness_data: Path) -> list[Path]:
             "",
         ]
     parts += [
+        "## Power (pre-registered)",
+        "",
+        "Exact power of the one-sided Fisher test at α = 0.025 / of a verdict of confirmed (p <= 0.025 and an "
+        "observed excess >= 15 points), true collapse rates PG-IS vs DPPO:",
+        "",
+        *power_lines(),
+        "",
         "## Controls and exploratory counts from the staleness ladder",
         "",
         *ladder_lines(staleness_data),
