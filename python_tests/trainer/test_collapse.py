@@ -253,3 +253,35 @@ def test_a_declared_cut_shows_outcomes_on_whole_seed_blocks_only(tmp_path):
     tables = (out / "tables.md").read_text()
     # 0/33 vs 0/33: the Newcombe upper bound is Wilson's 3.84 / (33 + 3.84) = 10.4 points < 15
     assert "| pg_is | 0/33 |" in tables and "Binary-TV — **refuted at this scale**" in tables
+
+
+def test_the_cli_report_only_reads_the_data_folder_and_trains_nothing(tmp_path, monkeypatch):
+    from experiments.sanity import cli
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--report-only must not launch workers")
+
+    monkeypatch.setattr(cli, "launch_workers", no_training)
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, "pg_is", 200, [0.3] * 15)
+    argv = ["--experiment", "collapse", "--report-only", "--data", str(data), "--report-dir", str(out)]
+    assert cli.main(argv) == 0
+    assert "1 of 144 runs finished; 0 of 48 seeds complete" in (out / "tables.md").read_text()
+
+
+def test_the_cli_skips_runs_whose_data_files_are_complete(tmp_path, monkeypatch):
+    from experiments.sanity import cli
+
+    launched = []
+    monkeypatch.setattr(cli, "launch_workers", lambda runs, *a, **k: launched.extend(runs) or [])
+    data = tmp_path / "data"
+    _write(data, "pg_is", 200, [0.3] * 15)
+    argv = ["--experiment", "collapse", "--seeds", "200", "201", "--data", str(data), "--report-dir", str(tmp_path)]
+    assert cli.main([*argv, "--work", str(tmp_path / "work")]) == 0
+    assert [(r.method, r.seed) for r in launched] == [
+        ("dppo_binary_tv", 200),
+        ("cispo", 200),
+        ("pg_is", 201),
+        ("dppo_binary_tv", 201),
+        ("cispo", 201),
+    ]

@@ -332,6 +332,8 @@ def ladder_lines(staleness_data: Path) -> list[str]:
         "|---|---|---|---|",
     ]
     totals: dict[str, list[int]] = {}
+    by_seed: dict[int, list[int]] = {}
+    ties = []
     for condition in ("stale0", "stale16", "stale32", "stale64", "steplr3e-4"):
         for method, seeds in runs.get(condition, {}).items():
             ends = [
@@ -339,6 +341,16 @@ def ladder_lines(staleness_data: Path) -> list[str]:
                 for s, r in seeds.items()
             ]
             old = [_ladder_rule(r) for r in seeds.values()]
+            ties += [
+                f"{condition}/{method}/seed{s}"
+                for s, e in zip(seeds, ends)
+                if _exact(e["final"]) == HALF * _exact(e["peak"])
+            ]
+            if condition not in ("stale0", "steplr3e-4"):
+                for s, e, o in zip(seeds, ends, old):
+                    counts = by_seed.setdefault(s, [0, 0])
+                    counts[0] += e["collapsed"]
+                    counts[1] += o
             lines.append(
                 f"| {condition} | {method} | {sum(e['collapsed'] for e in ends)}/{len(ends)} | {sum(old)}/{len(old)} |"
             )
@@ -352,7 +364,20 @@ def ladder_lines(staleness_data: Path) -> list[str]:
         "Lagged runs (lags 16, 32, 64) together: "
         + "; ".join(f"{m} {t[0]}/{t[2]} ({t[1]}/{t[2]} by the ladder's rule)" for m, t in totals.items())
         + ".",
+        "By seed (every lagged run of the seed): "
+        + ", ".join(f"seed {s}: {c[0]} ({c[1]})" for s, c in sorted(by_seed.items()))
+        + ".",
+        "Runs whose final is exactly half their peak (not a collapse by either rule): "
+        + (", ".join(ties) or "none")
+        + ".",
     ]
+    pg, dppo = totals.get(PRIMARY), totals.get(REFERENCE)
+    if pg and dppo:
+        p = fisher_greater(pg[1], pg[2], dppo[1], dppo[2])
+        lines.append(
+            f"Exploratory (chosen after the data), PG-IS vs DPPO over the lagged runs by the ladder's rule: "
+            f"{pg[1]}/{pg[2]} vs {dppo[1]}/{dppo[2]}, one-sided Fisher p = {_p(p)}."
+        )
     return lines
 
 
