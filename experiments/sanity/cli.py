@@ -29,8 +29,8 @@ from .sweep import _finished, collect, launch_workers, work_through
 
 logger = logging.getLogger("experiments.sanity")
 
-DATA = "docs/sanity/dosed/data"
-REPORT_DIR = "docs/sanity/dosed"
+DATA = "experiments/sanity/results/dosed/data"
+REPORT_DIR = "experiments/sanity/results/dosed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="dosed",
         choices=("dosed", "staleness", "collapse"),
         help="dosed: the dosed-mismatch experiment (docs/sanity.md); staleness: the staleness ladder "
-        "(docs/sanity/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot); collapse: the "
-        "collapse replication, design A seed-major (experiments/sanity/collapse/PREREGISTRATION.md; --seeds "
-        "limits it)",
+        "(experiments/sanity/results/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot); "
+        "collapse: the collapse replication, design A seed-major (experiments/sanity/collapse/PREREGISTRATION.md; "
+        "--seeds limits it)",
     )
     parser.add_argument(
         "--phases",

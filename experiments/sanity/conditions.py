@@ -143,9 +143,9 @@ def _dosed_conditions() -> dict[str, Condition]:
 
 
 # ---------------------------------------------------------------------------- the staleness experiment
-# docs/sanity/staleness/PREREGISTRATION.md: the dosed experiment's setting with the calibrated optimizer, 300 steps,
-# no periodic checkpoint (an interrupted stale run starts over: a resumed one would restart its lag window), fresh
-# seeds 10-17, the pilot on seed 100.
+# experiments/sanity/results/staleness/PREREGISTRATION.md: the dosed experiment's setting with the calibrated
+# optimizer, 300 steps, no periodic checkpoint (an interrupted stale run starts over: a resumed one would restart its
+# lag window), fresh seeds 10-17, the pilot on seed 100.
 STALE_LAGS = (0, 16, 32, 64)
 STALE_METHODS = ("pg_is", "dppo_binary_tv", "pg_pi_old", "minirl", "cispo_clip")
 STALE_SEEDS = tuple(range(10, 18))
