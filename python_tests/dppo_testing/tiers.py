@@ -41,10 +41,17 @@ def _is_python(argv) -> bool:
     return prog == sys.executable or name.startswith("python") or name in ("accelerate", "torchrun", "pip")
 
 
-def _record(what: str) -> None:
-    if _starts is not None and not _shared:
+_engine_depth = 0  # inside a vLLM engine's start: what it launches (compile workers) is part of that start
+
+
+def _record(what: str, *, engine: bool = False) -> None:
+    if _starts is not None and not _shared and (engine or _engine_depth == 0):
         _starts.append(what)
 
+
+# torch.compile's own helpers (inductor's compile workers and the probe that loads each compiled kernel in a child,
+# which vLLM's compiled model triggers on its first steps) are part of compiling, not a process the test launched.
+_TORCH_COMPILE_HELPERS = ("torchinductor", "torch._inductor")
 
 _popen_init = subprocess.Popen.__init__
 _process_start = multiprocessing.process.BaseProcess.start
@@ -52,8 +59,9 @@ _process_start = multiprocessing.process.BaseProcess.start
 
 def _watched_popen_init(self, args, *rest, **kwargs):
     if _is_python(args):
-        shown = args if isinstance(args, (str, bytes)) else " ".join(os.fsdecode(a) for a in args)
-        _record(f"process: {shown[:200]}")
+        shown = os.fsdecode(args) if isinstance(args, (str, bytes)) else " ".join(os.fsdecode(a) for a in args)
+        if not any(mark in shown for mark in _TORCH_COMPILE_HELPERS):
+            _record(f"process: {shown[:200]}")
     return _popen_init(self, args, *rest, **kwargs)
 
 
@@ -66,8 +74,13 @@ def _engine_init(cls):
     original = cls.__init__
 
     def init(self, *args, **kwargs):
-        _record(f"vLLM engine: {cls.__module__}.{cls.__qualname__}")
-        return original(self, *args, **kwargs)
+        global _engine_depth
+        _record(f"vLLM engine: {cls.__module__}.{cls.__qualname__}", engine=True)
+        _engine_depth += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _engine_depth -= 1
 
     init.__wrapped__ = original  # type: ignore[attr-defined]
     return init
