@@ -25,7 +25,7 @@ mini-batch's tokens before the step's first update, mu the rollout engine's prob
 quantity for every loss (the loss's own ``mismatch_mean`` compares pi with what the op was fed, which
 is pi_old for ``pg_pi_old``).
 
-A **bad negative update** (``bad_neg_frac``, docs/sanity/staleness/PREREGISTRATION.md, part 5): a
+A **bad negative update** (``bad_neg_frac``, experiments/sanity/results/staleness/PREREGISTRATION.md, part 5): a
 token-update with A < 0 and mu > 0.5 that left the token's probability more than 0.15 below mu and
 lower than before the update (``pi_new < mu - 0.15`` and ``pi_new < pi_old``), as a fraction of the
 token-updates with A < 0 and mu > 0.5 (``neg_high_tokens``). Unlike ``bad_update_frac`` it cannot
