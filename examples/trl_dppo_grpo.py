@@ -61,8 +61,9 @@ def main() -> None:
     parser.add_argument(
         "--updates-per-generation",
         type=int,
-        default=4,
-        help="AdamW updates per generation batch (TRL's num_iterations; 1: on-policy)",
+        default=1,
+        help="AdamW updates per generation batch (TRL's num_iterations; 1: on-policy, the trust region masks only "
+        "the engine's rounding; more: from the second update on it masks, docs/trl.md)",
     )
     parser.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (AdamW, linear decay)")
     parser.add_argument("--warm-start-steps", type=int, default=200, help="supervised warm-start steps")

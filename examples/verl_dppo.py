@@ -173,7 +173,7 @@ def overrides(model_dir: Path, train: Path, val: Path, args: argparse.Namespace)
         "trainer.save_freq=-1",
         f"trainer.default_local_dir={model_dir.parent / 'checkpoints'}",
         "trainer.project_name=dppo_ext",
-        f"trainer.experiment_name=verl_{args.mode}",
+        "trainer.experiment_name=verl_dppo",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",  # verl's default 8: one Ray actor each
     ]
     if VERL_MODES[args.mode].topk:
