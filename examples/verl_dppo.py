@@ -219,8 +219,19 @@ def setting(overrides_: list[str], key: str) -> str | None:
     return values[-1] if values else None
 
 
+# Overrides --workers derives together; set alone, one of them fails minutes later inside verl's workers.
+WORKER_KEYS = ("trainer.n_gpus_per_node", "ray_kwargs.ray_init.num_gpus")
+
+
 def check_batch(args: argparse.Namespace) -> None:
-    """Refuse, before anything is built, a batch that verl's data-parallel split would refuse minutes later."""
+    """Refuse, before anything is built, a batch that verl's data-parallel split would refuse minutes later, and a
+    worker count set by a raw override instead of ``--workers``."""
+    for override in args.verl_overrides:
+        if _key(override) in WORKER_KEYS:
+            raise ValueError(
+                f"{override!r}: set the number of data-parallel workers with --workers N, which also sets "
+                f"{' and '.join(WORKER_KEYS)} and the per-rank micro-batches"
+            )
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     samples = args.prompts * args.samples

@@ -149,6 +149,9 @@ def test_a_batch_the_workers_cannot_share_is_refused_by_name():
         example.check_batch(_args(workers=3))
     with pytest.raises(ValueError, match=r"--workers must be >= 1, got 0"):
         example.check_batch(_args(workers=0))
+    # issue 38 row 2: this override alone failed inside verl's workers, with the error only in verl.log
+    with pytest.raises(ValueError, match=r"'trainer.n_gpus_per_node=2': set the number of data-parallel workers with"):
+        example.check_batch(_args(verl_overrides=["trainer.n_gpus_per_node=2"]))
 
 
 def test_a_users_override_replaces_the_examples(tmp_path):
