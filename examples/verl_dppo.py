@@ -280,6 +280,7 @@ def parse_step_line(line: str) -> tuple[int, dict[str, float]] | None:
 
 
 ERROR_LINE = re.compile(r"Traceback|\b\w*(Error|Exception)\b[:(]|\bFAILED\b|ERROR")
+WARNING_LINE = re.compile(r"\b\w*Warning\b|\bWARNING\b")  # verl's start warns of engines it lacks: not the cause
 MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 
 
@@ -290,7 +291,7 @@ def error_excerpt(log: str, tail_lines: int = 40, max_errors: int = 12) -> str:
     tail = lines[-tail_lines:]
     errors = []
     for line in lines[:-tail_lines]:
-        if ERROR_LINE.search(line) and line not in errors:
+        if ERROR_LINE.search(line) and not WARNING_LINE.search(line) and line not in errors:
             errors.append(line)
     parts = []
     if errors:

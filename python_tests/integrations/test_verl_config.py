@@ -176,10 +176,14 @@ def test_a_failed_run_shows_the_errors_of_verls_log():
     example = _example()
     log = "\n".join(
         ["(TaskRunner pid=1) starting"] * 5
+        + [
+            "(TaskRunnerV1 pid=1) verl/workers/engine/__init__.py:32: UserWarning: torchtitan engine is not available: "
+            "ModuleNotFoundError(\"No module named 'torchtitan'\")"
+        ]
         + ["(WorkerDict pid=2) ValueError: micro batch size 32 does not divide the mini-batch 16"]
         + [f"(raylet) line {i}" for i in range(100)]
     )
     shown = example.error_excerpt(log, tail_lines=10)
     assert "ValueError: micro batch size 32 does not divide the mini-batch 16" in shown
     assert "(raylet) line 99" in shown and "(raylet) line 89" not in shown
-    assert "starting" not in shown
+    assert "starting" not in shown and "torchtitan" not in shown
