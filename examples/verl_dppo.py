@@ -395,11 +395,11 @@ def main() -> int:
             return 0
         log_path = work / "verl.log"
         logger.info(
-            "starting verl: Ray, %d actor worker(s), %d vLLM server(s) and the agent loop; step 1 usually comes "
-            "60-100 s from now on a %s (verl's whole output: %s)",
+            "starting verl: Ray, %d actor worker(s), %d vLLM server(s) and the agent loop, silently; step 1 comes "
+            "once they are up%s (verl's whole output: %s)",
             args.workers,
             args.workers,
-            "2-core CPU" if args.device == "cpu" else "GPU machine",
+            " (100 s to 7 min on a 2-core CPU, by load and --workers)" if args.device == "cpu" else "",
             log_path if args.work_dir else "verl.log in a temp folder, printed on a failure",
         )
         steps: dict[int, dict[str, float]] = {}
