@@ -277,13 +277,28 @@ def test_the_loss_names_a_missing_threshold():
         vloss.settings(config)
 
 
-def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            "+actor_rollout_ref.rollout.custom.dppo_topk=0",
+            "actor_rollout_ref.rollout.custom.dppo_topk must be an int >= 1",
+        ),
+        # issue 38 row 4: our own name passed with a warning and failed after 188 s
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode=binary_tv",
+            "loss_mode='binary_tv' is dppo_ext's name, not a verl loss mode: in verl the plugin computes it as "
+            "loss_mode=dppo_tv",
+        ),
+    ],
+)
+def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path, change, message):
     """The documented command: ``python -m verl.trainer.main_ppo`` stops in verl's validate_config, before
-    ``ray.init``, with the plugin's message (verl alone accepts this config and fails at the first update)."""
+    ``ray.init``, with the plugin's message (verl alone accepts these configs and fails at the first update)."""
     site = installed_as_distribution(tmp_path)
     environ = child_env()
     environ["PYTHONPATH"] = f"{site}:{environ['PYTHONPATH']}"
-    overrides = _with(TOPK_RUN, "+actor_rollout_ref.rollout.custom.dppo_topk=0")
+    overrides = _with(TOPK_RUN, change)
     result = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
         capture_output=True,
@@ -293,7 +308,7 @@ def test_main_ppo_refuses_a_bad_setting_before_ray_starts(tmp_path):
         timeout=300,
     )
     assert result.returncode != 0
-    assert "actor_rollout_ref.rollout.custom.dppo_topk must be an int >= 1" in result.stderr, result.stderr[-3000:]
+    assert message in result.stderr, result.stderr[-3000:]
     assert "ray init kwargs" not in result.stdout
 
 
