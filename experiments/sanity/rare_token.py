@@ -1,4 +1,5 @@
-"""Part 3 of the staleness pre-registration: the rare good token (docs/sanity/staleness/PREREGISTRATION.md).
+"""Part 3 of the staleness pre-registration: the rare good token
+(experiments/sanity/results/staleness/PREREGISTRATION.md).
 
 The embedded arithmetic prompts with a reward that only a rare token earns: 1 when the response
 holds ``GOOD_TOKEN`` (``<r0>``, the first padding token of a padded vocabulary), else 0. The warm

@@ -539,6 +539,7 @@ def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.Complete
     return out
 
 
+@pytest.mark.slow
 def test_package_import_has_no_side_effects(tmp_path):
     """``import dppo_ext.integrations.trl`` imports none of TRL, transformers, accelerate or vLLM and changes no
     warning filter or logger; each public name loads only what it needs (the config TRL, not vLLM)."""

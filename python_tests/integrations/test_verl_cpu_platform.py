@@ -97,6 +97,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_vllm_on_the_cpu_platform_finds_the_cpu_and_takes_verls_weight_sync(tmp_path):
     old_dir = build_tiny_model(tmp_path / "old", seed=0)
     new_dir = build_tiny_model(tmp_path / "new", seed=1)

@@ -71,6 +71,7 @@ def run_python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 def test_import_verl_loads_the_entry_point(tmp_path):
     result = run_python(
         """
@@ -87,6 +88,7 @@ def test_import_verl_loads_the_entry_point(tmp_path):
     assert "loss dppo_ext.integrations.verl.loss" in result.stdout
 
 
+@pytest.mark.slow
 def test_without_the_plugin_verl_refuses_the_modes(tmp_path):
     result = run_python(
         """
@@ -104,6 +106,7 @@ def test_without_the_plugin_verl_refuses_the_modes(tmp_path):
     assert "Unsupported loss mode: dppo_topk_tv" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_change_that_cannot_be_installed_is_reported_and_raised(tmp_path):
     result = run_python(
         """
@@ -277,6 +280,7 @@ def test_the_loss_names_a_missing_threshold():
         vloss.settings(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change, message",
     [

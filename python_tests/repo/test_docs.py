@@ -134,6 +134,7 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
             assert re.fullmatch(r"with\s+\w+", block.marker), f"{block.name}: unknown marker {block.marker!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")], ids=lambda b: b.name
 )
@@ -193,6 +194,7 @@ def test_the_verl_install_runs_as_written():
         assert proc.returncode == 0, f"{block.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_a_broken_block_fails(tmp_path):
     """The runner reports a snippet that does not run (a check that cannot fail checks nothing)."""
     block = Block(ROOT / "README.md", 1, "python", "from dppo_ext import fused_linear_dppo\n", "with inputs")

@@ -1,4 +1,4 @@
-"""The staleness experiment (docs/sanity/staleness/PREREGISTRATION.md): its decision rules on hand-made
+"""The staleness experiment (experiments/sanity/results/staleness/PREREGISTRATION.md): its decision rules on hand-made
 interactions whose verdict is known, its endpoints, the plan and the resumable data files; the new losses
 (the negative control ``pg_pi_old``, CISPO with its 1.28 cap) inside the trainer; the corrected mechanism
 metrics (pre-update mismatch against mu, bad negative updates) against hand computations."""
