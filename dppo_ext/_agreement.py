@@ -124,7 +124,7 @@ def _differing_settings(ranks: Sequence[Sequence[tuple[str, object]]]) -> str:
     """``name (rank 0: v0, rank 1: v1)`` for each setting whose value differs between the ranks."""
     names = [name for name, _ in ranks[0]]
     parts = []
-    for i, name in enumerate(names):
+    for name in names:
         values = [dict(fields).get(name) for fields in ranks]
         if any(repr(v) != repr(values[0]) for v in values):
             parts.append(f"{name} (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)) + ")")
