@@ -81,6 +81,11 @@ def _contents(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, FOLDER_ID_FILE))
 
 
+def _present(folder: Path) -> set[str]:
+    """The names in ``folder``, read once: a manifest may list many names that are gone (no stat for each)."""
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
 def _shown(names: list[str]) -> str:
     return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
@@ -182,9 +187,10 @@ class RunFolder:
             previous = read_manifest(folder) or {"files": {}}
             write_manifest(folder, SETUP, outputs, files=previous["files"], new_run=True)
             removed = []
+            present = _present(folder)
             for name in doomed:
                 path = folder / name
-                if path.exists() or path.is_symlink():
+                if name in present:
                     _remove(path)
                     removed.append(name)
                 del outputs[name]
@@ -243,7 +249,10 @@ def _unproven_files(folder: Path) -> list[str]:
     SHA-256 differs from the manifest's record, or it has none (a format-1 manifest, a run killed before its end)."""
     manifest = read_manifest(folder) or {"outputs": {}, "files": {}}
     unproven = []
+    present = _present(folder)
     for name, kind in sorted(manifest["outputs"].items()):
+        if name not in present:
+            continue
         path = folder / name
         if kind == "file" and (path.exists() or path.is_symlink()):
             if not matches_record(path, manifest["files"].get(name)):
@@ -267,7 +276,10 @@ def _check_listed_checkpoints(folder: Path, outputs: Mapping[str, str]) -> None:
     """Refuse to delete a listed checkpoint that holds more than its ``checkpoint.json`` lists (an eval script's
     results put inside it) or a file of it changed since: those are not the trainer's, and the new run writes a
     checkpoint of that name again."""
+    present = _present(folder)
     for name, kind in sorted(outputs.items()):
+        if name not in present:
+            continue
         path = folder / name
         if kind != "dir" or not _CHECKPOINT_NAME_RE.match(name) or path.is_symlink() or not path.is_dir():
             continue
@@ -284,7 +296,10 @@ def _check_listed_checkpoints(folder: Path, outputs: Mapping[str, str]) -> None:
 
 def _check_listed_kinds(folder: Path, outputs: Mapping[str, str]) -> None:
     """Refuse to delete a listed name that now holds something else than what the trainer wrote there."""
+    present = _present(folder)
     for name, kind in sorted(outputs.items()):
+        if name not in present:
+            continue
         path = folder / name
         if not path.exists() and not path.is_symlink():
             continue
