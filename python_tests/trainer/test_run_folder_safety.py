@@ -1028,3 +1028,19 @@ def test_resume_refuses_when_inputs_json_went_missing(tmp_path):
     (out / "inputs.json").unlink()
     with pytest.raises(RunError, match=r"inputs.json', where the run recorded the SHA-256 .* is missing"):
         check_resume_config(out, config)
+
+
+def test_the_metrics_are_never_appended_through_a_link(tmp_path):
+    """metrics.jsonl replaced by a link to the user's file: a resumed run refuses to append to it (it appended
+    through the link), naming it; the user's file is unchanged."""
+    from dppo_ext.trainer.metrics import MetricsWriter
+    from dppo_ext.trainer.run_folder.files import RunError
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"step": 0}\n')
+    (tmp_path / "metrics.jsonl").symlink_to(mine)
+    writer = MetricsWriter.__new__(MetricsWriter)
+    writer.path = tmp_path / "metrics.jsonl"
+    with pytest.raises(RunError, match=r"metrics.jsonl' is a symbolic link: the trainer appends only to its own"):
+        writer.write({"step": 1})
+    assert mine.read_text() == '{"step": 0}\n'

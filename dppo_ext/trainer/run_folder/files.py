@@ -7,6 +7,7 @@ into place (docs/run_folder.md).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -77,6 +78,25 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+def open_append(path: str | Path):
+    """``path`` opened to append text (created when missing), never through a link (``O_NOFOLLOW``) and never
+    something that is not a regular file: ``RunError`` naming it then, with nothing written."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return open(fd, "a", encoding="utf-8")
+    if fd is not None:
+        os.close(fd)
+    raise RunError(
+        f"{str(path)!r} is {'a symbolic link' if Path(path).is_symlink() else 'not a regular file'}: the trainer "
+        "appends only to its own file, never through a link; nothing was written. Move it out of the folder"
+    )
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
