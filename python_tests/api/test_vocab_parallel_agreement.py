@@ -51,7 +51,8 @@ EXPECTED = {
     ),
     "settings_tensor": (
         "ValueError",
-        _SAME + r"passed different loss settings: temperature \(rank 0: 0\.7, rank 1: 0\.699999988\d*[,)]",
+        _SAME + r"the ranks of vocab_parallel_group passed different loss settings: temperature \(rank 0: 0\.7, "
+        r"rank 1: 0\.699999988\d*[,)]",
     ),
     "fused_tokens": ("ValueError", _SAME + r"tokens \(or response_mask.*\) differ between the ranks"),
     "fused_rows": ("ValueError", _SAME + "the ranks of vocab_parallel_group passed different row counts N"),
