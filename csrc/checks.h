@@ -132,26 +132,47 @@ inline void check_trust_region(const LossSettings& s) {
 // Value checks that read the data. On CPU a plain loop over the values (no temporaries: these run
 // on every call); on CUDA one fused reduction each and a host sync, the price of never launching a
 // kernel that would index out of bounds. Each returns the flat position of the first bad value, or
-// -1 when every value is fine.
-inline int64_t first_bad_token(const at::Tensor& tokens, int64_t vocab, bool allow_ignore) {
+// -1 when every value is fine. A padding row (token kIgnoreIndex: outside the response mask) is never
+// read by a kernel, so the values of the rollout's inputs there are not checked either: `live` is the
+// rows' tokens ([N], already checked), or undefined for a check of every value (the tokens themselves).
+inline at::Tensor live_values(const at::Tensor& t, const at::Tensor& live) {
+  // [N] -> true where the row is not padding, broadcast over the K columns of an [N, K] input.
+  const at::Tensor rows = live.ne(kIgnoreIndex);
+  return t.dim() == 2 ? rows.unsqueeze(1).expand(t.sizes()).reshape(-1) : rows.reshape(-1);
+}
+
+// Whether flat position i of a CPU tensor with `per_row` values per row lies in a padding row.
+inline bool padding_at(const int64_t* live, int64_t i, int64_t per_row) {
+  return live != nullptr && live[i / per_row] == kIgnoreIndex;
+}
+
+inline int64_t first_bad_token(const at::Tensor& tokens, int64_t vocab, bool allow_ignore,
+                               const at::Tensor& live = at::Tensor()) {
   if (tokens.numel() == 0) return -1;
   if (tokens.is_cpu()) {
     const at::Tensor t = tokens.contiguous();
+    const at::Tensor l = live.defined() ? live.contiguous() : live;
     const int64_t* p = t.const_data_ptr<int64_t>();
+    const int64_t* rows = l.defined() ? l.const_data_ptr<int64_t>() : nullptr;
+    const int64_t per_row = rows != nullptr ? t.numel() / l.numel() : 1;
     for (int64_t i = 0; i < t.numel(); ++i) {
-      if ((p[i] < 0 || p[i] >= vocab) && !(allow_ignore && p[i] == kIgnoreIndex)) return i;
+      if ((p[i] < 0 || p[i] >= vocab) && !(allow_ignore && p[i] == kIgnoreIndex) && !padding_at(rows, i, per_row)) {
+        return i;
+      }
     }
     return -1;
   }
   const at::Tensor flat = tokens.reshape(-1);
   at::Tensor bad = flat.lt(0).logical_or(flat.ge(vocab));
   if (allow_ignore) bad = bad.logical_and(flat.ne(kIgnoreIndex));
+  if (live.defined()) bad = bad.logical_and(live_values(tokens, live));
   if (!bad.any().item<bool>()) return -1;
   return bad.nonzero().min().item<int64_t>();
 }
 
-inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const char* name, bool allow_ignore) {
-  const int64_t first = first_bad_token(tokens, vocab, allow_ignore);
+inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const char* name, bool allow_ignore,
+                               const at::Tensor& live = at::Tensor()) {
+  const int64_t first = first_bad_token(tokens, vocab, allow_ignore, live);
   if (first < 0) return;
   TORCH_CHECK_INDEX(false, name, " must hold ids in [0, V=", vocab, ")",
                     allow_ignore ? " or the ignore index -100" : "", ", got ",
@@ -160,22 +181,27 @@ inline void check_token_values(const at::Tensor& tokens, int64_t vocab, const ch
 
 // Log-probabilities must be <= 0 (or -inf) and not NaN: `x > 0 || x != x`.
 template <typename T>
-int64_t first_bad_logprob_cpu(const at::Tensor& t) {
+int64_t first_bad_logprob_cpu(const at::Tensor& t, const int64_t* live, int64_t per_row) {
   const T* p = t.const_data_ptr<T>();
   for (int64_t i = 0; i < t.numel(); ++i) {
-    if (p[i] > T(0) || p[i] != p[i]) return i;
+    if ((p[i] > T(0) || p[i] != p[i]) && !padding_at(live, i, per_row)) return i;
   }
   return -1;
 }
 
-inline void check_logprob_values(const at::Tensor& lp, const char* name) {
+inline void check_logprob_values(const at::Tensor& lp, const char* name, const at::Tensor& live) {
   if (lp.numel() == 0) return;
   int64_t first = -1;
   if (lp.is_cpu()) {
     const at::Tensor t = lp.contiguous();
-    first = t.scalar_type() == at::kDouble ? first_bad_logprob_cpu<double>(t) : first_bad_logprob_cpu<float>(t);
+    const at::Tensor l = live.contiguous();
+    const int64_t* rows = l.const_data_ptr<int64_t>();
+    const int64_t per_row = t.numel() / l.numel();
+    first = t.scalar_type() == at::kDouble ? first_bad_logprob_cpu<double>(t, rows, per_row)
+                                           : first_bad_logprob_cpu<float>(t, rows, per_row);
   } else {
-    const at::Tensor bad = lp.reshape(-1).gt(0).logical_or(lp.reshape(-1).isnan());
+    const at::Tensor flat = lp.reshape(-1);
+    const at::Tensor bad = flat.gt(0).logical_or(flat.isnan()).logical_and(live_values(lp, live));
     if (bad.any().item<bool>()) first = bad.nonzero().min().item<int64_t>();
   }
   if (first < 0) return;
@@ -184,20 +210,25 @@ inline void check_logprob_values(const at::Tensor& lp, const char* name) {
                     "; pass log-probs, not probabilities or logits");
 }
 
-inline void check_finite_values(const at::Tensor& t, const char* name) {
+template <typename T>
+bool all_finite_cpu(const at::Tensor& t, const int64_t* live) {
+  const T* p = t.const_data_ptr<T>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (!std::isfinite(p[i]) && !padding_at(live, i, 1)) return false;
+  }
+  return true;
+}
+
+inline void check_finite_values(const at::Tensor& t, const char* name, const at::Tensor& live) {
   if (t.numel() == 0) return;
   bool ok = true;
   if (t.is_cpu()) {
     const at::Tensor c = t.contiguous();
-    if (c.scalar_type() == at::kDouble) {
-      const double* p = c.const_data_ptr<double>();
-      for (int64_t i = 0; i < c.numel() && ok; ++i) ok = std::isfinite(p[i]);
-    } else {
-      const float* p = c.const_data_ptr<float>();
-      for (int64_t i = 0; i < c.numel() && ok; ++i) ok = std::isfinite(p[i]);
-    }
+    const at::Tensor l = live.contiguous();
+    const int64_t* rows = l.const_data_ptr<int64_t>();
+    ok = c.scalar_type() == at::kDouble ? all_finite_cpu<double>(c, rows) : all_finite_cpu<float>(c, rows);
   } else {
-    ok = t.isfinite().all().item<bool>();
+    ok = !t.reshape(-1).isfinite().logical_not().logical_and(live_values(t, live)).any().item<bool>();
   }
   TORCH_CHECK_VALUE(ok, name, " must be finite, got a NaN or inf value");
 }
@@ -225,16 +256,18 @@ inline void check_rollout_shapes(const RowSource& src, Mode mode, const RowInput
   }
 }
 
-// The same inputs' values (token ids in [0, vocab), log-probs <= 0, finite advantages): reads the data.
+// The same inputs' values (token ids in [0, vocab), log-probs <= 0, finite advantages): reads the data. Only the
+// rows whose token is not kIgnoreIndex: a padding row's values are never read (docs/contract.md).
 inline void check_rollout_values(Mode mode, int64_t vocab, const RowInputs& rows) {
   check_token_values(rows.tokens, vocab, "tokens", /*allow_ignore=*/true);
-  check_logprob_values(rows.rollout_logprobs, "rollout_logprobs");
-  if (rows.anchor_logprobs.has_value()) check_logprob_values(*rows.anchor_logprobs, "anchor_logprobs");
+  const at::Tensor& live = rows.tokens;
+  check_logprob_values(rows.rollout_logprobs, "rollout_logprobs", live);
+  if (rows.anchor_logprobs.has_value()) check_logprob_values(*rows.anchor_logprobs, "anchor_logprobs", live);
   if (rows.topk_ids.has_value() && mode_is_topk(mode)) {
-    check_token_values(*rows.topk_ids, vocab, "topk_ids", /*allow_ignore=*/false);
-    check_logprob_values(*rows.topk_logprobs, "topk_logprobs");
+    check_token_values(*rows.topk_ids, vocab, "topk_ids", /*allow_ignore=*/false, live);
+    check_logprob_values(*rows.topk_logprobs, "topk_logprobs", live);
   }
-  check_finite_values(rows.advantages, "advantages");
+  check_finite_values(rows.advantages, "advantages", live);
 }
 
 // Everything the forward entry point validates, for both backends (the mode was parsed by loss_settings).

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import numbers
-from typing import ContextManager, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ __all__ = [
     "call_header",
     "check_agreement",
     "fingerprint",
+    "gather_settings",
+    "settings_fields",
     "settings_key",
     "vocab_parallel_call",
 ]
@@ -79,8 +81,10 @@ def fingerprint(t: Optional[Tensor], device: torch.device) -> Tensor:
 
 
 def _by_value(value: object) -> object:
-    """``value`` as the ops see it: a real number as a float (``1`` and ``1.0``, ``-0.0`` and ``0.0`` agree), a bool
-    or anything else as it is."""
+    """``value`` as the ops see it: a real number as a float (``1`` and ``1.0``, ``-0.0`` and ``0.0`` agree; a
+    one-element tensor by its value), a bool or anything else as it is."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             return float(value) + 0.0
@@ -89,15 +93,42 @@ def _by_value(value: object) -> object:
     return value
 
 
-def settings_key(settings: object) -> tuple:
-    """The settings of a call compared by value (:func:`_by_value` of each field of a dataclass, or of a tuple)."""
+def settings_fields(settings: object) -> list[tuple[str, object]]:
+    """``(name, value)`` of each setting of a call, compared by value (:func:`_by_value`): the fields of a dataclass,
+    the places of a tuple (``"#i"``), or the one value."""
     if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
-        values = [getattr(settings, f.name) for f in dataclasses.fields(settings)]
+        fields = [(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)]
     elif isinstance(settings, tuple):
-        values = list(settings)
+        fields = [(f"#{i}", v) for i, v in enumerate(settings)]
     else:
+        fields = [("settings", settings)]
+    return [(name, _by_value(value)) for name, value in fields]
+
+
+def settings_key(settings: object) -> tuple:
+    """The settings of a call compared by value (:func:`settings_fields`)."""
+    if not isinstance(settings, tuple) and not (dataclasses.is_dataclass(settings) and not isinstance(settings, type)):
         return (settings,)
-    return (type(settings).__name__, *(_by_value(v) for v in values))
+    return (type(settings).__name__, *(value for _, value in settings_fields(settings)))
+
+
+def gather_settings(settings: object, group: Optional[dist.ProcessGroup]) -> list[list[tuple[str, object]]]:
+    """Every rank's :func:`settings_fields` (a second collective, made only once the ranks' settings hashes differ,
+    by every rank: each saw the same headers), so that the refusal names the setting and each rank's value."""
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, settings_fields(settings), group=group)
+    return gathered  # type: ignore[return-value]
+
+
+def _differing_settings(ranks: Sequence[Sequence[tuple[str, object]]]) -> str:
+    """``name (rank 0: v0, rank 1: v1)`` for each setting whose value differs between the ranks."""
+    names = [name for name, _ in ranks[0]]
+    parts = []
+    for name in names:
+        values = [dict(fields).get(name) for fields in ranks]
+        if any(repr(v) != repr(values[0]) for v in values):
+            parts.append(f"{name} (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)) + ")")
+    return "; ".join(parts) or "the same values, but a different kind of settings"
 
 
 def _host_key(*values: object) -> int:
@@ -199,9 +230,16 @@ def call_header(
     )
 
 
-def check_agreement(headers: list[CallHeader], offsets: Optional[list[int]], world: int) -> list[int]:
+def check_agreement(
+    headers: list[CallHeader],
+    offsets: Optional[list[int]],
+    world: int,
+    ranks_settings: Optional[Callable[[], Sequence[Sequence[tuple[str, object]]]]] = None,
+) -> list[int]:
     """Raise, identically on every rank, if any rank failed or made another call than the others; else return the
-    call's offsets (``offsets``, or derived from the ranks' local vocabulary sizes)."""
+    call's offsets (``offsets``, or derived from the ranks' local vocabulary sizes). ``ranks_settings``: every
+    rank's :func:`settings_fields` (:func:`gather_settings`), asked for only when the settings differ, so that the
+    refusal names the setting and the values."""
     failed = [r for r, h in enumerate(headers) if h.failed]
     if failed:
         raise RuntimeError(
@@ -236,9 +274,15 @@ def check_agreement(headers: list[CallHeader], offsets: Optional[list[int]], wor
             f"vocab-parallel loss: the ranks of vocab_parallel_group passed logits (or hidden and LM-head rows) of "
             f"different dtypes ({seen}); pass one dtype on every rank"
         )
-    differing(
-        "settings", "loss settings", "pass the same mode, temperature, thresholds, ratio_cap and aggregation", False
-    )
+    if len({h.settings for h in headers}) > 1:
+        seen = f"rank(s) {[r for r, h in enumerate(headers) if h.settings != headers[0].settings]} differ from rank 0"
+        if ranks_settings is not None:
+            seen = _differing_settings(ranks_settings())
+        raise ValueError(
+            f"vocab-parallel loss: the ranks of vocab_parallel_group passed different loss settings: {seen}; pass "
+            "the same mode, temperature, thresholds, ratio_cap and aggregation on every rank, by value (a float32 "
+            "tensor holds another number than the Python float it was made from: 0.7 is 0.699999988)"
+        )
     differing("offsets", "vocab_offsets", "pass the same vocab_offsets (or None) on every rank", False)
     differing(
         "reduced",

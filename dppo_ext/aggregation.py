@@ -90,8 +90,8 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
     v = valid.to(out.loss.dtype)
     n = v.sum()
 
-    def mean(x: Tensor, w: Tensor) -> Tensor:
-        return (x * w).sum() / w.sum().clamp(min=1)
+    def mean(x: Tensor, w: Tensor) -> Tensor:  # a padding row's inputs hold anything (a NaN): never multiplied in
+        return (torch.where(valid, x, 0.0) * w).sum() / w.sum().clamp(min=1)
 
     def vmax(x: Tensor) -> Tensor:
         return torch.where(valid, x, torch.zeros_like(x)).amax() if x.numel() else x.new_zeros(())

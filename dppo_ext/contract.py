@@ -23,6 +23,7 @@ __all__ = [
     "LOGITS_DTYPES",
     "LOG_RATIO_CLAMP",
     "MASS_FLOOR",
+    "MAX_LOGIT_NOISE",
     "MODEL_DTYPES",
     "MODES",
     "MODE_ALIASES",
@@ -92,6 +93,10 @@ LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The model and rollout dtypes, by the name a setting gives (the trainer's --dtype / --rollout-dtype, the rollout
 # engines' dtype, TRL's dppo_vllm_dtype, which also takes vLLM's "auto").
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The largest sigma of the rollout logit noise (dppo_ext.rollout.noise): far beyond it the noise alone decides every
+# token (mu is a random one-hot whatever the logits), and sigma * eps (|eps| < 7 in practice) stays finite in
+# float16 logits (max 65504), so a sampler never sees inf - inf.
+MAX_LOGIT_NOISE = 1e3
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

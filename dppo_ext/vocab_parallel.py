@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops  # noqa: F401  (loads dppo_ext._C and registers the ops' fake kernels)
-from ._agreement import Rendezvous, call_header, check_agreement
+from ._agreement import Rendezvous, call_header, check_agreement, gather_settings
 from ._autograd import (
     BACKWARD_CONSUMED,
     grad_args,
@@ -157,7 +157,9 @@ def _agreed_offsets(
         reduced=reduced,
         hidden=hidden,
     )
-    offsets = check_agreement(rendezvous.exchange(header), offsets, world)
+    offsets = check_agreement(
+        rendezvous.exchange(header), offsets, world, lambda: gather_settings(settings, rendezvous.group)
+    )
     return offsets, offsets[rank]
 
 

@@ -37,7 +37,8 @@ bool env_flag(const char* name, bool fallback) {
   std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
   if (value == "1" || value == "on" || value == "yes" || value == "true" || value == "y") return true;
   if (value == "0" || value == "off" || value == "no" || value == "false" || value == "n") return false;
-  TORCH_CHECK(false, name, "=", env, " is not a boolean: expected 1, on, yes, true, y (enable) or 0, off, no, ",
+  // The value quoted: a stray space ("0 ") must show in the message.
+  TORCH_CHECK(false, name, "='", env, "' is not a boolean: expected 1, on, yes, true, y (enable) or 0, off, no, ",
               "false, n (disable), in any case, or unset for the default (", fallback ? "on" : "off", ")");
 }
 

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dppo_ext.contract import MAX_LOGIT_NOISE
+
 __all__ = ["NOISE_POSITIONS", "add_logit_noise", "check_logit_noise", "logit_noise", "noise_key"]
 
 # Positions per sample seed in the key space: keys of different (seed, position) pairs never collide
@@ -67,8 +69,11 @@ def check_logit_noise(logit_noise: float, seed: int | None) -> None:
         raise ValueError(
             f"logit_noise must be a finite number >= 0 (sigma of the rollout logit noise), got {logit_noise!r}"
         )
-    if logit_noise < 0:
-        raise ValueError(f"logit_noise must be >= 0 (sigma of the rollout logit noise), got {logit_noise}")
+    if not 0 <= logit_noise <= MAX_LOGIT_NOISE:
+        raise ValueError(
+            f"logit_noise must be in [0, {MAX_LOGIT_NOISE:g}] (sigma of the rollout logit noise; more would overflow "
+            f"the logits), got {logit_noise!r}"
+        )
     if logit_noise > 0 and seed is None:
         raise ValueError(
             "logit_noise > 0 needs a seed: the noise of every token is drawn from the sample's seed (pass seed=...)"

@@ -412,8 +412,10 @@ class SyncGuard:
         with torch.no_grad():
             pi = score(ids).detach().double().cpu().reshape(-1)
         atol, rtol = sync_tolerance(self.engine_dtype, trainer_dtype)
-        diff = (pi - mu).abs()
-        allowed = atol + rtol * pi.abs()
+        # -inf on both sides agrees (no probability on either; -inf - -inf is NaN); the relative part only for a
+        # finite log pi, so that a -inf on one side only is never within an infinite tolerance.
+        diff = torch.where(pi.isneginf() & mu.isneginf(), 0.0, (pi - mu).abs())
+        allowed = atol + rtol * torch.where(pi.isfinite(), pi.abs(), 0.0)
         result = SyncCheck(
             max_diff=float(diff.max()),
             tolerance=float(allowed.max()),

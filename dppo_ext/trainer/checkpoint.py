@@ -5,17 +5,19 @@ Layout in the run folder ``<out>``::
     checkpoint-<step>/      one per save, <step> = completed RL steps
         model/              save_pretrained folder (loads with from_pretrained and with vLLM)
         trainer_state.pt    {"step", "optimizer", "rng", "sampler", "elapsed_s"}
-        checkpoint.json     {"format", "step", "files": {relative path: {"bytes", "sha256"}}}
+        checkpoint.json     {"format", "step", "run_id", "files": {relative path: {"bytes", "sha256"}}}
 
 A checkpoint is written into a hidden temporary folder (``.checkpoint-<step>.tmp-<pid>``),
 every file and folder is fsynced, ``checkpoint.json`` is written last, and only then is the
 folder renamed to ``checkpoint-<step>``: a folder with that name is complete. Older checkpoints
 are deleted (``save_total_limit``) only after the new one is in place. In a run folder each
 ``checkpoint-<step>`` is recorded in the run manifest (``dppo_ext.trainer.run_folder.manifest``) before it is
-renamed into place and dropped from it once deleted, so ``--overwrite`` removes exactly the
-checkpoints the run wrote. ``--resume`` takes the newest one and first checks every file against
-``checkpoint.json`` (size, then SHA-256), so a truncated or corrupt file is reported by name
-instead of being loaded.
+renamed into place and dropped from it once deleted, and ``checkpoint.json`` records the run's id: the rotation
+and ``--overwrite`` delete only a checkpoint the manifest lists, and of it only the files its ``checkpoint.json``
+lists with their size and SHA-256 (a file put inside it, a link, a folder replaced by a file or a link is kept,
+and the rotation then keeps that checkpoint whole). ``--resume`` takes the newest one, refuses one that this run
+did not write, and first checks every file against ``checkpoint.json`` (size, then SHA-256), so a truncated or
+corrupt file is reported by name instead of being loaded.
 
 Folders of the earlier single-checkpoint layout (``checkpoint/``, and ``checkpoint.old/`` /
 ``checkpoint.tmp/`` left by a crash during its swap) are still found by ``--resume``.
@@ -36,14 +38,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_ext.trainer.run_folder.files import RunError, fsync_dir, temporary_sibling
-from dppo_ext.trainer.run_folder.manifest import forget_output, record_output
+from dppo_ext.trainer.run_folder.files import (
+    CHECKPOINT_RECORD,
+    RunError,
+    fsync_dir,
+    remove_checkpoint_files,
+    strays,
+    temporary_sibling,
+)
+from dppo_ext.trainer.run_folder.manifest import forget_output, read_manifest, record_output
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
-MANIFEST_FILE = "checkpoint.json"
+MANIFEST_FILE = CHECKPOINT_RECORD
 CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_FORMAT = 1
 LEGACY_DIRS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
@@ -117,6 +126,13 @@ def save_checkpoint(
     """
     out_dir = Path(out_dir)
     final = checkpoint_path(out_dir, step)
+    run = read_manifest(out_dir)  # None outside a run folder
+    if os.path.lexists(final) and not _is_ours(final, run):
+        raise RunError(
+            f"{str(final)!r} is in the way of the checkpoint of step {step}: it is not a checkpoint this run wrote "
+            f"(not in {out_dir.name}'s dppo-run.json, or not only the files of its {MANIFEST_FILE}), so it is not the "
+            "trainer's to replace; nothing of it was changed. Move it out of the folder, then --resume"
+        )
     tmp = temporary_sibling(final)
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -136,7 +152,7 @@ def save_checkpoint(
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": (run or {}).get("run_id"), "files": files}
     with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=1)
         handle.flush()
@@ -152,21 +168,41 @@ def save_checkpoint(
     os.rename(tmp, final)
     fsync_dir(out_dir)
     if replaced is not None:
-        shutil.rmtree(replaced)
+        remove_checkpoint_files(replaced)
     logger.info("checkpoint at step %d written to %s", step, final)
     if save_total_limit:
-        for _, old in list_checkpoints(out_dir)[:-save_total_limit]:
+        run = read_manifest(out_dir)
+        ours = [path for _, path in list_checkpoints(out_dir) if path == final or _is_ours(path, run, warn=True)]
+        for old in ours[:-save_total_limit]:
             if old != final:
                 _delete_checkpoint(old)
     return final
 
 
+def _is_ours(path: Path, run: dict[str, Any] | None, *, warn: bool = False) -> bool:
+    """Whether ``path`` is a checkpoint folder this run wrote, whole: listed in the run manifest ``run`` (when there
+    is one) and holding exactly the files of its ``checkpoint.json`` (``strays``); ``warn``: say why not."""
+    if run is not None and run["outputs"].get(path.name) != "dir":
+        why = "it is not in the run's dppo-run.json"
+    elif path.is_symlink():
+        why = "it is a link (to a checkpoint moved elsewhere?)"
+    else:
+        found = strays(path)
+        if not found:
+            return True
+        why = f"it holds what its {MANIFEST_FILE} does not list: {', '.join(found[:6])}"
+    if warn:
+        logger.warning("--save-total-limit: kept %s, which the rotation does not delete: %s", path, why)
+    return False
+
+
 def _delete_checkpoint(path: Path) -> None:
-    """Rename out of the ``checkpoint-<step>`` namespace first, so a half-deleted folder is never found."""
+    """Rename out of the ``checkpoint-<step>`` namespace first, so a half-deleted folder is never found; then delete
+    what its ``checkpoint.json`` lists (``remove_checkpoint_files``), and drop it from the run manifest."""
     doomed = temporary_sibling(path, "deleting")
     os.rename(path, doomed)
     fsync_dir(path.parent)
-    shutil.rmtree(doomed)
+    remove_checkpoint_files(doomed)
     forget_output(path.parent, path.name)
     logger.info("deleted old checkpoint %s", path)
 

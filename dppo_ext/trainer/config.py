@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, MODEL_DTYPES
+from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
@@ -253,6 +253,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
+        if not self.rollout_logit_noise <= MAX_LOGIT_NOISE:
+            raise ValueError(
+                f"--rollout-logit-noise must be in [0, {MAX_LOGIT_NOISE:g}] (sigma of the rollout logit noise; more "
+                f"would overflow the engine's logits), got {self.rollout_logit_noise}"
+            )
         if not 0 <= self.warm_start_label_smoothing < 1:
             raise ValueError(f"--warm-start-label-smoothing must be in [0, 1), got {self.warm_start_label_smoothing}")
         if not 0 <= self.seed < 2**32:

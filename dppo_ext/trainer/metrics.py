@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dppo_ext.trainer.run_folder.files import atomic_write_text
+from dppo_ext.trainer.run_folder.files import atomic_write_text, open_append
 from dppo_ext.trainer.run_folder.manifest import record_output
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class MetricsWriter:
         """Append one record as one line (non-finite floats become null so the file stays strict JSON)."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         line = json.dumps(clean) + "\n"
-        with self.path.open("a", encoding="utf-8") as handle:
+        with open_append(self.path) as handle:
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
@@ -120,7 +120,7 @@ def prepare_for_resume(path: str | Path, resume_step: int) -> list[dict[str, Any
     if later:
         dropped = path.with_name(DROPPED_FILE)
         record_output(path.parent, DROPPED_FILE, "file")  # in the run manifest before it exists
-        with dropped.open("a", encoding="utf-8") as handle:
+        with open_append(dropped) as handle:
             handle.write("".join(json.dumps(r) + "\n" for r in later))
             handle.flush()
             os.fsync(handle.fileno())

@@ -35,6 +35,7 @@ from dppo_ext.trainer.run_folder.files import (
     RunError,
     json_object_or_none,
 )
+from dppo_ext.trainer.run_folder.manifest import MANIFEST_FILE, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,14 @@ def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
             "--device and --vllm-gpu-memory-utilization may change), or --overwrite to start over"
         )
     inputs_path = out_dir / INPUTS_FILE
+    manifest = read_manifest(out_dir)
+    if not inputs_path.is_file() and manifest is not None and manifest["outputs"].get(INPUTS_FILE) == "file":
+        raise RunError(
+            f"--resume: {str(inputs_path)!r}, where the run recorded the SHA-256 of its --data and --eval-data when it "
+            "started, is missing, so whether they changed since cannot be checked (a resumed run must see the same "
+            "problems); nothing was changed. Restore the file (from a copy of the run folder), or pass --overwrite to "
+            "start over with the data as it is now"
+        )
     if inputs_path.is_file():
         saved_inputs = _read_json_object(inputs_path)
         for flag, now in data_fingerprints(config).items():
@@ -86,9 +95,35 @@ def data_fingerprints(config: TrainConfig) -> dict[str, dict[str, str]]:
     return fingerprints
 
 
+def check_written_by_this_run(out_dir: Path, checkpoint_dir: Path) -> None:
+    """Refuse a checkpoint that the run recorded in ``out_dir`` did not write: one its manifest does not list (copied
+    in from another run, or put there by hand), or whose ``checkpoint.json`` names another run's id. A run of an
+    earlier dppo-train without a manifest is checked by content instead (``legacy_run_outputs``)."""
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        return
+    listed = manifest["outputs"].get(checkpoint_dir.name) == "dir"
+    record = json_object_or_none(checkpoint_dir / CHECKPOINT_MANIFEST) or {}
+    written_by = record.get("run_id")
+    if listed and (written_by is None or manifest.get("run_id") in (None, written_by)):
+        return
+    why = (
+        f"it is not in the run's {MANIFEST_FILE}"
+        if not listed
+        else f"its {CHECKPOINT_MANIFEST} names run {written_by}, and this folder holds run {manifest.get('run_id')}"
+    )
+    raise RunError(
+        f"--resume: the newest checkpoint {str(checkpoint_dir)!r} was not written by the run in {str(out_dir)!r} "
+        f"({why}: a checkpoint copied from another run?), so the run would continue from weights it never trained; "
+        "nothing was changed. Move it out of the folder to resume from this run's own newest checkpoint, or pass "
+        "--overwrite to start over"
+    )
+
+
 def resume_point(config: TrainConfig, out_dir: Path) -> tuple[Path, int]:
     """The checkpoint ``--resume`` continues from and its step; refuse a ``--steps`` below that step."""
     checkpoint_dir = find_resume_checkpoint(out_dir)
+    check_written_by_this_run(out_dir, checkpoint_dir)
     check_resume_config(out_dir, config)
     step = checkpoint_step(checkpoint_dir)
     if config.steps < step:

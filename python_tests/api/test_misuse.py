@@ -619,3 +619,104 @@ def test_ratio_metric_of_a_token_impossible_under_both_policies():
     _, ref_metrics = dppo_loss_full_reference(**kw)
     assert torch.isfinite(metrics["ratio_max"])
     torch.testing.assert_close(metrics["ratio_max"], ref_metrics["ratio_max"])
+
+
+# ---- padding holds anything: values at masked positions are never read -------------------------------------------
+
+PADDING_GARBAGE = [
+    ("rollout_logprobs", math.nan),
+    ("rollout_logprobs", 0.5),
+    ("advantages", math.nan),
+    ("advantages", math.inf),
+    ("anchor_logprobs", math.nan),
+    ("anchor_logprobs", 0.5),
+    ("topk_logprobs", math.nan),
+    ("topk_logprobs", 0.5),
+    ("topk_ids", -1),
+]
+
+
+def _padded_call(entry: str, kw: dict, mask: torch.Tensor):
+    """(loss, metrics or None, gradient) of one entry point on ``kw`` with the rows outside ``mask`` as padding."""
+    if entry.startswith("fused"):
+        hidden = kw["hidden"].clone().requires_grad_(True)
+        rows = {k: kw[k] for k in ("rollout_logprobs", "advantages", "topk_ids", "topk_logprobs", "anchor_logprobs")}
+        settings = dict(mode="topk_kl")
+        if entry == "fused_linear_dppo_loss_per_row":
+            tokens = torch.where(mask, kw["tokens"], -100)
+            out = fused_linear_dppo_loss_per_row(hidden, kw["weight"], tokens, **rows, **settings)
+            loss, metrics = out.loss.sum(), None
+        elif entry == "FusedLinearDPPOLoss":
+            loss, metrics = FusedLinearDPPOLoss(**settings)(
+                hidden, kw["weight"], kw["tokens"], **rows, response_mask=mask
+            )
+        else:
+            loss, metrics = fused_linear_dppo_loss(
+                hidden, kw["weight"], kw["tokens"], **rows, response_mask=mask, **settings
+            )
+        loss.backward()
+        return loss, metrics, hidden.grad
+    logits = kw["logits"].clone().requires_grad_(True)
+    rows = {k: kw[k] for k in ("rollout_logprobs", "advantages", "topk_ids", "topk_logprobs", "anchor_logprobs")}
+    if entry == "dppo_loss_per_row":
+        out = dppo_loss_per_row(logits, torch.where(mask, kw["tokens"], -100), **rows, mode="topk_kl")
+        loss, metrics = out.loss.sum(), None
+    elif entry == "DPPOLoss":
+        loss, metrics = DPPOLoss(mode="topk_kl")(logits, kw["tokens"], **rows, response_mask=mask)
+    else:
+        loss, metrics = dppo_loss(logits, kw["tokens"], **rows, response_mask=mask, mode="topk_kl")
+    loss.backward()
+    return loss, metrics, logits.grad
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "dppo_loss_per_row",
+        "dppo_loss",
+        "DPPOLoss",
+        "fused_linear_dppo_loss",
+        "fused_linear_dppo_loss_per_row",
+        "FusedLinearDPPOLoss",
+    ],
+)
+@pytest.mark.parametrize(("field", "value"), PADDING_GARBAGE, ids=[f"{f}={v}" for f, v in PADDING_GARBAGE])
+def test_values_at_padding_positions_are_ignored(entry, field, value):
+    """A user's padding holds anything (NaN, +0.5, an id -1): the loss, the metrics and the gradient are exactly
+    those of clean padding (docs/contract.md), and no check refuses it; the same value on a response token is
+    refused, naming the input."""
+    kw = (
+        _fused_inputs(n=9, v=37)
+        if entry.startswith("fused")
+        else sample_inputs("cpu", torch.float64, "topk_kl", "v129", seed=3)
+    )
+    n = kw["tokens"].shape[0]
+    gen = torch.Generator().manual_seed(1)
+    if entry.startswith("fused"):
+        logp = torch.log_softmax(kw["hidden"] @ kw["weight"].t(), -1)
+        top = logp.topk(4, dim=-1)
+        kw.update(topk_ids=top.indices, topk_logprobs=top.values)
+    kw["tokens"] = torch.where(kw["tokens"] < 0, 0, kw["tokens"])  # the mask marks the padding here
+    kw["anchor_logprobs"] = kw["rollout_logprobs"] - 0.1 * torch.rand(
+        n, generator=gen, dtype=kw["rollout_logprobs"].dtype
+    )
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[[1, n - 1]] = False
+    dirty = dict(kw)
+    dirty[field] = kw[field].clone()
+    dirty[field][~mask] = value
+    clean_loss, clean_metrics, clean_grad = _padded_call(entry, kw, mask)
+    loss, metrics, grad = _padded_call(entry, dirty, mask)
+    assert torch.isfinite(clean_loss)
+    torch.testing.assert_close(loss, clean_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, clean_grad, rtol=0, atol=0)
+    assert (grad[~mask] == 0).all()
+    if metrics is not None:
+        for key, got in metrics.items():
+            torch.testing.assert_close(got, clean_metrics[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    bad = dict(kw)
+    bad[field] = kw[field].clone()
+    bad[field][0] = value  # a response token: refused
+    expected = {"topk_ids": r"topk_ids must hold ids in \[0, V=", "advantages": "advantages must be finite"}
+    with pytest.raises((ValueError, IndexError), match=expected.get(field, f"{field} must be log-probabilities")):
+        _padded_call(entry, bad, mask)

@@ -12,6 +12,7 @@ that no call uses a deprecated collective.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -434,3 +435,31 @@ def test_vocab_parallel_calls_use_no_deprecated_collective(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rollout_logprobs", math.nan),
+        ("advantages", math.nan),
+        ("anchor_logprobs", 0.5),
+        ("topk_logprobs", math.nan),
+        ("topk_ids", -1),
+    ],
+)
+def test_values_at_padding_rows_are_ignored_by_the_vocab_parallel_ops(field, value):
+    """A padding row's (token -100) inputs hold anything: the stats and epilogue ops accept them and every output
+    and gradient is exactly that of clean padding (docs/contract.md), on simulated ranks."""
+    inputs = sample_inputs("cpu", torch.float64, "topk_kl", "v129", seed=8, anchor=True)
+    pad = inputs["tokens"] == -100
+    assert pad.any()
+    dirty = dict(inputs)
+    dirty[field] = inputs[field].clone()
+    dirty[field][pad] = value
+    g = upstream(inputs["tokens"].shape[0], torch.float64, tie_rows(inputs))
+    offsets = split_offsets(129, 3)
+    want_out, want_grad = simulate(inputs, offsets, g, inplace=False)
+    got_out, got_grad = simulate(dirty, offsets, g, inplace=False)
+    for key in want_out:
+        torch.testing.assert_close(got_out[key], want_out[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0)

@@ -44,7 +44,16 @@ EXPECTED = {
     "topk_logprobs": ("ValueError", _SAME + r"topk_logprobs differ between the ranks"),
     "anchor_logprobs": ("ValueError", _SAME + r"anchor_logprobs differ between the ranks"),
     "response_mask": ("ValueError", _SAME + r"tokens \(or response_mask, which marks the ignored tokens\) differ"),
-    "settings": ("ValueError", _SAME + "the ranks of vocab_parallel_group passed different loss settings"),
+    "settings": (
+        "ValueError",
+        _SAME + r"the ranks of vocab_parallel_group passed different loss settings: delta_low \(rank 0: 0\.2, rank 1: "
+        r"0\.3[,)]",
+    ),
+    "settings_tensor": (
+        "ValueError",
+        _SAME + r"the ranks of vocab_parallel_group passed different loss settings: temperature \(rank 0: 0\.7, "
+        r"rank 1: 0\.699999988\d*[,)]",
+    ),
     "fused_tokens": ("ValueError", _SAME + r"tokens \(or response_mask.*\) differ between the ranks"),
     "fused_rows": ("ValueError", _SAME + "the ranks of vocab_parallel_group passed different row counts N"),
     "fused_hidden_row": ("ValueError", _SAME + r"hidden differs between the ranks.*rank\(s\) \[1\]"),
@@ -52,7 +61,7 @@ EXPECTED = {
     "fused_hidden_dtype": ("ValueError", _SAME + r".*different dtypes \(rank 0: torch.float32, rank 1: torch.bfloat16"),
 }
 # Settings spelled differently but equal in value (temperature=1 and 1.0, ratio_cap=10 and 10.0): every rank agrees.
-AGREE = ("settings_by_value", "fused_settings_by_value")
+AGREE = ("settings_by_value", "settings_tensor_by_value", "fused_settings_by_value")
 LOCAL = {  # rank 1's own error; the others name rank 1
     "local_shape_error": ("ValueError", r"advantages must have shape"),
     "local_dtype_error": ("TypeError", r"tokens must have dtype Long"),

@@ -186,6 +186,8 @@ SCENARIOS = {
     "anchor_logprobs": lambda: per_row_call("binary_kl", anchor=True, anchor_logprobs=_changed),
     "response_mask": lambda: _sequence_call(mask_change=True),
     "settings": lambda: _sequence_call(over={"delta_low": 0.3 if _odd() else 0.2}),
+    # a float32 tensor 0.7 holds 0.699999988: another temperature than the float 0.7, named with both values
+    "settings_tensor": lambda: _sequence_call(over={"temperature": torch.tensor(0.7) if _odd() else 0.7}),
     "fused_tokens": lambda: scenario_fused(tokens_differ=True),
     "fused_rows": lambda: scenario_fused(rows_differ=True),
     "fused_hidden_row": lambda: scenario_fused(hidden_change=_one_hidden_row),
@@ -193,6 +195,9 @@ SCENARIOS = {
     "fused_hidden_dtype": lambda: scenario_fused(odd_dtype=torch.bfloat16),
     "settings_by_value": lambda: _sequence_call(
         over={"temperature": _by_value(1, 1.0), "ratio_cap": _by_value(10, 10.0)}
+    ),
+    "settings_tensor_by_value": lambda: _sequence_call(
+        over={"temperature": torch.tensor(0.5) if _odd() else 0.5}  # exact in float32: the same value
     ),
     "fused_settings_by_value": lambda: scenario_fused(
         over={"temperature": _by_value(1, 1.0), "ratio_cap": _by_value(10, 10.0)}

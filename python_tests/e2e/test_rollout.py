@@ -591,7 +591,8 @@ def test_vllm_logit_noise_does_not_depend_on_the_batch(vllm_on_tiny: RolloutEngi
 def test_logit_noise_errors(hf_engine: RolloutEngine) -> None:
     good = dict(n=2, temperature=1.0, max_tokens=4, seed=0)
     for value, match in [
-        (-0.5, "logit_noise must be >= 0 .*got -0.5"),
+        (-0.5, r"logit_noise must be in \[0, 1000\] .*got -0.5"),
+        (1e39, r"logit_noise must be in \[0, 1000\] .*more would overflow the logits\), got 1e\+39"),
         (math.nan, "logit_noise must be a finite"),
         ("1", "logit_noise must be a finite number"),
     ]:

@@ -191,3 +191,30 @@ def test_float32_guard_accepts_a_trained_models_rounding_and_refuses_a_step_of_s
     else:
         with pytest.raises(WeightSyncError, match=r"accepted: 0\.001 \+ 1e-05 \* \|log pi\|"):
             guard.check(_ScoringEngine(mu), lambda _: pi.float(), trainer_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engine", "accepted"),
+    [
+        (float("-inf"), float("-inf"), True),  # both give the token no probability: they agree
+        (float("-inf"), -3.0, False),
+        (-3.0, float("-inf"), False),
+        (float("inf"), float("inf"), False),  # +inf is no log-probability
+    ],
+)
+def test_the_guard_compares_infinite_log_probs_like_with_like(trainer, engine, accepted):
+    pytest.importorskip("vllm")
+    from dppo_ext.rollout.weight_sync import SyncGuard
+
+    ids = [1, 13, 9, 14, 10, 16]
+    pi = -torch.linspace(0.5, 6.0, len(ids) - 1).double()
+    mu = pi.clone()
+    pi[2], mu[2] = trainer, engine
+    guard = SyncGuard(torch.float32, max_model_len=64)
+    guard.remember(ids)
+    if accepted:
+        check = guard.check(_ScoringEngine(mu), lambda _: pi.float(), trainer_dtype=torch.float32)
+        assert check.max_diff == 0.0
+    else:
+        with pytest.raises(WeightSyncError, match="at token 3 of 5"):
+            guard.check(_ScoringEngine(mu), lambda _: pi.float(), trainer_dtype=torch.float32)

@@ -637,6 +637,9 @@ def test_config_rejects_nonfinite_thresholds(tmp_path, field, value, match):
         ("dppo_chunk_size", 64.0, r"dppo_chunk_size .* must be an int >= 1 .*got 64.0"),
         ("dppo_chunk_size", 0, r"dppo_chunk_size .* must be an int >= 1 .*got 0"),
         ("dppo_fused_linear", "False", r"dppo_fused_linear must be True or False, got 'False'"),
+        ("dppo_sync_check", "False", r"dppo_sync_check must be True or False, got 'False'"),
+        ("dppo_sync_check", 0, r"dppo_sync_check must be True or False, got 0"),
+        ("dppo_sync_check", None, r"dppo_sync_check must be True or False, got None"),
         (
             "dppo_vllm_dtype",
             "fp32",

@@ -187,3 +187,35 @@ def test_a_failed_run_shows_the_errors_of_verls_log():
     assert "ValueError: micro batch size 32 does not divide the mini-batch 16" in shown
     assert "(raylet) line 99" in shown and "(raylet) line 89" not in shown
     assert "starting" not in shown and "torchtitan" not in shown
+
+
+# ----------------------------------------------------------------------------- engine_kwargs.vllm.max_logprobs
+def _topk_config(max_logprobs=None, topk=4) -> dict:
+    rollout = {"name": "vllm", "custom": {"dppo_topk": topk}}
+    if max_logprobs is not None:
+        rollout["engine_kwargs"] = {"vllm": {"max_logprobs": max_logprobs}}
+    actor = {
+        "policy_loss": {"loss_mode": "dppo_topk_tv"},
+        "strategy": "fsdp2",
+        "clip_ratio_low": 0.15,
+        "clip_ratio_high": 0.15,
+    }
+    return {"actor_rollout_ref": {"actor": actor, "rollout": rollout}}
+
+
+def test_max_logprobs_minus_one_is_no_cap():
+    """vLLM's max_logprobs=-1 means no cap: any K passes (it was refused as 'more than vLLM returns (-1)')."""
+    validate(_topk_config(max_logprobs=-1, topk=64))
+    validate(_topk_config(max_logprobs=64, topk=64))
+    with pytest.raises(ValueError, match=r"dppo_topk=65 is more than vLLM returns \(max_logprobs=64\)"):
+        validate(_topk_config(max_logprobs=64, topk=65))
+    with pytest.raises(ValueError, match=r"dppo_topk=21 is more than vLLM returns \(max_logprobs=20\)"):
+        validate(_topk_config(topk=21))  # unset: vLLM's default, 20
+
+
+@pytest.mark.parametrize("value", ["lots", "20", 2.5, True, -2])
+def test_max_logprobs_that_is_not_a_count_is_refused_by_name(value):
+    with pytest.raises(
+        ValueError, match=r"engine_kwargs\.vllm\.max_logprobs must be an int >= 0 .* or -1 \(no cap\), got "
+    ):
+        validate(_topk_config(max_logprobs=value))

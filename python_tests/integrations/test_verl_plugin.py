@@ -226,6 +226,16 @@ def _with(overrides: list[str], *changes: str) -> list[str]:
 def test_a_valid_topk_config_and_a_config_without_the_plugin_pass():
     from dppo_ext.integrations.verl.config import validate
 
+    # vLLM's max_logprobs=-1 means no cap: any K passes
+    validate(
+        verl_cpu.compose(
+            _with(
+                TOPK_RUN,
+                "+actor_rollout_ref.rollout.custom.dppo_topk=64",
+                "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=-1",
+            )
+        )
+    )
     validate(verl_cpu.compose(TOPK_RUN))
     validate(verl_cpu.compose(["actor_rollout_ref.actor.strategy=fsdp2"]))  # vanilla PPO: nothing to check
     validate(verl_cpu.compose(_with(TOPK_RUN, "algorithm.rollout_correction.bypass_mode=True")))  # V1 keeps the mode
@@ -242,6 +252,14 @@ def test_a_valid_topk_config_and_a_config_without_the_plugin_pass():
         (
             ["+actor_rollout_ref.rollout.custom.dppo_topk=25"],
             r"dppo_topk=25 is more than vLLM returns \(max_logprobs=20\)",
+        ),
+        (
+            ["+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=lots"],
+            r"engine_kwargs\.vllm\.max_logprobs must be an int >= 0 .* or -1 \(no cap\), got 'lots'",
+        ),
+        (
+            ["+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=-2"],
+            r"engine_kwargs\.vllm\.max_logprobs must be an int >= 0 .*got -2",
         ),
         (
             ["~actor_rollout_ref.rollout.custom.dppo_topk"],

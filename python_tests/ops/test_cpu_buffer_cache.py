@@ -198,11 +198,11 @@ def test_cache_switch_reads_like_a_torch_boolean(value):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["DPPO_CPU_BUFFER_CACHE", "DPPO_CPU_HUGEPAGES"])
-@pytest.mark.parametrize("value", ["disabled", "2", " 0"])
+@pytest.mark.parametrize("value", ["disabled", "2", " 0", "0 "])
 def test_switches_refuse_an_unknown_value_at_import(name, value):
     proc = _cached_after_one_backward(**{name: value})
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: dppo_ext._C: "), proc.stderr
-    assert f"{name}={value} is not a boolean" in last
+    assert f"{name}='{value}' is not a boolean" in last  # quoted: a stray space shows
     assert "1, on, yes, true, y (enable) or 0, off, no, false, n (disable)" in last

@@ -160,6 +160,9 @@ def test_noise_and_mechanism_flags_are_checked():
         TrainConfig(rollout_logit_noise=-0.1).validate()
     with pytest.raises(ValueError, match=r"--rollout-logit-noise must be a finite number, got nan"):
         TrainConfig(rollout_logit_noise=math.nan).validate()
+    # finite as a float, but sigma * eps overflows the logits: refused naming the flag, not a sampler's traceback
+    with pytest.raises(ValueError, match=r"--rollout-logit-noise must be in \[0, 1000\] .*got 1e\+39"):
+        TrainConfig(rollout_logit_noise=1e39).validate()
     for size in (-1, 16):
         with pytest.raises(ValueError, match=rf"--tiny-vocab-size must be 0 \(no padding\) or >= 17 .*got {size}"):
             TrainConfig(tiny_vocab_size=size).validate()

@@ -186,8 +186,8 @@ class DPPOGRPOConfig(GRPOConfig):
         _check_int(
             "dppo_chunk_size", self.dppo_chunk_size, minimum=1, meaning="rows per fused-linear chunk", none="automatic"
         )
-        if not isinstance(self.dppo_fused_linear, bool):
-            raise ValueError(f"dppo_fused_linear must be True or False, got {self.dppo_fused_linear!r}")
+        for name in ("dppo_fused_linear", "dppo_sync_check"):
+            _check_bool(name, getattr(self, name))
         if not (isinstance(self.dppo_vllm_dtype, str) and self.dppo_vllm_dtype in VLLM_DTYPES):
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
         gib = self.dppo_vllm_kv_cache_gib
@@ -267,6 +267,13 @@ def _check_int(name: str, value: object, *, minimum: int, meaning: str, none: Op
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         expected = f"an int >= {minimum}" + ("" if none is None else f" or None ({none})")
         raise ValueError(f"{name} ({meaning}) must be {expected}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """The one check of every boolean ``dppo_*`` switch: ``True`` or ``False`` only (a string such as ``"False"``
+    is truthy in Python, 1 or None are no answer: each is refused, never read as on)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _trains_on_cpu(use_cpu: bool) -> bool:

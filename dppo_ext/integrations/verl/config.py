@@ -111,9 +111,17 @@ def check_topk(value: Any, max_logprobs: Optional[int] = None) -> int:
     return value
 
 
-def _max_logprobs(rollout: Any) -> int:
+def _max_logprobs(rollout: Any) -> Optional[int]:
+    """``engine_kwargs.vllm.max_logprobs`` checked: vLLM's default when unset, None for -1 (vLLM's "no cap")."""
     value = _get(_get(_get(rollout, "engine_kwargs"), "vllm"), "max_logprobs")
-    return VLLM_DEFAULT_MAX_LOGPROBS if value is None else int(value)
+    if value is None:
+        return VLLM_DEFAULT_MAX_LOGPROBS
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(
+            f"{ROLLOUT}.engine_kwargs.vllm.max_logprobs must be an int >= 0 (the most log-probs vLLM returns per "
+            f"token) or -1 (no cap), got {value!r}"
+        )
+    return None if value == -1 else value
 
 
 def validate(config: Any) -> None:
@@ -190,7 +198,7 @@ def validate(config: Any) -> None:
             raise ValueError(
                 f"{ACTOR}.policy_loss.loss_mode={mode} needs the rollout's top-K log-probs: set "
                 f"+{ROLLOUT}.custom.{TOPK_CONFIG_KEY}=K (K >= 1, at most vLLM's max_logprobs, "
-                f"{_max_logprobs(rollout)})"
+                f"{'no cap' if _max_logprobs(rollout) is None else _max_logprobs(rollout)})"
             )
         name = _get(rollout, "name")
         if name != "vllm":

@@ -30,6 +30,8 @@ from dppo_ext.trainer.run_folder.files import (
     SUMMARY_FILE,
     TEMPORARY_NAME_RE,
     RunError,
+    remove_checkpoint_files,
+    strays,
 )
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE, RunLock
 from dppo_ext.trainer.run_folder.manifest import (
@@ -79,13 +81,30 @@ def _contents(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name not in (LOCK_FILE, FOLDER_ID_FILE))
 
 
+def _present(folder: Path) -> set[str]:
+    """The names in ``folder``, read once: a manifest may list many names that are gone (no stat for each)."""
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
 def _shown(names: list[str]) -> str:
     return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
 def _remove(path: Path) -> None:
-    """Delete a file, a link (never what it points to) or a folder tree (``rmtree`` does not follow links)."""
-    if path.is_dir() and not path.is_symlink():
+    """Delete a file, a link (never what it points to) or a folder tree (``rmtree`` does not follow links). A
+    checkpoint folder, or one set aside while it was deleted or replaced, loses only what its ``checkpoint.json``
+    lists, and only when it holds nothing else (``strays``); else it is kept, with a warning."""
+    match = TEMPORARY_NAME_RE.match(path.name)
+    base = match.group("name") if match is not None else path.name
+    if _CHECKPOINT_NAME_RE.match(base) and not (match is not None and path.name.rsplit(".", 1)[1].startswith("tmp")):
+        found = strays(path)
+        if found:
+            logger.warning(
+                "kept %s: it is not only what the trainer wrote there (%s)", path, ", ".join(found[:6]) or "a link"
+            )
+            return
+        remove_checkpoint_files(path)
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink()
@@ -163,16 +182,18 @@ class RunFolder:
                 )
                 outputs = {k: v for k, v in outputs.items() if k not in unproven}
             doomed = [name for name in sorted(outputs) if name not in keep]
-            # a crash while deleting leaves a folder the next run may clear
-            write_manifest(folder, SETUP, outputs, new_run=True)
+            # Written once before the deletions, with the size and SHA-256 of every file still to delete: a crash
+            # while deleting leaves a manifest from which the next --overwrite (or a plain run) finishes the job.
+            previous = read_manifest(folder) or {"files": {}}
+            write_manifest(folder, SETUP, outputs, files=previous["files"], new_run=True)
             removed = []
+            present = _present(folder)
             for name in doomed:
                 path = folder / name
-                if path.exists() or path.is_symlink():
+                if name in present:
                     _remove(path)
                     removed.append(name)
                 del outputs[name]
-                write_manifest(folder, SETUP, outputs)
             if removed:
                 logger.warning("--overwrite: deleted what the previous run wrote in %s: %s", folder, ", ".join(removed))
         elif self.adopted:
@@ -228,7 +249,10 @@ def _unproven_files(folder: Path) -> list[str]:
     SHA-256 differs from the manifest's record, or it has none (a format-1 manifest, a run killed before its end)."""
     manifest = read_manifest(folder) or {"outputs": {}, "files": {}}
     unproven = []
+    present = _present(folder)
     for name, kind in sorted(manifest["outputs"].items()):
+        if name not in present:
+            continue
         path = folder / name
         if kind == "file" and (path.exists() or path.is_symlink()):
             if not matches_record(path, manifest["files"].get(name)):
@@ -248,9 +272,34 @@ def _refuse_a_borrowed_manifest(folder: Path, manifest: Mapping) -> None:
         )
 
 
+def _check_listed_checkpoints(folder: Path, outputs: Mapping[str, str]) -> None:
+    """Refuse to delete a listed checkpoint that holds more than its ``checkpoint.json`` lists (an eval script's
+    results put inside it) or a file of it changed since: those are not the trainer's, and the new run writes a
+    checkpoint of that name again."""
+    present = _present(folder)
+    for name, kind in sorted(outputs.items()):
+        if name not in present:
+            continue
+        path = folder / name
+        if kind != "dir" or not _CHECKPOINT_NAME_RE.match(name) or path.is_symlink() or not path.is_dir():
+            continue
+        found = strays(path)
+        if found:
+            shown = "no readable checkpoint.json" if found == ["."] else _shown(found)
+            raise RunError(
+                f"--overwrite: {str(path)!r} holds what dppo-train did not write there ({shown}: not in its "
+                "checkpoint.json, or changed since), so it is not the trainer's to delete, and the new run would "
+                "write a checkpoint of that name again; nothing was changed. Move what is yours out of the folder "
+                "(or the whole checkpoint), or pass another --out"
+            )
+
+
 def _check_listed_kinds(folder: Path, outputs: Mapping[str, str]) -> None:
     """Refuse to delete a listed name that now holds something else than what the trainer wrote there."""
+    present = _present(folder)
     for name, kind in sorted(outputs.items()):
+        if name not in present:
+            continue
         path = folder / name
         if not path.exists() and not path.is_symlink():
             continue
@@ -296,6 +345,13 @@ def _plan(
         )
     outputs = dict(manifest["outputs"])
     if resume:
+        if manifest["state"] == SETUP and outputs:
+            raise RunError(
+                f"--resume: the run in {str(folder)!r} was being replaced when it was interrupted (its {MANIFEST_FILE} "
+                f"is in state {SETUP!r} and still lists {_shown(sorted(outputs))}: an --overwrite that did not "
+                "finish), so there is nothing to continue; nothing was changed. Pass --overwrite again to finish "
+                "deleting what that run wrote and start over"
+            )
         if manifest["state"] == SETUP:
             raise RunError(
                 f"--resume: the run in {str(folder)!r} never started training (its {MANIFEST_FILE} is in state "
@@ -306,6 +362,7 @@ def _plan(
     if overwrite:
         _refuse_a_borrowed_manifest(folder, manifest)
         _check_listed_kinds(folder, outputs)
+        _check_listed_checkpoints(folder, outputs)
         kept_in_the_way = [name for name in _unproven_files(folder) if name in _REWRITTEN]
         if kept_in_the_way:
             raise RunError(
@@ -317,9 +374,17 @@ def _plan(
             )
         return "overwrite", outputs, False, []
     others = [n for n in names if n != MANIFEST_FILE and n not in outputs and not _is_temporary(n, outputs)]
-    if manifest["state"] == SETUP and not others and (manifest.get("format", 1) < 2 or speaks_for(manifest, folder)):
-        # what a run killed during its setup (or while --overwrite deleted) left: nothing a run produced
+    ours = manifest.get("format", 1) < 2 or speaks_for(manifest, folder)
+    if manifest["state"] == SETUP and not outputs and not others and ours:
+        # what a run killed during its setup left: nothing a run produced, only temporaries
         return "fresh", {}, False, [n for n in names if n != MANIFEST_FILE]
+    if manifest["state"] == SETUP and outputs:
+        raise RunError(
+            f"--out {str(folder)!r} holds what is left of an --overwrite that was interrupted (its {MANIFEST_FILE} is "
+            f"in state {SETUP!r} and still lists {_shown(sorted(outputs))}, each with the size and SHA-256 the run "
+            "wrote): pass --overwrite again to finish deleting them and start over (files it did not write stay), "
+            "or another --out"
+        )
     raise RunError(
         f"--out {str(folder)!r} already holds a run (its {MANIFEST_FILE} lists "
         f"{_shown(sorted(outputs)) or 'nothing'}): pass --resume to continue it, --overwrite to delete what it wrote "

@@ -7,7 +7,9 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import socket
+import stat
 from pathlib import Path
 
 from dppo_ext.trainer.run_folder.files import RunError
@@ -31,10 +33,17 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        """Take the lock or raise ``RunError`` naming the process that holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the lock or raise ``RunError`` naming the process that holds it (or saying why the file there is not
+        a lock file: a link, a folder, a file of someone else's; it is then left as it is)."""
+        fd = self._open(os.O_RDWR | os.O_CREAT)
         try:
             locked = self._flock(fd)
+            if not _holds_a_holder(fd):
+                raise RunError(
+                    f"{str(self.path)!r} is not a dppo-train lock file (it holds something else than the "
+                    "'<pid> <host>' of a trainer), so it is not the trainer's to overwrite; nothing was changed. Move "
+                    "it out of --out, or pass another --out"
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -47,10 +56,30 @@ class RunLock:
         self._fd = fd
         return self
 
-    def check_free(self) -> None:
-        """Raise ``RunError`` if another process holds the lock; change nothing (the file is only read)."""
+    def _open(self, flags: int) -> int:
+        """Open the lock file, never through a link (``O_NOFOLLOW``) and never a folder or a device."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise
+            fd = None
+        if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        if fd is not None:
+            os.close(fd)
+        kind = "a symbolic link" if self.path.is_symlink() else "not a regular file"
+        raise RunError(
+            f"{str(self.path)!r}, the name of dppo-train's lock file, is {kind}: the trainer never writes through a "
+            "link or into something that is not its own file; nothing was changed. Move it out of --out (it is not "
+            "the trainer's), or pass another --out"
+        )
+
+    def check_free(self) -> None:
+        """Raise ``RunError`` if another process holds the lock or the lock file is not one (a link: see
+        ``acquire``); change nothing (the file is only read)."""
+        try:
+            fd = self._open(os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
@@ -97,6 +126,16 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+_HOLDER_RE = re.compile(rb"^(\d+ \S+\n)?$")
+
+
+def _holds_a_holder(fd: int) -> bool:
+    """Whether the open lock file is empty or holds one ``<pid> <host>`` line (what ``acquire`` writes)."""
+    if os.fstat(fd).st_size > 4096:
+        return False
+    return _HOLDER_RE.match(os.pread(fd, 4096, 0)) is not None
 
 
 def _read_holder(path: Path) -> str:
