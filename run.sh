@@ -5,7 +5,10 @@
 #
 #   ./run.sh train [ARGS...]   the main job: the reference DPPO trainer on the embedded default
 #                              (extra ARGS go to `python -m dppo_ext.train`, see --help)
-#   ./run.sh test  [ARGS...]   the test suite (extra ARGS go to pytest)
+#   ./run.sh test  [ARGS...]   the quick tier, between edits (minutes): every test but those marked slow
+#                              (a test that starts its own engine, launches processes or builds a wheel);
+#                              extra ARGS go to pytest
+#   ./run.sh test-all [ARGS...]  the whole suite, slow tier included (what CI runs)
 #   ./run.sh test-avx2 [ARGS...]  the SIMD-sensitive tests (op and API) with torch's and dppo_ext's CPU kernels
 #                              forced to AVX2: on an AVX-512 host, what an AVX2-only host runs (ARGS: other
 #                              test paths or pytest arguments)
@@ -60,7 +63,8 @@ cmd=${1:-}
 case "$cmd" in
   setup) setup_env ;;
   train) setup_env; exec "$VENV/bin/python" -m dppo_ext.train "$@" ;;
-  test) setup_env; exec "$VENV/bin/python" -m pytest python_tests "$@" ;;
+  test) setup_env; exec "$VENV/bin/python" -m pytest python_tests -m "not slow" "$@" ;;
+  test-all) setup_env; exec "$VENV/bin/python" -m pytest python_tests "$@" ;;
   test-avx2)
     setup_env
     # torch.compile's cache does not key its kernels on ATEN_CPU_CAPABILITY: kernels cached by a run at another
@@ -69,5 +73,5 @@ case "$cmd" in
     [ $# -gt 0 ] || set -- "${SIMD_SENSITIVE_TESTS[@]}"
     exec "$VENV/bin/python" -m pytest "$@" ;;
   bench) setup_env; PATH="$VENV/bin:$PATH" exec bash benchmarks/run_all.sh "$@" ;;
-  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,19p' "$0" >&2; exit 2 ;;
 esac

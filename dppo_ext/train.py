@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dppo_ext.rollout import RolloutEngine
-from dppo_ext.tasks import DataFormatError
+from dppo_ext.tasks import DataFormatError, Task
 from dppo_ext.trainer.checkpoint import NoCheckpointError, check_model_folder
 from dppo_ext.trainer.config import TrainConfig, parse_config
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER, warm_start_matches
@@ -49,8 +50,13 @@ def run(
     progress: bool = True,
     engine: RolloutEngine | None = None,
     base_model: str | Path | None = None,
+    task: Callable[[Task], Task] | None = None,
 ) -> dict[str, Any]:
     """Run a full training job for a validated ``config``; return the summary dict.
+
+    ``task``: a function given the task ``config`` describes (the embedded arithmetic task, or ``--data``'s) that
+    returns the one to train on, e.g. the same problems with another reward (an experiment's task). Default: train
+    on the config's task as it is.
 
     ``engine``: an already started rollout engine to reuse (e.g. one vLLM engine for a series of
     runs); its weights are replaced by the run's and the caller closes it. It must have been
@@ -72,6 +78,7 @@ def run(
         DataFormatError: ``--data``/``--eval-data`` is malformed (file and line in the message).
     """
     wall_start = time.perf_counter()
+    task_for = task
     out_dir = Path(config.out)
     try:
         check_report_to(config.report_to)
@@ -91,6 +98,10 @@ def run(
     device = resolve_device(config.device)
     # Inputs are checked before --out is touched: a run refused for bad data leaves no folder behind.
     task = build_task(config)
+    if task_for is not None:
+        task = task_for(task)
+        if not isinstance(task, Task):
+            raise TypeError(f"run(task=...) must return a dppo_ext.tasks.Task, got {type(task).__name__}")
     logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
     with open_run_folder(out_dir, resume=config.resume, overwrite=config.overwrite, adopt=legacy_run_outputs) as folder:
         return run_locked(

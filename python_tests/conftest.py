@@ -1,6 +1,8 @@
 """pytest hooks and shared fixtures of python_tests.
 
 - ``needs_cuda`` tests skip cleanly where CUDA cannot run.
+- The two tiers hold themselves: a test not marked ``slow`` that launches a Python process or starts a vLLM engine
+  of its own fails, naming what it started (``dppo_testing.tiers``).
 - ``tiny_model_dir``: a randomly initialised tiny Llama (hidden 128, 2 layers, 2 heads of 64, 17-token character
   vocabulary, ``max_position_embeddings=64``) and its tokenizer, written with ``save_pretrained`` into a session
   temp dir by ``dppo_ext.models.tiny.build_tiny_model`` (``from_pretrained`` and vLLM load it).
@@ -13,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dppo_testing import cuda_ready
+from dppo_testing import cuda_ready, tiers
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         ok, why = cuda_ready()
         if not ok:
             pytest.skip(why)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.install()
+    config.pluginmanager.register(tiers.QuickTierGuard(), "dppo-quick-tier-guard")

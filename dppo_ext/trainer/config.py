@@ -337,8 +337,21 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """One ``name = value`` line per setting (printed at the start of a run)."""
-        return "\n".join(f"  {_flag(name):<28} {value!r}" for name, value in self.to_dict().items())
+        """One ``name = value`` line per setting that applies to this run (printed at the start of a run): with
+        ``--model`` the embedded model's and task's settings (``EMBEDDED_ONLY``) are left out."""
+        shown = {name: value for name, value in self.to_dict().items() if not (self.model and name in EMBEDDED_ONLY)}
+        lines = [f"  {_flag(name):<28} {value!r}" for name, value in shown.items()]
+        if self.model:
+            lines.append(f"  ({len(EMBEDDED_ONLY)} settings of the embedded model and task do not apply to --model)")
+        return "\n".join(lines)
+
+
+# Settings only the embedded tiny model and its arithmetic task read (their help says so); --model runs ignore them.
+EMBEDDED_ONLY = tuple(
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.metadata["help"].startswith(("embedded model:", "embedded task:"))
+)
 
 
 # Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.

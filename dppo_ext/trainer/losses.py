@@ -6,7 +6,7 @@ differ only in what the mask tests (``mode``), which distribution anchors that t
 engine's ``mu``, or ``pi_old``: log-probs the trainer recomputes with its own weights once per
 rollout batch, before that batch's first optimizer step), the thresholds and the cap C. One loss,
 ``pg_pi_old``, also takes its weight against ``pi_old`` (``w = pi / pi_old``): it ignores the
-rollout mismatch, the negative control of the staleness experiment (docs/sanity/staleness/).
+rollout mismatch, the negative control of the staleness experiment (experiments/sanity/results/staleness/).
 
 The table of what each loss masks, what anchors the mask, what weights the gradient and which
 reference it follows is in README.md, section "Does DPPO's stability hold here?"; ``LOSSES``

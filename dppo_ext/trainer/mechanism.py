@@ -25,11 +25,16 @@ mini-batch's tokens before the step's first update, mu the rollout engine's prob
 quantity for every loss (the loss's own ``mismatch_mean`` compares pi with what the op was fed, which
 is pi_old for ``pg_pi_old``).
 
-A **bad negative update** (``bad_neg_frac``, docs/sanity/staleness/PREREGISTRATION.md, part 5): a
+A **bad negative update** (``bad_neg_frac``, experiments/sanity/results/staleness/PREREGISTRATION.md, part 5): a
 token-update with A < 0 and mu > 0.5 that left the token's probability more than 0.15 below mu and
 lower than before the update (``pi_new < mu - 0.15`` and ``pi_new < pi_old``), as a fraction of the
 token-updates with A < 0 and mu > 0.5 (``neg_high_tokens``). Unlike ``bad_update_frac`` it cannot
-count a positive-advantage token being learned.
+count a positive-advantage token being learned. Under a rollout lag it is close to tautological for DPPO: it also
+counts tokens already beyond ``mu - 0.15`` before the update, exactly those DPPO masks.
+
+A **crossing bad negative update** (``bad_neg_cross_frac``, experiments/sanity/collapse/PREREGISTRATION.md): the same
+token-updates (A < 0, mu > 0.5) whose update carried the token across the threshold, ``pi_old >= mu - 0.15 >
+pi_new``; same denominator. It counts only what this step's update did.
 
 Counts are over tokens x updates (a token is seen once per epoch), so fractions are token means.
 """
@@ -100,6 +105,7 @@ class MechanismStats:
         self.neg_high_removed = 0.0
         self.neg_high_tokens = 0.0
         self.bad_neg = 0.0
+        self.bad_neg_cross = 0.0
         self.pre_mismatch_sum = 0.0
         self.pre_mismatch_max = 0.0
         self.pre_tokens = 0.0
@@ -153,6 +159,7 @@ class MechanismStats:
         self.neg_high_removed += float((pi_old - pi)[high_neg].sum())
         self.neg_high_tokens += float(high_neg.sum())
         self.bad_neg += float((high_neg & (pi < mu - BAD_UPDATE_DELTA) & (pi < pi_old)).sum())
+        self.bad_neg_cross += float((high_neg & (pi_old >= mu - BAD_UPDATE_DELTA) & (pi < mu - BAD_UPDATE_DELTA)).sum())
 
     def record(self) -> dict[str, Any]:
         """The step's fields (fractions are NaN, i.e. null in the JSONL, when nothing was counted)."""
@@ -170,6 +177,7 @@ class MechanismStats:
             "neg_high_removed": frac(self.neg_high_removed, self.neg_high_tokens),
             "neg_high_tokens": int(self.neg_high_tokens),
             "bad_neg_frac": frac(self.bad_neg, self.neg_high_tokens),
+            "bad_neg_cross_frac": frac(self.bad_neg_cross, self.neg_high_tokens),
             "pre_mismatch_mean": frac(self.pre_mismatch_sum, self.pre_tokens),
             "pre_mismatch_max": self.pre_mismatch_max if self.pre_tokens else float("nan"),
             "clipped_updates": self.clipped_updates,

@@ -8,7 +8,8 @@ them from the committed data alone; ``--quick`` is the CI smoke test.
 
 Modules: ``conditions`` (what runs), ``sweep`` (workers, resuming, collection), ``host`` (where it
 ran), ``stats`` (summaries, intervals, the rules), ``report`` and ``figures`` (the output),
-``history`` (the earlier sweeps' report), ``cli``. This package is part of the repository, not of
+``history`` (the earlier sweeps' report), ``staleness`` and ``collapse`` (the two pre-registered
+experiments; ``counts``: their exact tests on counts), ``cli``. This package is part of the repository, not of
 the installed ``dppo_ext`` wheel.
 """
 

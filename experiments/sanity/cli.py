@@ -12,7 +12,7 @@ from typing import Any
 
 from dppo_ext.trainer.losses import LOSSES
 
-from . import staleness
+from . import collapse, staleness
 from .conditions import (
     ARMS,
     CONDITIONS,
@@ -29,8 +29,8 @@ from .sweep import _finished, collect, launch_workers, work_through
 
 logger = logging.getLogger("experiments.sanity")
 
-DATA = "docs/sanity/dosed/data"
-REPORT_DIR = "docs/sanity/dosed"
+DATA = "experiments/sanity/results/dosed/data"
+REPORT_DIR = "experiments/sanity/results/dosed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--experiment",
         default="dosed",
-        choices=("dosed", "staleness"),
+        choices=("dosed", "staleness", "collapse"),
         help="dosed: the dosed-mismatch experiment (docs/sanity.md); staleness: the staleness ladder "
-        "(docs/sanity/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot)",
+        "(experiments/sanity/results/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot); "
+        "collapse: the collapse replication, design A seed-major (experiments/sanity/collapse/PREREGISTRATION.md; "
+        "--seeds limits it)",
     )
     parser.add_argument(
         "--phases",
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if work_through(runs, Path(spec["work"]), spec["overrides"], Path(spec["status"]), data) else 0
     if args.experiment == "staleness":
         return staleness_main(args)
+    if args.experiment == "collapse":
+        return collapse_main(args)
     data, report_dir = Path(args.data), Path(args.report_dir)
     failed: list[str] = []
     if not args.report_only:
@@ -224,6 +228,41 @@ def staleness_main(args: argparse.Namespace) -> int:
     for path in staleness.report(
         Path(staleness.DATA) if args.pilot else data, pilot_data, Path(staleness.EVAL_NOISE), report_dir
     ):
+        print(f"wrote {path}")
+    if failed:
+        print(f"sanity: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def collapse_main(args: argparse.Namespace) -> int:
+    """The collapse replication: its runs seed-major (skipping those whose data file is complete), each collected
+    as it finishes; then its report from the data files alone."""
+    data = Path(args.data if args.data != DATA else collapse.DATA)
+    report_dir = Path(args.report_dir if args.report_dir != REPORT_DIR else collapse.REPORT_DIR)
+    failed: list[str] = []
+    if not args.report_only:
+        if args.jobs < 1:
+            print(f"sanity: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+            return 2
+        work = Path(args.work)
+        runs = collapse.planned_runs(args.seeds)
+        overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
+        configs = {run: run_config(run, work, overrides) for run in runs}
+        todo = [
+            run
+            for run in runs
+            if not staleness.data_file_complete(
+                data / run.condition / run.method / f"seed{run.seed}.jsonl", configs[run].steps
+            )
+        ]
+        logger.info("%d of %d runs to train (%d have complete data files)", len(todo), len(runs), len(runs) - len(todo))
+        start = time.perf_counter()
+        results = launch_workers(todo, work, overrides, args.jobs, data=data, nice=args.nice) if todo else []
+        counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
+        logger.info("collapse sweep: %d runs in %.0f s wall (%s)", len(todo), time.perf_counter() - start, counts)
+        failed = [r["run"] for r in results if r["status"] == "failed"]
+    for path in collapse.report(data, report_dir, Path(staleness.DATA)):
         print(f"wrote {path}")
     if failed:
         print(f"sanity: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

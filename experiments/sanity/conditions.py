@@ -143,9 +143,9 @@ def _dosed_conditions() -> dict[str, Condition]:
 
 
 # ---------------------------------------------------------------------------- the staleness experiment
-# docs/sanity/staleness/PREREGISTRATION.md: the dosed experiment's setting with the calibrated optimizer, 300 steps,
-# no periodic checkpoint (an interrupted stale run starts over: a resumed one would restart its lag window), fresh
-# seeds 10-17, the pilot on seed 100.
+# experiments/sanity/results/staleness/PREREGISTRATION.md: the dosed experiment's setting with the calibrated
+# optimizer, 300 steps, no periodic checkpoint (an interrupted stale run starts over: a resumed one would restart its
+# lag window), fresh seeds 10-17, the pilot on seed 100.
 STALE_LAGS = (0, 16, 32, 64)
 STALE_METHODS = ("pg_is", "dppo_binary_tv", "pg_pi_old", "minirl", "cispo_clip")
 STALE_SEEDS = tuple(range(10, 18))
@@ -190,6 +190,28 @@ def _staleness_conditions() -> dict[str, Condition]:
             STALE_SEEDS,
         )
     return conditions
+
+
+# ---------------------------------------------------------------------------- the collapse replication
+# experiments/sanity/collapse/PREREGISTRATION.md: the staleness ladder's setting at lag 32 (the dose chosen from the
+# ladder's exploratory data), 48 seeds never used before, PG-IS and DPPO Binary-TV (primary) and CISPO with its cap
+# of 10 (DPPO without its mask), seed-major.
+COLLAPSE_LAG = 32
+COLLAPSE_CONDITION = f"collapse{COLLAPSE_LAG}"
+COLLAPSE_METHODS = ("pg_is", "dppo_binary_tv", "cispo")
+COLLAPSE_SEEDS = tuple(range(200, 248))
+
+
+def _collapse_conditions() -> dict[str, Condition]:
+    flags = {**LADDER[CALIBRATED], **STALE, "rollout_lag": COLLAPSE_LAG, "eval_samples": STALE_EVAL_SAMPLES}
+    return {
+        COLLAPSE_CONDITION: Condition(
+            f"collapse replication: rollouts {COLLAPSE_LAG} steps stale, 300 steps",
+            flags,
+            COLLAPSE_METHODS,
+            COLLAPSE_SEEDS,
+        )
+    }
 
 
 # Arms: the conditions drawn in one figure and compared in one table, the control first.
@@ -283,7 +305,12 @@ HISTORY: dict[str, Condition] = {
     ),
 }
 
-CONDITIONS: dict[str, Condition] = {**_dosed_conditions(), **_staleness_conditions(), **HISTORY}
+CONDITIONS: dict[str, Condition] = {
+    **_dosed_conditions(),
+    **_staleness_conditions(),
+    **_collapse_conditions(),
+    **HISTORY,
+}
 BASES = {"dosed": DOSED, "history": BASE}
 
 # The CI smoke test: the top noise dose on a tiny warm start, a few steps.

@@ -1,6 +1,6 @@
 """The earlier sweeps' report (bf16 / fp16 rollouts, docs/sanity.md "History"): unchanged, so that
-``--report-only --data docs/sanity/data --report-dir docs/sanity`` redraws their published figures
-and table from the committed data.
+``--report-only --data experiments/sanity/results/history/data --report-dir experiments/sanity/results/history``
+redraws their published figures and table from the committed data.
 
 Collapse (table column): a run collapses when its last held-out accuracy is below half its peak
 held-out accuracy, or when it records a non-finite loss or gradient norm.

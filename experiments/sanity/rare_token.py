@@ -1,4 +1,5 @@
-"""Part 3 of the staleness pre-registration: the rare good token (docs/sanity/staleness/PREREGISTRATION.md).
+"""Part 3 of the staleness pre-registration: the rare good token
+(experiments/sanity/results/staleness/PREREGISTRATION.md).
 
 The embedded arithmetic prompts with a reward that only a rare token earns: 1 when the response
 holds ``GOOD_TOKEN`` (``<r0>``, the first padding token of a padded vocabulary), else 0. The warm
@@ -14,13 +15,13 @@ The trainer builds the arithmetic task from its config; ``train`` runs it with t
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from dppo_ext.models.tiny import RARE_TOKEN
 from dppo_ext.tasks import Task
 from dppo_ext.trainer.config import TrainConfig
+from dppo_ext.trainer.task import build_task
 
 GOOD_TOKEN = RARE_TOKEN.format(0)
 RARE_VOCAB = 150  # 0.3 label smoothing / 150 tokens = 2e-3 per padding token
@@ -34,38 +35,16 @@ class RareTokenTask(Task):
         return float(GOOD_TOKEN in response)
 
 
-def rare_token_task(config: TrainConfig) -> RareTokenTask:
-    """The run's arithmetic problems (same split, same warm-start problems) with the rare-token reward."""
-    from dppo_ext.trainer.task import build_task
-
-    base = build_task(config)
+def with_rare_token_reward(base: Task) -> RareTokenTask:
+    """The run's own problems (same split, same warm-start problems) with the rare-token reward."""
     return RareTokenTask(name="rare_token", train=base.train, eval=base.eval, verifier=base.verifier, sft=base.sft)
 
 
 def train(config: TrainConfig, *, engine: Any, base_model: Path | None) -> dict[str, Any]:
-    """``dppo_ext.train.run`` for the rare-token task: the same folder handling and training, another reward."""
-    from dppo_ext.trainer.embedded_model import warm_start_matches
-    from dppo_ext.trainer.locked_run import run_locked
-    from dppo_ext.trainer.process import resolve_device
-    from dppo_ext.trainer.resume import legacy_run_outputs
-    from dppo_ext.trainer.run_folder import open_run_folder
+    """The trainer's own ``dppo_ext.train.run`` on the run's problems with the rare-token reward."""
+    from dppo_ext.train import run
 
-    if base_model is not None and not warm_start_matches(base_model, config):
-        raise ValueError(f"{base_model}: not a warm start of this config's settings")
-    task = rare_token_task(config)
-    with open_run_folder(
-        Path(config.out), resume=config.resume, overwrite=config.overwrite, adopt=legacy_run_outputs
-    ) as folder:
-        return run_locked(
-            config,
-            task,
-            resolve_device(config.device),
-            folder,
-            time.perf_counter(),
-            progress=False,
-            engine=engine,
-            base_model=base_model,
-        )
+    return run(config, progress=False, engine=engine, base_model=base_model, task=with_rare_token_reward)
 
 
 def good_token_mu(model_dir: Path, config: TrainConfig) -> dict[str, float]:
@@ -79,7 +58,7 @@ def good_token_mu(model_dir: Path, config: TrainConfig) -> dict[str, float]:
     good = tokenizer.convert_tokens_to_ids(GOOD_TOKEN)
     probs = []
     with torch.no_grad():
-        for problem in rare_token_task(config).eval:
+        for problem in build_task(config).eval:
             ids = torch.tensor([tokenizer(problem.prompt)["input_ids"]])
             logits = model(input_ids=ids).logits[0, -1].float() / config.temperature
             probs.append(float(torch.softmax(logits, -1)[good]))

@@ -315,7 +315,7 @@ def dosed_tables(runs: dict[str, Runs], metas: dict[str, Any], data: Path) -> st
             "5% t-test on these seeds detects with 80% power, from the control's paired spread (as the rules "
             "said) and from the top dose's, which is wider. The rules' *refuted* means no loss of 8 points or more "
             'was detected in 200 steps on these seeds, not that there is none (docs/sanity.md, "What the verdicts '
-            'can carry"); the staleness experiment (docs/sanity/staleness/) replaces them.\n',
+            'can carry"); the staleness experiment (experiments/sanity/results/staleness/) replaces them.\n',
             verdict_table(summary),
             "What each verdict rests on:\n",
             "\n".join(verdict_lines(summary)) + "\n",

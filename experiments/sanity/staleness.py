@@ -1,9 +1,9 @@
-"""The staleness experiment (docs/sanity/staleness/PREREGISTRATION.md): plan, endpoints, rules, report.
+"""The staleness experiment (experiments/sanity/results/staleness/PREREGISTRATION.md): plan, endpoints, rules, report.
 
 ``python -m experiments.sanity --experiment staleness --phases A`` trains the runs of phase A
 (resumable: a run whose committed data file is complete is skipped, an interrupted one starts over),
 ``--pilot`` the pilot, ``--eval-noise`` measures the pilot's evaluation noise, ``--report-only``
-redraws ``docs/sanity/staleness/`` (figures, ``tables.md``) from the committed files alone.
+redraws ``experiments/sanity/results/staleness/`` (figures, ``tables.md``) from the committed files alone.
 
 The endpoints and rules here are the pre-registration's: a run's **final score** is the mean of its
 last ``FINAL_EVALS`` evaluations; per seed, D(m, L) = F(m, L) − F(DPPO Binary-TV, L) and the
@@ -34,11 +34,11 @@ from .stats import T80, T975, _median
 
 logger = logging.getLogger("experiments.sanity")
 
-DATA = "docs/sanity/staleness/data"
-PILOT_DATA = "docs/sanity/staleness/pilot/data"
-REPORT_DIR = "docs/sanity/staleness"
-EVAL_NOISE = "docs/sanity/staleness/pilot/eval_noise.json"
-RARE_TOKEN_MU = "docs/sanity/staleness/pilot/rare_token_mu.json"
+DATA = "experiments/sanity/results/staleness/data"
+PILOT_DATA = "experiments/sanity/results/staleness/pilot/data"
+REPORT_DIR = "experiments/sanity/results/staleness"
+EVAL_NOISE = "experiments/sanity/results/staleness/pilot/eval_noise.json"
+RARE_TOKEN_MU = "experiments/sanity/results/staleness/pilot/rare_token_mu.json"
 
 FINAL_EVALS = 4  # steps 240, 260, 280, 300
 SESOI = 0.04  # the smallest effect of interest: 4 points of held-out accuracy

@@ -409,6 +409,7 @@ def test_flat_and_batched_layouts_agree(mode):
     torch.testing.assert_close(loss_f, loss_b)
 
 
+@pytest.mark.slow
 def test_full_reference_compiles_fullgraph():
     """The benchmark baseline torch.compile(dppo_loss_full_reference, fullgraph=True) traces and
     agrees with eager (no data-dependent Python branching in the oracle)."""

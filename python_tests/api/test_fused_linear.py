@@ -974,6 +974,7 @@ def test_no_grad_forward_and_per_row_api_keep_the_recompute_path():
         torch.testing.assert_close(grads_b[key], grads_l[key], rtol=1e-10, atol=1e-13, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, accum_dtype",
     [(torch.float64, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)],
@@ -1043,6 +1044,7 @@ os._exit(0)  # no gloo teardown (docs/distributed.md)
 """
 
 
+@pytest.mark.slow
 def test_vocab_parallel_fused_matches_single_device(tmp_path):
     """The vocabulary-parallel fused path (two gloo ranks, uneven slices of the LM head) gives the loss, the metrics
     and the gradients of the single-device path that computes them in the forward."""

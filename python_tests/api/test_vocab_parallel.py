@@ -374,6 +374,7 @@ def run_workers(world: int, out_dir: Path, timeout: int = 420) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_gloo_processes_match_single_device(world, tmp_path):
     results = run_workers(world, tmp_path)
@@ -420,6 +421,7 @@ os._exit(0)  # no gloo teardown (docs/distributed.md)
 """
 
 
+@pytest.mark.slow
 def test_vocab_parallel_calls_use_no_deprecated_collective(tmp_path):
     """The forward's one all-gather uses torch.distributed's current collective: neither vocab-parallel entry point
     (logits, fused linear; forward and backward) emits a deprecation warning (torch 2.13 deprecated

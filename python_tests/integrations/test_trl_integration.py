@@ -499,6 +499,32 @@ def test_models_with_logit_transforms_are_rejected(tmp_path):
         add_dppo_head(LlamaForCausalLM(config), args, 1.0)
 
 
+def test_models_with_logit_transforms_are_refused_before_vllm_starts(tmp_path, monkeypatch):
+    """Issue 38 row 8: a Gemma2 model was refused only after TRL had started vLLM (81 s on a 2-core CPU)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        vocab_size=17,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    assert config.final_logit_softcapping == 30.0  # Gemma2's default
+    model_dir = tmp_path / "gemma2"
+    config.save_pretrained(model_dir)  # the config is all the check may read: no weights, no engine
+
+    def engine_start(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ (which starts vLLM) ran before the model was refused")
+
+    monkeypatch.setattr(dppo_trl.trainer.GRPOTrainer, "__init__", engine_start)
+    args = DPPOGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match=r"transform the LM head's logits .*'final_logit_softcapping': 30.0"):
+        DPPOGRPOTrainer(str(model_dir), reward_funcs=lambda **kw: [0.0], args=args)
+
+
 def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter that imports dppo_ext as this process does."""
     out = subprocess.run(
@@ -513,6 +539,7 @@ def _run_python(code: str, cwd: Path, timeout: int = 900) -> subprocess.Complete
     return out
 
 
+@pytest.mark.slow
 def test_package_import_has_no_side_effects(tmp_path):
     """``import dppo_ext.integrations.trl`` imports none of TRL, transformers, accelerate or vLLM and changes no
     warning filter or logger; each public name loads only what it needs (the config TRL, not vLLM)."""

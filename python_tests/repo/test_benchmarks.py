@@ -39,6 +39,7 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_speed_records_carry_gbps_and_copy_multiples(tmp_path):
     """Forward, backward and in-place get GB/s and a multiple of a copy pass timed in the same run; the Markdown
     has the table the results page is taken from, naming the host's SIMD level."""
@@ -75,6 +76,7 @@ def test_speed_records_carry_gbps_and_copy_multiples(tmp_path):
     assert "| binary_tv | float32 |" in table.split("### Against a copy pass")[1]
 
 
+@pytest.mark.slow
 def test_pytest_benchmark_suite_collects_outside_the_test_suite():
     """The pytest-benchmark suite covers every op contender x mode x dtype x phase, the copy pass and the
     fused-linear paths; the default test run (testpaths) never collects it."""
@@ -89,6 +91,7 @@ def test_pytest_benchmark_suite_collects_outside_the_test_suite():
     assert not list((BENCH.parent / "python_tests").rglob("test_bench_*.py"))
 
 
+@pytest.mark.slow
 def test_pytest_benchmark_suite_runs(tmp_path):
     """A tiny run of both pytest-benchmark files (timing disabled): every selected case passes its checks."""
     proc = _run(
@@ -115,6 +118,7 @@ def test_pytest_benchmark_suite_runs(tmp_path):
     assert passed and int(passed.group(1)) == 2 * 3 + 2 + 4 * 2 + 2, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_fused_linear_accuracy_script(tmp_path):
     """benchmarks/fused_linear_accuracy.py at a tiny size: the logits path and both accumulation dtypes are
     measured against float64, every error is positive and finite (bf16 rounding exists) and within 3x the logits

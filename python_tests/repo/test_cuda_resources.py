@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "cuda_resources.py"
 spec = importlib.util.spec_from_file_location("cuda_resources", SCRIPT)
@@ -71,6 +73,7 @@ def test_occupancy_follows_the_register_file():
     assert (fin.threads, fin.blocks_per_sm, fin.occupancy, fin.limited_by) == (128, 9, 0.5625, "registers")
 
 
+@pytest.mark.slow
 def test_fail_on_spill(tmp_path):
     log = tmp_path / "build.log"
     log.write_text(LOG)

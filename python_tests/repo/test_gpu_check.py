@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = ["build", "import", "selfcheck", "pytest", "memcheck", "bandwidth", "trainer", "racecheck"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not list((REPO / "dppo_ext").glob("_C*.so")), reason="needs the built dppo_ext._C")
 def test_gpu_check_dry_run_reaches_every_step(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DPPO_CUDA_SPLIT",)}

@@ -81,6 +81,7 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 # ---- import-time errors -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pure_python_parts_import_without_native_library(tmp_path):
     root = _copy_package(tmp_path, with_library=False)
     proc = _python(
@@ -98,6 +99,7 @@ def test_pure_python_parts_import_without_native_library(tmp_path):
     assert version == dppo_ext.__version__ and Path(where).is_relative_to(root)
 
 
+@pytest.mark.slow
 def test_package_constants_need_no_native_library(tmp_path):
     """The package face's constants and aggregation helpers are pure Python: they import, and work, without
     dppo_ext._C, and do not load it."""
@@ -116,6 +118,7 @@ def test_package_constants_need_no_native_library(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_native_library_imports_first(tmp_path):
     """``import dppo_ext._C`` before anything else works: the package loads torch, whose libraries the native
     library links against, instead of failing with the loader's 'libc10.so: cannot open shared object file'."""
@@ -126,6 +129,7 @@ def test_native_library_imports_first(tmp_path):
     assert proc.stdout.split()[0] == torch.__version__
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "statement",
     ["from dppo_ext import dppo_loss", "import dppo_ext.ops", "import dppo_ext; dppo_ext.fused_linear_dppo_loss"],
@@ -157,6 +161,7 @@ def _patch(path: Path, old: bytes, new: bytes) -> int:
     return count
 
 
+@pytest.mark.slow
 def test_library_built_against_another_torch_release(tmp_path):
     """A _C whose recorded torch differs from the loaded one in its release: refused, named, and
     the rebuild command given (the copy really is ABI-compatible, so only the check can refuse)."""
@@ -175,6 +180,7 @@ def test_library_built_against_another_torch_release(tmp_path):
     assert last.endswith(f"from the dppo_ext source folder: {INSTALL}"), last
 
 
+@pytest.mark.slow
 def test_library_that_cannot_load_names_the_torch_it_was_built_for(tmp_path):
     """The reported case: a _C built against another torch fails to load at all (there, on a
     missing libc10_cuda.so); the error names both torch versions, the loader's reason and the fix."""
@@ -211,6 +217,7 @@ def test_library_reports_its_build():
 # ---- build-time errors ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_isolated_build_stops_before_compiling(tmp_path):
     """pip's default build runs setup.py where the user's torch is invisible (pip hides the
     environment's site-packages): simulated by a torch that cannot be imported. The build stops

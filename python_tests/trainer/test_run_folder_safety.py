@@ -445,6 +445,7 @@ def _start_cli(out: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, log
 
 
+@pytest.mark.slow
 def test_the_cli_interrupted_or_killed_during_the_warm_start_leaves_a_folder_the_same_command_accepts(tmp_path):
     """Ctrl-C (SIGINT) of the real CLI during the warm start: status 130, one line, no traceback, and the folder
     it created is gone. Killed outright (SIGKILL: no cleanup runs), it leaves a manifest in state 'setup' and

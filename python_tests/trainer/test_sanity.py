@@ -214,6 +214,7 @@ def _without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
+@pytest.mark.slow
 def test_quick_sweep_runs_resumes_skips_and_repeats(tmp_path):
     """The CI smoke test of the experiment: 2 steps fresh, resumed to 3, then skipped; then the same 3-step
     command in a fresh folder gives the same records (timings aside) as the resumed run."""

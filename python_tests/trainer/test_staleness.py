@@ -1,4 +1,4 @@
-"""The staleness experiment (docs/sanity/staleness/PREREGISTRATION.md): its decision rules on hand-made
+"""The staleness experiment (experiments/sanity/results/staleness/PREREGISTRATION.md): its decision rules on hand-made
 interactions whose verdict is known, its endpoints, the plan and the resumable data files; the new losses
 (the negative control ``pg_pi_old``, CISPO with its 1.28 cap) inside the trainer; the corrected mechanism
 metrics (pre-update mismatch against mu, bad negative updates) against hand computations."""
@@ -371,11 +371,13 @@ def test_the_step_size_rule():
 # ---------------------------------------------------------------- part 3: the rare good token
 def test_the_rare_token_reward_needs_exactly_the_good_token():
     from dppo_ext.models.tiny import build_char_tokenizer
-    from experiments.sanity.rare_token import GOOD_TOKEN, RARE_VOCAB, RareTokenTask, rare_token_task
+    from dppo_ext.trainer.task import build_task
+    from experiments.sanity.rare_token import GOOD_TOKEN, RARE_VOCAB, RareTokenTask, with_rare_token_reward
 
     tokenizer = build_char_tokenizer(vocab_size=RARE_VOCAB)
     ids = tokenizer.convert_tokens_to_ids
-    task = rare_token_task(TrainConfig(tiny_vocab_size=RARE_VOCAB, num_eval=20, warm_start_problems=30).validate())
+    config = TrainConfig(tiny_vocab_size=RARE_VOCAB, num_eval=20, warm_start_problems=30).validate()
+    task = with_rare_token_reward(build_task(config))
     assert isinstance(task, RareTokenTask) and task.eval and task.train
 
     def reward(tokens):
@@ -387,12 +389,14 @@ def test_the_rare_token_reward_needs_exactly_the_good_token():
 
 
 def test_the_rare_token_run_trains_on_the_run_s_own_problems_with_the_rare_reward(monkeypatch, tmp_path):
-    import dppo_ext.trainer.locked_run as locked_run_module
+    """The experiment goes through the trainer's public run(): the same checks and folder handling as a user's run
+    (its earlier copy of run()'s tail skipped them), the run's problems, the rare-token reward."""
+    import dppo_ext.train as train_module
     from dppo_ext.trainer.task import build_task
     from experiments.sanity import rare_token
 
     seen = {}
-    monkeypatch.setattr(locked_run_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
+    monkeypatch.setattr(train_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
     config = TrainConfig(
         out=str(tmp_path / "run"), tiny_vocab_size=rare_token.RARE_VOCAB, num_eval=20, warm_start_problems=30
     ).validate()
@@ -448,3 +452,12 @@ def test_a_finished_run_is_collected_at_once_with_its_cost_and_the_new_metrics(t
     trained = [r for r in records[1:] if r.get("optimizer_steps")]
     assert trained and all("pre_mismatch_mean" in r and "bad_neg_frac" in r for r in trained)
     assert not list(data.rglob(".*.tmp-*"))  # written through a temporary sibling, renamed into place
+
+
+def test_run_refuses_a_task_hook_that_returns_no_task(tmp_path):
+    from dppo_ext.train import run
+
+    config = TrainConfig(out=str(tmp_path / "run"), num_eval=20, warm_start_problems=30).validate()
+    with pytest.raises(TypeError, match=r"run\(task=\.\.\.\) must return a dppo_ext.tasks.Task, got list"):
+        run(config, task=lambda base: base.train)
+    assert not (tmp_path / "run").exists()  # refused before --out is touched

@@ -171,6 +171,7 @@ _HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_second_trainer_on_the_same_out_is_refused_with_the_holders_pid(tmp_path: Path):
     from dppo_ext.train import run
     from dppo_ext.trainer.run_folder.files import RunError

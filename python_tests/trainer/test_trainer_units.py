@@ -193,6 +193,31 @@ def test_cli_main_reports_config_errors(capsys):
     assert "--top-k must be >= 1" in capsys.readouterr().err
 
 
+def test_settings_dump_shows_only_what_applies():
+    """Issue 38 row 9: with --model the dump listed the embedded model's settings (warm-start-steps 1000, ...)."""
+    embedded_only = {
+        "max-operand",
+        "max-second-operand",
+        "tiny-layers",
+        "tiny-hidden",
+        "tiny-vocab-size",
+        "warm-start-steps",
+        "warm-start-problems",
+        "warm-start-lr",
+        "warm-start-label-smoothing",
+    }
+
+    def flags(text: str) -> set[str]:
+        return {line.split()[0] for line in text.splitlines() if not line.strip().startswith("(")}
+
+    embedded = TrainConfig().describe()
+    assert embedded_only <= flags(embedded) and "do not apply" not in embedded
+    with_model = TrainConfig(model="Qwen/Qwen2.5-0.5B-Instruct", data="train.jsonl").describe()
+    assert flags(with_model) == flags(embedded) - embedded_only
+    assert "(9 settings of the embedded model and task do not apply to --model)" in with_model
+    assert "'Qwen/Qwen2.5-0.5B-Instruct'" in with_model and "num-eval" in flags(with_model)
+
+
 # ---------------------------------------------------------------- batch layout
 def _sample(prompt, response, logprobs):
     return RolloutSample(prompt, response, logprobs, None, None, "", "stop")

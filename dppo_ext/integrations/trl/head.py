@@ -25,7 +25,7 @@ import_trl()
 from transformers.utils import ModelOutput  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402  (after the version check)
 
-__all__ = ["DPPOForwardOutput", "add_dppo_head", "flat_float"]
+__all__ = ["DPPOForwardOutput", "add_dppo_head", "check_plain_logits", "flat_float"]
 
 # Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
 _LOGIT_TRANSFORMS = (
@@ -55,6 +55,20 @@ def flat_float(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.reshape(-1).float().contiguous()
 
 
+def check_plain_logits(config: Any) -> None:
+    """Refuse a model whose forward soft-caps or rescales the LM head's output (``config``: its transformers config).
+
+    The DPPO loss is computed from the plain LM-head output; DPPOGRPOTrainer calls this before TRL starts vLLM."""
+    text_config = config.get_text_config()
+    transforms = {name: getattr(text_config, name, None) for name in _LOGIT_TRANSFORMS}
+    transforms = {name: value for name, value in transforms.items() if value is not None and value != 1.0}
+    if transforms:
+        raise ValueError(
+            f"DPPOGRPOTrainer does not support models that transform the LM head's logits in their forward "
+            f"(config has {transforms}); the DPPO loss is computed from the plain LM-head output"
+        )
+
+
 def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: float) -> None:
     """Wrap ``model.forward`` so that ``model(input_ids, attention_mask, dppo_batch=batch)`` returns DPPO outputs.
 
@@ -73,14 +87,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             f"model.base_model), got {type(model).__name__} whose output embeddings are {type(head).__name__}; "
             f"load the model with AutoModelForCausalLM"
         )
-    text_config = model.config.get_text_config()
-    transforms = {name: getattr(text_config, name, None) for name in _LOGIT_TRANSFORMS}
-    transforms = {name: value for name, value in transforms.items() if value is not None and value != 1.0}
-    if transforms:
-        raise ValueError(
-            f"DPPOGRPOTrainer does not support models that transform the LM head's logits in their forward "
-            f"(config has {transforms}); the DPPO loss is computed from the plain LM-head output"
-        )
+    check_plain_logits(model.config)
     previous_forward = model.forward
     delta_low, delta_high = args.dppo_deltas
 

@@ -26,7 +26,7 @@ from .generation import (
     pad_topk,
     split_vllm_logprobs,
 )
-from .head import DPPOForwardOutput, add_dppo_head, flat_float
+from .head import DPPOForwardOutput, add_dppo_head, check_plain_logits, flat_float
 from .versions import import_trl, tested_vllm_warning_silenced
 
 import_trl()
@@ -107,6 +107,8 @@ class DPPOGRPOTrainer(GRPOTrainer):
         if colocate and args.dppo_vllm_kv_cache_gib is not None:
             llm_kwargs["kv_cache_memory_bytes"] = args.dppo_vllm_kv_cache_bytes
         hf_config = _model_config(model)
+        if hf_config is not None:
+            check_plain_logits(hf_config)  # before TRL starts vLLM (a minute or more)
         if isinstance(model, str) and policy_attn_implementation(hf_config):
             # the policy must soft-cap attention logits as vLLM does (dppo_ext.rollout.vllm_parity)
             init_kwargs = dict(args.model_init_kwargs or {})

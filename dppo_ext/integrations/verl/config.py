@@ -6,8 +6,9 @@ driver, before ``ray.init``; the plugin wraps that function (:mod:`dppo_ext.inte
 a missing threshold passed verl's own checks and failed at the first actor update, or inside the rollout server,
 minutes into a run.
 
-Pure Python on purpose (no verl, torch or dppo_ext._C import): the config is read through ``.get`` and attribute
-access, which both an omegaconf ``DictConfig`` and a plain mapping tree answer.
+Pure Python on purpose (no verl, torch or dppo_ext._C import at import time; :mod:`dppo_ext.contract` only when a
+run names one of dppo_ext's own modes, to refuse it): the config is read through ``.get`` and attribute access, which
+both an omegaconf ``DictConfig`` and a plain mapping tree answer.
 """
 
 from __future__ import annotations
@@ -132,6 +133,17 @@ def validate(config: Any) -> None:
     custom = _get(rollout, "custom")
     k = check_topk(_get(custom, TOPK_CONFIG_KEY), _max_logprobs(rollout)) if custom else 0
     if mode not in VERL_MODES:
+        ours = _verl_name_of_ours(mode)
+        if ours is not None:
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={mode!r} is dppo_ext's name, not a verl loss mode: "
+                + (
+                    f"in verl the plugin computes it as loss_mode={ours}"
+                    if ours
+                    else f"the verl plugin does not provide it (it provides {tuple(VERL_MODES)})"
+                )
+                + " (docs/names.md, 'Modes')"
+            )
         if isinstance(mode, str) and mode.strip().lower().replace("-", "_") in VERL_MODES:
             raise ValueError(
                 f"{ACTOR}.policy_loss.loss_mode={mode!r} is not a loss mode (names are case- and "
@@ -204,6 +216,22 @@ def validate(config: Any) -> None:
                 logprobs_mode,
                 temperature,
             )
+
+
+def _verl_name_of_ours(mode: Any) -> Optional[str]:
+    """For one of dppo_ext's own mode names or aliases (``binary_tv``, ``dppo_binary_kl``, ``ratio``, ...): the verl
+    loss mode that computes it ("" where the plugin has none); None for any other name.
+
+    dppo_ext's names live in :mod:`dppo_ext.contract`, which imports torch; verl's driver has torch loaded already,
+    and this runs only for a name that is not one of the plugin's verl modes."""
+    if not isinstance(mode, str):
+        return None
+    from dppo_ext.contract import MODE_ALIASES, MODES
+
+    if mode not in MODES and mode not in MODE_ALIASES:
+        return None
+    canonical = MODE_ALIASES.get(mode, mode)
+    return next((name for name, spec in VERL_MODES.items() if spec.mode == canonical), "")
 
 
 def _verl_registry() -> frozenset[str]:
