@@ -13,13 +13,22 @@ runtime preloaded into Python: see ``sanitizer_env``.
     python python_tests/cuda_emu/emu_build.py [--variant plain|asan|tsan] [--csrc DIR] [--out DIR]
 
 prints the library's path (rebuilt only when a source, flag, compiler or torch changed).
+
+Most of a build is parsing torch's headers. With g++, each variant first precompiles the part of emu_ops.cpp that
+no tree under test can change (its leading includes: cuda_emu.h, ATen, torch/library.h, the standard headers) into
+build/cuda_emu/pch-<variant>-<hash>/, keyed by the variant's flags, the compiler, torch and every emulator header,
+and every build of that variant (the repo's and each mutant's) then starts from it (``-include``, ``-Winvalid-pch``).
+The library is byte for byte the one a build without it makes; a header g++ refuses is parsed as text, and said so.
+``DPPO_CUDA_EMU_PCH=0`` builds without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,30 +102,91 @@ def _inputs(csrc: Path) -> list[Path]:
     return files
 
 
-def command(variant: str, csrc: Path, out: Path) -> list[str]:
-    """The compiler command line that builds the emulator library at `out`."""
+def _compile_args(variant: str, csrc: Path | None) -> list[str]:
+    """The compiler, flags and include folders; the tree under test's cuda/ folder only when csrc is given."""
     import torch
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [
-        _cxx(),
-        *_flags(variant),
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        "-I",
-        str(HERE / "stubs"),
-        "-I",
-        str(csrc / "cuda"),
-        "-I",
-        str(HERE),
-    ]
+    cmd = [_cxx(), *_flags(variant), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(HERE / "stubs")]
+    if csrc is not None:
+        cmd += ["-I", str(csrc / "cuda")]
+    cmd += ["-I", str(HERE)]
     for inc in cpp_extension.include_paths():
         cmd += ["-isystem", inc]
+    return cmd
+
+
+def command(variant: str, csrc: Path, out: Path, pch: Path | None = None) -> list[str]:
+    """The compiler command line that builds the emulator library at `out` (from the precompiled `pch` header
+    when given: see `precompiled_header`)."""
+    from torch.utils import cpp_extension
+
+    cmd = _compile_args(variant, csrc)
+    if pch is not None:
+        cmd += ["-include", str(pch), "-Winvalid-pch"]
     cmd += [str(HERE / src) for src in SOURCES] + ["-o", str(out)]
     for lib in cpp_extension.library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
     return cmd
+
+
+def _pch_text() -> str:
+    """emu_ops.cpp's leading #include lines, up to the first that is neither a system header nor the
+    emulator's own (the first from the tree under test): what every build of a variant parses alike."""
+    lines = []
+    for line in (HERE / SOURCES[0]).read_text().splitlines():
+        if not line.strip() or line.startswith("//"):
+            continue
+        m = re.match(r'#include\s+(<[^>]+>|"([^"]+)")', line)
+        if m is None or (m.group(2) is not None and not (HERE / m.group(2)).is_file()):
+            break
+        lines.append(f"#include {m.group(1)}")
+    return "".join(f"{line}\n" for line in lines)
+
+
+def precompiled_header(variant: str, quiet: bool = False) -> Path | None:
+    """Builds (if not current) the variant's precompiled header and returns the header to pass to `-include`
+    (its .gch beside it), or None: not g++, DPPO_CUDA_EMU_PCH=0, or it did not compile (the build then parses
+    everything as text and reports the error itself)."""
+    import torch
+
+    cxx_version = subprocess.run([_cxx(), "--version"], capture_output=True, text=True, check=True).stdout
+    if os.environ.get("DPPO_CUDA_EMU_PCH", "1") == "0" or "Free Software Foundation" not in cxx_version:
+        return None
+    text = _pch_text()
+    # g++ itself refuses a .gch made by another compiler or with other flags or macros (-Winvalid-pch then says so
+    # and the header is parsed as text), but not one whose headers have changed since: the key holds their contents.
+    args = [a for a in _compile_args(variant, None) if a != "-shared"]
+    h = hashlib.sha256()
+    for f in sorted(HERE.glob("*.h")) + sorted((HERE / "stubs").rglob("*.h")):
+        h.update(str(f.relative_to(HERE)).encode())
+        h.update(f.read_bytes())
+    h.update("\0".join([*args, text, cxx_version, torch.__version__, str(torch.version.git_version)]).encode())
+    digest = h.hexdigest()[:16]
+    folder = REPO / "build" / "cuda_emu" / f"pch-{variant}-{digest}"
+    header, gch = folder / "emu_pch.h", folder / "emu_pch.h.gch"
+    folder.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: flock holds between processes and between threads (each open() is its own lock).
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if gch.is_file() and header.is_file() and header.read_text() == text:
+            return header
+        header.write_text(text)
+        tmp = folder / f"emu_pch.h.gch.tmp{os.getpid()}"
+        if not quiet:
+            print(f"[cuda_emu] precompiling the {variant} emulator's headers ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run([*args, "-x", "c++-header", str(header), "-o", str(tmp)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            print(f"[cuda_emu] no precompiled header ({proc.stderr[-2000:]})", file=sys.stderr, flush=True)
+            return None
+        os.replace(tmp, gch)
+        if not quiet:
+            print(f"[cuda_emu] precompiled {gch} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        return header
 
 
 def build(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None = None, quiet: bool = False) -> Path:
@@ -140,13 +210,16 @@ def build(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (LIB_NAME + f".tmp{os.getpid()}")
-    cmd = command(variant, csrc, tmp)
+    pch = precompiled_header(variant, quiet)
+    cmd = command(variant, csrc, tmp, pch)
     if not quiet:
         print(f"[cuda_emu] building the {variant} emulator ({csrc}) ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the CUDA emulator build failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
+    if pch is not None and f"{pch.name}.gch" in proc.stderr:  # -Winvalid-pch: g++ refused it, parsed the text
+        print(f"[cuda_emu] {pch}.gch not used, built without it:\n{proc.stderr[-2000:]}", file=sys.stderr, flush=True)
     os.replace(tmp, lib)
     (out_dir / "hash").write_text(digest)
     if not quiet:
