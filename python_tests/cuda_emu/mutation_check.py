@@ -430,7 +430,8 @@ MUTANTS += [
         VP_HEADER,
     ),
     # nvcc contracts the plain product into the subtraction (an FMA): at a logit of 1e30 the max column's shifted
-    # logit is the product's rounding error, ~1e22, whose exp() overflows.
+    # logit is the product's rounding error, ~1e22, whose exp() overflows. (The grid without the 1e30 rows caught
+    # this one too, in one row of one case; every 1e30 case catches it now.)
     Mutant(
         "vp-scale-logit-plain-multiply",
         "the vocabulary-parallel statistics scale a logit with a plain * (contracted into an FMA by nvcc)",
@@ -440,6 +441,18 @@ MUTANTS += [
         VP_WRONG_VALUES,
         VP_SELECT,
         VP_HEADER,
+    ),
+    # log p as s_a - lse: the same number, until the lse is 1e30 and its log-sum term is lost in its rounding (a row
+    # whose token ties at a huge max gets log p = 0 for -log(ties)).
+    Mutant(
+        "vp-logp-from-lse",
+        "the vocabulary-parallel epilogue forms log p as s_a - lse instead of (s_a - max) - log(total)",
+        "  const T lp = xa_raw - log_total;",
+        "  const T lp = s_a - lse;",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        "vocab_parallel_math.h",
     ),
     # Rows on grid.y, whose limit is 65,535: right for every batch under it.
     Mutant(

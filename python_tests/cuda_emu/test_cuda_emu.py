@@ -893,7 +893,7 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
     slice (every third column, then most of the second half: a padded or top-k filtered vocabulary), and row
     5 + r the first column of rank r (also the last of its top-K ids), so every rank owns sampled tokens and
     top-K ids, and a token sits on every boundary. With `extreme`, row 8 puts a logit of 1e30 (3e4 in fp16) on
-    its token (all the mass there) and row 0 ties every other column at half that."""
+    its token (all the mass there) and row 0 ties every other column, its token's among them, at half that."""
     g = torch.Generator().manual_seed(seed)
     v = c.v
     offsets = vp_offsets(v, c.world)
@@ -913,6 +913,7 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
     if c.extreme:
         huge = 3e4 if c.dtype == torch.float16 else 1e30
         z[8, tokens[8]] = huge
+        tokens[0] -= tokens[0] % 2  # among the tied columns: log p = -log(ties) beside an lse of 1e30
         z[0, ::2] = huge / 2
     k = min(c.k, v)
     rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
