@@ -1087,15 +1087,20 @@ def test_vocab_parallel_topk_kl_rest_mass_precision(emu, world):
 
 @fiber_only
 def test_more_than_65536_rows(emu):
-    """65,536 + 37 rows of V = 3 (cheap): past the 65,535 blocks a grid's y dimension holds, so a kernel that puts
-    rows on grid.y fails to launch (mutation_check.py: vp-rows-on-grid-y). Every kernel with a block per row, or
-    a row per thread: the vocabulary-parallel statistics and epilogue, the one-block forward and the backward,
-    against the CPU ops on the same inputs, the last rows included."""
+    """65,536 + 37 rows of V = 3, most of them padding (cheap): past the 65,535 blocks a grid's y dimension
+    holds, so a kernel that puts rows on grid.y fails to launch (mutation_check.py: vp-rows-on-grid-y). Every
+    kernel with a block per row, or a row per thread: the vocabulary-parallel statistics and epilogue, the
+    one-block forward and the backward, against the CPU ops on the same inputs, the last rows included."""
     n, v = 65536 + 37, 3
     g = torch.Generator().manual_seed(23)
     z = torch.randn(n, v, generator=g) * 3.0
     tokens = torch.randint(0, v, (n,), generator=g)
-    tokens[::7] = -100
+    # Padding but every 97th row and the last 40 (a padding block is a few microseconds, a valid one ~0.6 ms here):
+    # a row indexed wrongly still lands on another row's outputs, and the rows past 65,535 are real ones.
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[::97] = True
+    keep[-40:] = True
+    tokens[~keep] = -100
     roll = -torch.rand(n, generator=g) * 3.0
     adv = torch.randn(n, generator=g)
     rows = (tokens, roll, adv, None, None, None, "binary_kl", DELTA_LOW, DELTA_HIGH, RATIO_CAP, True)
