@@ -6,7 +6,8 @@ lse / entropy the kernel was given: grad = (g_t (1[j = a] - p) - g_h p (log p + 
 
 Default: every case below x fp32/bf16/fp16/fp64 x every mode x entropy on/off, then fp32/bf16 x
 binary_kl/topk_tv with the blocks per row forced by DPPO_CUDA_SPLIT = 1, 2, 7, 150 (split and
-non-split paths whatever N and the SM count). --quick: the small
+non-split paths whatever N and the SM count), and the vocabulary-parallel ops (check_vocab_parallel: W = 1, 2, 3
+simulated ranks, the statistics of each rank's slice then the epilogue). --quick: the small
 fp32/bf16 cases (for compute-sanitizer memcheck); --tiny: two bf16 cases (racecheck); --large: also
 one N * V > 2^31 case (int64 offsets), compared with the CPU kernel on its last rows. --dry-run: on any
 machine, everything up to the first GPU call (the first case's inputs and float64 reference), then stop.
@@ -251,6 +252,83 @@ def check_large(dev):
         del grad_g
 
 
+def vp_offsets(v, world):
+    """[W + 1] uneven column offsets: rank 0 about half, rank 1 a single column (W = 3), the rest the remainder."""
+    if world == 1:
+        return [0, v]
+    if world == 2:
+        return [0, (2 * v) // 5, v]
+    return [0, v // 2, v // 2 + 1, v]
+
+
+def check_vocab_parallel(dev, dtypes, modes, worlds=(1, 2, 3)):
+    """torch.ops.dppo.dppo_vocab_parallel_stats / _epilogue on the GPU, as W simulated ranks in one process: each
+    rank's statistics from its column slice of the logits (even ranks a view at the full row stride, odd ranks a
+    contiguous copy), stacked [W, N, 4 + K] as the all-gather would, then the epilogue; the seven outputs against
+    the float64 reference on the whole logits. The emulator runs these kernels on the CPU; only here does their
+    host side (the offsets handed to the epilogue, the statistics' layout on the device) meet a GPU. Returns the
+    number of checks."""
+    checks = 0
+    for dtype in dtypes:
+        c = make_case(7, 1003, dtype, 5, 1, 3, seed=1003, extreme=True)
+        ref_rows = dict(c)
+        for world in worlds:
+            offsets = vp_offsets(c["v"], world)
+            # Every rank owns a sampled token: row 5 + r samples the first column of rank r (rows 0-4 keep their roles).
+            tokens = c["tokens"].clone()
+            for r in range(world):
+                if 5 + r < tokens.shape[0]:
+                    tokens[5 + r] = offsets[r]
+            ref_rows["tokens"] = tokens
+            for mode in modes:
+                tag = f"vocab-parallel W={world} {mode} {str(dtype)[6:]}"
+                out_r = reference(ref_rows, mode, True, False, 0.7)
+                if DRY_RUN:
+                    raise DryRunStop(f"{tag}: inputs and float64 reference built")
+                g = on(ref_rows, dev)
+                logits = logits_of(g)
+                topk = mode in TOPK_MODES
+                ids = g["topk_ids"] if topk else None
+                slices = [
+                    logits[:, a:b] if r % 2 == 0 else logits[:, a:b].contiguous()
+                    for r, (a, b) in enumerate(zip(offsets, offsets[1:]))
+                ]
+                stats = torch.stack(
+                    [
+                        torch.ops.dppo.dppo_vocab_parallel_stats(z, g["tokens"], ids, a, 0.7, True)
+                        for z, a in zip(slices, offsets)
+                    ]
+                )
+                out_g = torch.ops.dppo.dppo_vocab_parallel_epilogue(
+                    stats,
+                    offsets,
+                    g["tokens"],
+                    g["rollout"],
+                    g["adv"],
+                    ids,
+                    g["topk_lp"] if topk else None,
+                    None,
+                    mode,
+                    DELTA_LOW,
+                    DELTA_HIGH,
+                    10.0,
+                    True,
+                )
+                div, pi = out_r[2], out_r[1].exp()
+                flipped = out_g[3].cpu().double() != out_r[3]
+                near = (pi - ref_rows["rollout"].double().exp()).abs() < 1e-5
+                for t in (DELTA_LOW, DELTA_HIGH, 1 - DELTA_LOW, 1 + DELTA_HIGH):
+                    near |= (div - t).abs() < 1e-3
+                if (flipped & ~near).any():
+                    failures.append(
+                        f"{tag}: mask differs away from a threshold at rows {flipped.nonzero().flatten().tolist()}"
+                    )
+                for name, a, b in zip(NAMES, out_g, out_r):
+                    close(f"{tag} {name}", a, b, TOL[dtype], flipped if name in ("loss", "mask") else None)
+                checks += 1
+    return checks
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -287,6 +365,10 @@ def run(args, dev):
         cases += [("many-rows", 1500, 3001, 20, 0, 5, True), ("n=1-split", 1, 65543, 20, 1, 0, False)]
         dtypes += [torch.float16, torch.float64]
     checks = 0
+    try:
+        checks += check_vocab_parallel(dev, dtypes[:2], ("binary_tv", "topk_kl") if args.tiny else MODES)
+    except DryRunStop as stop:  # the dry run goes on to the loss's first case, which stops it
+        print(f"dry run: the vocabulary-parallel check stopped before its first GPU call ({stop})")
     for label, n, v, k, col_off, row_pad, extreme in cases:
         for dtype in dtypes:
             c = make_case(n, v, dtype, min(k, v), col_off, row_pad, seed=n * 31 + v, extreme=extreme)

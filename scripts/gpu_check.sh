@@ -18,7 +18,8 @@
 #   2. import    30/15   dppo_ext._C.cuda_compiled is True, the GPU is visible
 #   3. selfcheck 90/60   scripts/cuda_selfcheck.py: CUDA outputs vs dppo_ext.reference in float64,
 #                        gradients vs the contract's formula in float64 (every mode and dtype, split and
-#                        not, misaligned rows, -inf and 1e30 logits, in-place), one N x V > 2^31 case
+#                        not, misaligned rows, -inf and 1e30 logits, in-place), one N x V > 2^31 case, and the
+#                        vocabulary-parallel ops (W = 1, 2, 3 simulated ranks: statistics per slice, then the epilogue)
 #   4. pytest    90/45   pytest -q python_tests -m needs_cuda (the test suite's CUDA cases)
 #   5. memcheck  75/45   compute-sanitizer --tool memcheck on the self-check's small cases
 #   6. bandwidth 60/40   benchmarks/gpu_bandwidth.py: copy bandwidth, forward / backward GB/s at N=16384,

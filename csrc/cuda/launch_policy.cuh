@@ -13,6 +13,16 @@
 //   vp_epilogue_kernel                   kVpEpilogueThreads    (ceil(N / kVpEpilogueThreads))
 // S = forward_splits() / backward_splits(): 1 once N fills the GPU (4 / 8 blocks per SM), else enough
 // blocks per row to get there, each with at least two vectors per thread.
+//
+//   kernel                               __launch_bounds__ (threads, blocks per SM)
+//   dppo_loss_forward_kernel             kThreads, (kForwardMinBlocks<scalar_t, kEntropy>)
+//   dppo_loss_forward_partial_kernel     kThreads, kStreamMinBlocks<scalar_t>
+//   dppo_loss_forward_finish_kernel      kFinishThreads, 1
+//   dppo_loss_backward_kernel            kThreads, kStreamMinBlocks<scalar_t>
+//   vp_stats_kernel                      kVpThreads
+//   vp_epilogue_kernel                   kVpEpilogueThreads, 1
+// (python_tests/cuda_emu/test_cuda_emu.py holds each kernel's __launch_bounds__ to this table and the blocks per SM
+// below to their numbers: the emulator defines __launch_bounds__ away, and only ptxas would see a swapped cap.)
 #pragma once
 
 #include <c10/core/Device.h>

@@ -15,8 +15,9 @@
 // (exited threads drop out) and every thread must arrive from the same call site; a shuffle's mask
 // must name exactly the live lanes of the warp, and the calling lane; 16-byte loads and stores
 // must be 16-byte aligned (x86 would not fault); a deadlock is reported (fibers: at once;
-// threads: after a timeout). The first error of a launch is thrown from launch() as
-// cuda_emu::Error (the op turns it into a RuntimeError).
+// threads: after a timeout); every launch names the op's current stream (current_stream()); a function-local
+// static of the kernels' namespace that is not __shared__ is refused. The first error of a launch is thrown from
+// launch() as cuda_emu::Error (the op turns it into a RuntimeError).
 //
 // Checks logic, not --use_fast_math accuracy: the emulated math is the host libm's.
 #pragma once
@@ -30,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 // ---- keywords ---------------------------------------------------------------------------------
 #define __global__
@@ -37,8 +39,19 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-// Function-scope __shared__ variables are static in CUDA too; blocks run one at a time here.
-#define __shared__ static
+// Function-scope __shared__ variables are static in CUDA too; blocks run one at a time here. Each one comes with a
+// marker static of its own beside it in the same function (kept by `used`), so the engine tells shared memory from
+// every other function-local static of the kernels' namespace, which it refuses (cuda_emu_engine.h).
+namespace cuda_emu {
+struct SharedMark {
+  char unused;
+};
+}  // namespace cuda_emu
+#define CUDA_EMU_CAT2(a, b) a##b
+#define CUDA_EMU_CAT(a, b) CUDA_EMU_CAT2(a, b)
+#define __shared__                                                                                               \
+  [[gnu::used]] [[maybe_unused]] static ::cuda_emu::SharedMark CUDA_EMU_CAT(cuda_emu_shared_mark_, __COUNTER__); \
+  static
 
 // ---- types and built-in variables -------------------------------------------------------------
 struct uint3 {
@@ -63,7 +76,9 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 
 // ---- runtime API subset -----------------------------------------------------------------------
-struct CUstream_st;
+struct CUstream_st {
+  int id;
+};
 using cudaStream_t = CUstream_st*;
 
 enum cudaError_t : int { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidDevice = 101 };
@@ -104,6 +119,10 @@ struct Stats {
 };
 Stats& stats();
 
+// The demangled names of the kernels' __shared__ variables (poisoned before every block); throws Error when the
+// kernels' namespace holds a function-local static that is not __shared__.
+std::vector<std::string> shared_var_names();
+
 // The CUDA thread that is running (fiber or OS thread): barriers and shuffles go through it.
 struct ThreadCtx {
   virtual ~ThreadCtx() = default;
@@ -119,18 +138,27 @@ ThreadCtx* current();
 
 [[noreturn]] void fail(const std::string& msg);
 
-// Runs body() once per CUDA thread of the grid; throws Error on the first detected misuse. kernel: the
-// kernel's address, for the traffic build's per-launch records (its name).
-void run_grid(const void* kernel, dim3 grid, dim3 block, void (*body)(void*), void* arg);
+// The emulated device's current stream: what the ops' Device hands their launches (emu_ops.cpp), a stream of its own,
+// not the default stream (nullptr), and the only stream a launch may name. A kernel launched on any other stream runs
+// unordered with the op's other kernels and with the caller's work on the current stream.
+inline cudaStream_t current_stream() {
+  static CUstream_st stream{1};
+  return &stream;
+}
+
+// Runs body() once per CUDA thread of the grid; throws Error on the first detected misuse (a launch on a stream other
+// than current_stream() among them). kernel: the kernel's address, for its name in messages and the traffic build's
+// per-launch records.
+void run_grid(const void* kernel, dim3 grid, dim3 block, cudaStream_t stream, void (*body)(void*), void* arg);
 
 template <typename... P>
-void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t /*stream*/, P... args) {
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream, P... args) {
   struct Call {
     void (*kernel)(P...);
     std::tuple<P...> args;
   } call{kernel, std::tuple<P...>(args...)};
   run_grid(
-      reinterpret_cast<const void*>(kernel), grid, block,
+      reinterpret_cast<const void*>(kernel), grid, block, stream,
       [](void* c) {
         auto* call = static_cast<Call*>(c);
         std::apply(call->kernel, call->args);  // each CUDA thread gets its own copy of the arguments

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -75,13 +76,17 @@ std::string hex32(unsigned m) {
 
 // ---- shared memory ----------------------------------------------------------------------------
 // The kernels' __shared__ variables are function-local statics of dppo::(anonymous namespace)
-// (the kernels header): the only writable function-local statics there. They are found once in
-// this library's own symbol table and filled with 0xff bytes (a NaN in float and double) before
-// every block. (A named section would be simpler, but GCC ignores section attributes on statics
-// of function templates.)
+// (the kernels header). They are found once in this library's own symbol table and filled with 0xff bytes
+// (a NaN in float and double) before every block. (A named section would be simpler, but GCC ignores section
+// attributes on statics of function templates.) cuda_emu.h's __shared__ puts a marker static beside each
+// one, in the same function: a writable function-local static of that namespace in a function with fewer
+// markers than statics is not shared memory, and is refused rather than poisoned (in device code a plain
+// static is one global variable that every block of the grid shares; on the host, state the poisoning
+// would silently overwrite).
 struct SharedVar {
   unsigned char* addr;
   size_t size;
+  std::string name;  // demangled
 };
 
 // This library's own ELF image (its symbol table: the kernels' __shared__ variables and names), read once.
@@ -123,16 +128,57 @@ const SelfImage& self_image() {
   return image;
 }
 
+std::string demangled(const char* mangled) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && d != nullptr ? d : mangled;
+  std::free(d);
+  return out;
+}
+
+// Every writable function-local static of dppo::(anonymous namespace) that is shared memory; fails when the
+// namespace holds one that is not (see above).
 std::vector<SharedVar> find_shared_vars() {
   static const char kPrefix[] = "_ZZN4dppo12_GLOBAL__N_1";
-  std::vector<SharedVar> out;
+  static const char kMark[] = "cuda_emu_shared_mark_";
+  struct Fn {
+    int marks = 0;
+    std::vector<SharedVar> vars;
+  };
+  std::map<std::string, Fn> by_function;  // demangled enclosing function -> its statics
   const SelfImage& im = self_image();
   im.for_each_symbol([&](const Elf64_Sym& sym, const char* name, const Elf64_Shdr& section) {
     if (ELF64_ST_TYPE(sym.st_info) != STT_OBJECT || sym.st_size == 0) return;
     if ((section.sh_flags & (SHF_WRITE | SHF_ALLOC)) != (SHF_WRITE | SHF_ALLOC)) return;
     if (std::strncmp(name, kPrefix, sizeof kPrefix - 1) != 0) return;
-    out.push_back({reinterpret_cast<unsigned char*>(im.load_base + sym.st_value), sym.st_size});
+    const std::string d = demangled(name);
+    const size_t cut = d.rfind("::");
+    Fn& fn = by_function[d.substr(0, cut)];
+    if (d.compare(cut + 2, sizeof kMark - 1, kMark) == 0) {
+      ++fn.marks;
+    } else {
+      fn.vars.push_back({reinterpret_cast<unsigned char*>(im.load_base + sym.st_value), sym.st_size, d});
+    }
   });
+  std::vector<SharedVar> out;
+  std::string refused;
+  for (const auto& [function, fn] : by_function) {
+    if (static_cast<int>(fn.vars.size()) > fn.marks) {
+      for (const SharedVar& v : fn.vars) refused += (refused.empty() ? "" : ", ") + v.name;
+    } else {
+      out.insert(out.end(), fn.vars.begin(), fn.vars.end());
+    }
+  }
+  if (!refused.empty()) {
+    fail(
+        "function-local statics of the kernels' namespace that are not __shared__ (in a function with fewer "
+        "__shared__ declarations than writable statics): " +
+        refused +
+        ". In device code a plain static is one global variable that every block of the grid shares; host-side "
+        "state there would be overwritten by the emulator's poisoning of shared memory before every block. "
+        "Declare shared memory __shared__, and keep host-side state out of dppo's anonymous namespace (or "
+        "constexpr).");
+  }
   return out;
 }
 
@@ -146,10 +192,7 @@ std::string kernel_name(const void* fn) {
     if (ELF64_ST_TYPE(sym.st_info) == STT_FUNC && im.load_base + sym.st_value == addr) mangled = name;
   });
   if (mangled.empty()) return "?";
-  int status = 0;
-  char* d = abi::__cxa_demangle(mangled.c_str(), nullptr, nullptr, &status);
-  std::string out = status == 0 && d != nullptr ? d : mangled;
-  std::free(d);
+  std::string out = demangled(mangled.c_str());
   for (const char* ns : {"dppo::(anonymous namespace)::", "dppo::", "c10::"}) {
     for (size_t at = out.find(ns); at != std::string::npos; at = out.find(ns)) out.erase(at, std::strlen(ns));
   }
@@ -616,6 +659,12 @@ uint64_t g_launch_counter = 0;
 
 }  // namespace
 
+std::vector<std::string> shared_var_names() {
+  std::vector<std::string> out;
+  for (const SharedVar& s : shared_vars()) out.push_back(s.name);
+  return out;
+}
+
 ThreadCtx* current() {
   if (tl_current == nullptr) fail("a CUDA intrinsic was called outside a kernel launch");
   return tl_current;
@@ -623,16 +672,22 @@ ThreadCtx* current() {
 
 void fail(const std::string& msg) { throw Error(msg); }
 
-void run_grid(const void* kernel, dim3 grid, dim3 block, void (*body)(void*), void* arg) {
+void run_grid(const void* kernel, dim3 grid, dim3 block, cudaStream_t stream, void (*body)(void*), void* arg) {
   std::lock_guard<std::mutex> launch_lock(g_launch_mutex);
+  if (stream != current_stream()) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "stream %p, not the current stream %p", static_cast<void*>(stream),
+                  static_cast<void*>(current_stream()));
+    fail("launch: " + kernel_name(kernel) + " on " + buf +
+         " (the op's Device::stream()): on a GPU it would run unordered with the op's other kernels and the "
+         "caller's work");
+  }
 #ifdef CUDA_EMU_TRAFFIC
   if (config().mode != Mode::kFiber) fail("the traffic build counts accesses in fiber mode only");
   traffic::begin(kernel_name(kernel), grid, block);
   struct EndLaunch {
     ~EndLaunch() { traffic::end(); }
   } end_launch;
-#else
-  (void)kernel;
 #endif
   if (block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024) {
     fail("launch: only 1-D blocks of 1..1024 threads are emulated, got (" + std::to_string(block.x) + ", " +
@@ -667,6 +722,9 @@ void run_grid(const void* kernel, dim3 grid, dim3 block, void (*body)(void*), vo
     for (const uint3& b : order) {
       poison_shared();
       for (const SharedVar& s : shared_vars()) st.shared_bytes_poisoned += static_cast<int64_t>(s.size);
+#ifdef CUDA_EMU_TRAFFIC
+      traffic::begin_block();
+#endif
       blockIdx = b;
       run_block_fibers(block.x, body, arg, where_of(b));
       ++st.blocks;

@@ -237,6 +237,7 @@ def load(variant: str = "plain", csrc: Path | None = None, out_dir: Path | None 
     ops = torch.ops.dppo_cuda_emu
     if ops.sanitizer() != {"plain": "none", "asan": "address", "tsan": "thread", "traffic": "traffic"}[variant]:
         raise RuntimeError(f"{lib} is not the {variant} build (sanitizer {ops.sanitizer()!r})")
+    ops.shared_vars()  # a function-local static of the kernels' namespace that is not __shared__ stops here
     return ops
 
 

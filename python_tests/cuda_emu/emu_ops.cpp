@@ -6,7 +6,7 @@
 //
 // The op bodies are entry_points.cuh's, the ones cuda/dppo_loss.cu and cuda/vocab_parallel.cu register: the
 // same input preparation (op_operands.h), dispatch, launch policy (DPPO_CUDA_SPLIT included) and parameter
-// packing. Only the Device differs: no device check or guard, the emulator's SM count, no stream.
+// packing. Only the Device differs: no device check or guard, the emulator's SM count, its current stream.
 #include "cuda_emu.h"  // first: the kernels headers compile against it
 
 #include <ATen/ATen.h>
@@ -27,7 +27,7 @@ struct EmuDevice {
   static void require(const at::Tensor&, const char*) {}
   explicit EmuDevice(const at::Tensor&) {}
   int sm_count() const { return dppo::sm_count(0); }
-  cudaStream_t stream() const { return nullptr; }
+  cudaStream_t stream() const { return cuda_emu::current_stream(); }
 };
 
 // An op of entry_points.cuh for the emulator: a misuse the emulator found in a kernel (cuda_emu::Error, which
@@ -75,6 +75,31 @@ std::string traffic(bool reset) {
 #endif
 }
 
+// The demangled names of the kernels' __shared__ variables the emulator poisons before every block; fails when the
+// kernels' namespace holds a function-local static that is not __shared__ (emu_build.load calls it at once, so such a
+// static stops the emulator's load with the engine's message).
+std::vector<std::string> shared_vars() {
+  try {
+    return cuda_emu::shared_var_names();
+  } catch (const cuda_emu::Error& e) {
+    TORCH_CHECK(false, "CUDA emulator: ", e.what());
+  }
+}
+
+// The blocks per SM of launch_policy.cuh's register caps, as the kernels' __launch_bounds__ name them: the
+// one-block forward (fp32, bf16, fp16, fp64; each without and with the entropy), then the streaming kernels (fp32,
+// bf16, fp16, fp64).
+std::vector<int64_t> min_blocks() {
+  using c10::BFloat16;
+  using c10::Half;
+  using dppo::kForwardMinBlocks;
+  using dppo::kStreamMinBlocks;
+  return {kForwardMinBlocks<float, false>,   kForwardMinBlocks<float, true>,  kForwardMinBlocks<BFloat16, false>,
+          kForwardMinBlocks<BFloat16, true>, kForwardMinBlocks<Half, false>,  kForwardMinBlocks<Half, true>,
+          kForwardMinBlocks<double, false>,  kForwardMinBlocks<double, true>, kStreamMinBlocks<float>,
+          kStreamMinBlocks<BFloat16>,        kStreamMinBlocks<Half>,          kStreamMinBlocks<double>};
+}
+
 std::string sanitizer() {
 #if defined(CUDA_EMU_TRAFFIC)
   return "traffic";
@@ -99,6 +124,8 @@ TORCH_LIBRARY(dppo_cuda_emu, m) {
   m.def("configure(str mode, int sm_count, int seed, float timeout_s) -> ()");
   m.def("stats(bool reset) -> int[]");
   m.def("sanitizer() -> str");
+  m.def("shared_vars() -> str[]");
+  m.def("min_blocks() -> int[]");
   m.def("traffic(bool reset) -> str");
   using dppo::op_impl;
   m.impl("dppo_loss_forward", c10::DispatchKey::CPU,
@@ -117,5 +144,7 @@ TORCH_LIBRARY(dppo_cuda_emu, m) {
   m.impl("configure", &dppo_cuda_emu::configure);
   m.impl("stats", &dppo_cuda_emu::stats);
   m.impl("sanitizer", &dppo_cuda_emu::sanitizer);
+  m.impl("shared_vars", &dppo_cuda_emu::shared_vars);
+  m.impl("min_blocks", &dppo_cuda_emu::min_blocks);
   m.impl("traffic", &dppo_cuda_emu::traffic);
 }

@@ -37,6 +37,7 @@ COMMON = "cuda/common.cuh"
 FORWARD = "cuda/dppo_loss_forward_kernels.cuh"
 BACKWARD = "cuda/dppo_loss_backward_kernels.cuh"
 VP_HEADER = "cuda/vocab_parallel_kernels.cuh"
+ENTRY = "cuda/entry_points.cuh"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Mutant:
     expect: str  # a regex the failing run's output must contain
     select: str = "match_reference"  # pytest -k: which tests run against it
     header: str = FORWARD  # the kernels header (under csrc/) it is planted in
+    also: tuple[tuple[str, str, str], ...] = ()  # further (header, old, new) pieces of the same bug
 
 
 WRONG_VALUES = r"forward \w+: \d+/\d+ off|mask differs away from a threshold|backward .*: \d+ off"
@@ -369,6 +371,123 @@ MUTANTS += [
         BACKWARD,
     ),
 ]
+# The blind spots of the grid before issue 37's coverage: each passes the grid without it (the emulator as it was and
+# test_cuda_emu.py as it was) and is caught with it.
+MUTANTS += [
+    # The emulated device has a current stream of its own, and a launch on any other is refused.
+    Mutant(
+        "finish-on-default-stream",
+        "the split forward's finishing kernel is launched on the default stream instead of the op's current stream",
+        "dim3(kFinishThreads), stream, p,",
+        "dim3(kFinishThreads), nullptr, p,",
+        "fiber",
+        r"not the current stream",
+        header=ENTRY,
+    ),
+    # A kernel's reduction buffer declared static instead of __shared__: on a GPU one global array that every block
+    # of the grid races on; the emulator used to poison (and so serialize) it as if it were shared memory.
+    Mutant(
+        "vp-smem-static-not-shared",
+        "the vocabulary-parallel statistics' reduction buffer is a plain static, not __shared__",
+        "  __shared__ acc_t smem[kVpThreads / kWarp];",
+        "  static acc_t smem[kVpThreads / kWarp];",
+        "fiber",
+        r"not __shared__",
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    # The register cap: each kernel's __launch_bounds__ against launch_policy.cuh's table (a source check: the
+    # emulator defines __launch_bounds__ away, only ptxas sees it).
+    Mutant(
+        "forward-launch-bounds-swapped",
+        "the one-block forward asks for the streaming kernels' 4 blocks per SM (a 64-register cap) also with the "
+        "entropy, where the policy gives it 3 (85 registers; 64 spilled)",
+        "__launch_bounds__(kThreads, (kForwardMinBlocks<scalar_t, kEntropy>))",
+        "__launch_bounds__(kThreads, kStreamMinBlocks<scalar_t>)",
+        "fiber",
+        r"__launch_bounds__",
+        "launch_bounds",
+    ),
+    Mutant(
+        "policy-min-blocks-swapped",
+        "the policy's blocks per SM of the one-block forward are swapped: 4 with the entropy, 3 without",
+        "(kEntropy ? 3 : 4)",
+        "(kEntropy ? 4 : 3)",
+        "fiber",
+        r"blocks per SM",
+        "launch_bounds",
+        "cuda/launch_policy.cuh",
+    ),
+    # The vocabulary-parallel epilogue in float: the top-K KL of a near-certain row (q_rest ~ 1e-10) is lost.
+    Mutant(
+        "vp-epilogue-in-float",
+        "the vocabulary-parallel epilogue merges the ranks' statistics in the accumulation dtype, not double",
+        "out.store(i, vp_merge_row<double, S>(stats",
+        "out.store(i, vp_merge_row<S, S>(stats",
+        "fiber",
+        r"vocab-parallel topk_kl",
+        "vocab_parallel and precision",
+        VP_HEADER,
+    ),
+    # nvcc contracts the plain product into the subtraction (an FMA): at a logit of 1e30 the max column's shifted
+    # logit is the product's rounding error, ~1e22, whose exp() overflows. (The grid without the 1e30 rows caught
+    # this one too, in one row of one case; every 1e30 case catches it now.)
+    Mutant(
+        "vp-scale-logit-plain-multiply",
+        "the vocabulary-parallel statistics scale a logit with a plain * (contracted into an FMA by nvcc)",
+        "acc_t x = scale_logit(static_cast<acc_t>(z[j]), inv_t) - mx;",
+        "acc_t x = static_cast<acc_t>(z[j]) * inv_t - mx;",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        VP_HEADER,
+    ),
+    # log p as s_a - lse: the same number, until the lse is 1e30 and its log-sum term is lost in its rounding (a row
+    # whose token ties at a huge max gets log p = 0 for -log(ties)).
+    Mutant(
+        "vp-logp-from-lse",
+        "the vocabulary-parallel epilogue forms log p as s_a - lse instead of (s_a - max) - log(total)",
+        "  const T lp = xa_raw - log_total;",
+        "  const T lp = s_a - lse;",
+        "fiber",
+        VP_WRONG_VALUES,
+        VP_SELECT,
+        "vocab_parallel_math.h",
+    ),
+    # Rows on grid.y, whose limit is 65,535: right for every batch under it.
+    Mutant(
+        "vp-rows-on-grid-y",
+        "the vocabulary-parallel statistics put a batch's rows on grid.y (at most 65,535) instead of grid.x",
+        "  __shared__ acc_t smem[kVpThreads / kWarp];\n  const int64_t i = blockIdx.x;",
+        "  __shared__ acc_t smem[kVpThreads / kWarp];\n  const int64_t i = blockIdx.y;",
+        "fiber",
+        r"invalid grid",
+        "65536",
+        VP_HEADER,
+        also=(
+            (
+                ENTRY,
+                "vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads)",
+                "vp_stats_kernel<scalar_t>, dim3(1, static_cast<unsigned>(in.n)), dim3(kVpThreads)",
+            ),
+        ),
+    ),
+    # Coalescing: each thread reads a contiguous chunk of the slice in the max pass: the same bytes, each once, at
+    # many times the 32-byte sectors per warp request.
+    Mutant(
+        "vp-max-pass-chunked (traffic)",
+        "the vocabulary-parallel statistics' max pass gives each thread a contiguous chunk of the slice "
+        "(uncoalesced: the lanes of a warp read addresses a chunk apart)",
+        "  for (int64_t j = threadIdx.x; j < v; j += kVpThreads) m = nan_max(m, static_cast<acc_t>(z[j]));",
+        "  const int64_t chunk = (v + kVpThreads - 1) / kVpThreads;\n"
+        "  for (int64_t j = threadIdx.x * chunk; j < v && j < (threadIdx.x + 1) * chunk; ++j) {\n"
+        "    m = nan_max(m, static_cast<acc_t>(z[j]));\n  }",
+        "traffic",
+        r"sectors",
+        "traffic_vocab_parallel",
+        VP_HEADER,
+    ),
+]
 TSAN_MUTANTS = [
     Mutant(
         "no-syncthreads (tsan)",
@@ -398,15 +517,16 @@ def plant(mutant: Mutant, dest: Path) -> Path:
     """A copy of csrc/ under dest with the mutant planted; returns the copy's csrc folder."""
     csrc = dest / "csrc"
     shutil.copytree(REPO / "csrc", csrc)
-    header = csrc / mutant.header
-    text = header.read_text()
-    count = text.count(mutant.old)
-    if count != 1:
-        raise SystemExit(
-            f"mutant {mutant.name}: the piece to replace occurs {count} times in {mutant.header} "
-            f"(expected once): update mutation_check.py to the header"
-        )
-    header.write_text(text.replace(mutant.old, mutant.new))
+    for header, old, new in ((mutant.header, mutant.old, mutant.new), *mutant.also):
+        path = csrc / header
+        text = path.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(
+                f"mutant {mutant.name}: the piece to replace occurs {count} times in {header} "
+                f"(expected once): update mutation_check.py to the header"
+            )
+        path.write_text(text.replace(old, new))
     return csrc
 
 

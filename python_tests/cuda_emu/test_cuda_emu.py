@@ -40,6 +40,7 @@ import itertools
 import math
 import os
 import random
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -699,6 +700,88 @@ def test_split_override_rejects_bad_values(emu, split_env, monkeypatch, value):
         emu.dppo_loss_forward(*op_args(x, c))
 
 
+def csrc_under_test() -> Path:
+    """The csrc tree the emulator was built from (a mutant's, or the repository's)."""
+    return Path(os.environ.get("DPPO_CUDA_EMU_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
+
+
+def documented_launch_bounds(policy: str) -> dict[str, str]:
+    """launch_policy.cuh's table of each kernel's __launch_bounds__ arguments, whitespace-normalized."""
+    lines = policy.splitlines()
+    start = next(i for i, line in enumerate(lines) if "__launch_bounds__ (threads, blocks per SM)" in line)
+    table = {}
+    for line in lines[start + 1 :]:
+        m = re.match(r"^//   (\w+)\s{2,}(\S.*)$", line)
+        if m is None:
+            break
+        table[m.group(1)] = " ".join(m.group(2).split())
+    return table
+
+
+def kernels_launch_bounds(csrc: Path) -> dict[str, str]:
+    """Each kernel's __launch_bounds__ arguments as its header writes them (parentheses balanced), by kernel name."""
+    found = {}
+    for header in sorted((csrc / "cuda").glob("*.cuh")):
+        text = header.read_text()
+        for m in re.finditer(r"__launch_bounds__\(", text):
+            if text[text.rfind("\n", 0, m.start()) + 1 : m.start()].lstrip().startswith("//"):
+                continue  # a comment naming it
+            depth, j = 1, m.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[j], 0)
+                j += 1
+            name = re.match(r"\s*(\w+)\s*\(", text[j:])
+            assert name is not None, f"{header.name}: no kernel after __launch_bounds__ at offset {m.start()}"
+            found[name.group(1)] = " ".join(text[m.end() : j - 1].split())
+    return found
+
+
+# The blocks per SM of launch_policy.cuh's list (its register caps), in emu.min_blocks()' order: the one-block forward
+# in fp32, bf16, fp16, fp64, each without and with the entropy (4 blocks, 3 with it; fp64 1), then the streaming
+# kernels (the split forward's partial kernel and the backward) in fp32, bf16, fp16, fp64 (4; fp64 1).
+DOCUMENTED_MIN_BLOCKS = [4, 3, 4, 3, 4, 3, 1, 1, 4, 4, 4, 1]
+
+
+@not_tsan
+def test_launch_bounds_follow_the_policy(emu):
+    """The register cap: every kernel's __launch_bounds__ (threads, blocks per SM) is the one launch_policy.cuh's
+    table gives it, its threads are the block the policy launches it with, and the blocks per SM the policy's
+    constants evaluate to are the documented ones. A source check, since the emulator defines __launch_bounds__
+    away (mutation_check.py: forward-launch-bounds-swapped, policy-min-blocks-swapped)."""
+    csrc = csrc_under_test()
+    policy = (csrc / "cuda" / "launch_policy.cuh").read_text()
+    documented = documented_launch_bounds(policy)
+    assert len(documented) == 6, f"launch_policy.cuh's __launch_bounds__ table: {documented}"
+    actual = kernels_launch_bounds(csrc)
+    assert actual == documented, (
+        f"the kernels' __launch_bounds__ differ from launch_policy.cuh's table: kernels {actual}, table {documented}"
+    )
+    for kernel, bounds in documented.items():
+        launched = re.search(rf"^//   {kernel}\s+(\w+)\s", policy, re.MULTILINE)
+        assert launched is not None and bounds.split(",")[0] == launched.group(1), (
+            f"{kernel}: __launch_bounds__({bounds}) but the policy launches it with blocks of "
+            f"{launched and launched.group(1)}"
+        )
+    got = list(emu.min_blocks())
+    assert got == DOCUMENTED_MIN_BLOCKS, (
+        f"blocks per SM of the register caps: {got}, documented {DOCUMENTED_MIN_BLOCKS}"
+    )
+
+
+@not_tsan
+def test_shared_memory_is_told_from_other_statics(emu):
+    """The emulator poisons exactly the kernels' __shared__ variables (every one the headers declare, in each
+    instantiation it found), and a function-local static of the kernels' namespace that is not __shared__ stops it
+    at load (mutation_check.py: vp-smem-static-not-shared)."""
+    names = list(emu.shared_vars())
+    declared = set()
+    for header in (csrc_under_test() / "cuda").glob("*.cuh"):
+        declared |= set(re.findall(r"__shared__\s+[\w:<>, ]+?\s+(\w+)\s*[\[;]", header.read_text()))
+    assert declared and {n.rsplit("::", 1)[1] for n in names} == declared, (names, declared)
+    functions = {n.removeprefix("dppo::(anonymous namespace)::").split("<")[0].split("(")[0] for n in names}
+    assert {"block_reduce_state", "block_sum_topk", "vp_stats_kernel"} <= functions, functions
+
+
 @not_tsan
 def test_schemas_match_the_real_ops(emu):
     """The emulator's ops keep the schemas of torch.ops.dppo (ops.cpp), so the tests call the
@@ -767,6 +850,7 @@ class VpCase:
     world: int
     v: int
     k: int = 5
+    extreme: bool = False
 
     @property
     def anchor(self) -> bool:
@@ -776,7 +860,7 @@ class VpCase:
     def id(self) -> str:
         return (
             f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
-            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}"
+            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}"
         )
 
 
@@ -788,6 +872,12 @@ VP_GRID = [
     VpCase(d, m, e, w, 700 if e else 37) for d in DTYPES for m in MODES for e in (True, False) for w in (1, 2, 3)
 ]
 VP_GRID.append(VpCase(torch.float32, "topk_kl", True, 3, 700, 300))
+# Logits of 1e30 (3e4 in fp16: vp_inputs' rows 0 and 8) in every dtype, with and without the entropy, at W = 2 and 3.
+VP_GRID += [
+    VpCase(d, m, e, w, 700 if e else 37, extreme=True)
+    for d in DTYPES
+    for m, e, w in (("binary_tv", True, 3), ("topk_kl", True, 2), ("ratio", False, 3))
+]
 VP_ASAN = [c for c in VP_GRID if c.world == 3 and c.dtype in (torch.float32, torch.bfloat16)]
 VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
 
@@ -802,7 +892,8 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
     row 4 sampling the last column of rank 0 and holding -inf logits mixed with finite ones in every rank's
     slice (every third column, then most of the second half: a padded or top-k filtered vocabulary), and row
     5 + r the first column of rank r (also the last of its top-K ids), so every rank owns sampled tokens and
-    top-K ids, and a token sits on every boundary."""
+    top-K ids, and a token sits on every boundary. With `extreme`, row 8 puts a logit of 1e30 (3e4 in fp16) on
+    its token (all the mass there) and row 0 ties every other column, its token's among them, at half that."""
     g = torch.Generator().manual_seed(seed)
     v = c.v
     offsets = vp_offsets(v, c.world)
@@ -819,6 +910,11 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
     neg = (cols % 3 == 1) | ((cols >= v // 2) & (cols % 7 != 0))
     neg[tokens[4]] = False
     z[4, neg] = -math.inf
+    if c.extreme:
+        huge = 3e4 if c.dtype == torch.float16 else 1e30
+        z[8, tokens[8]] = huge
+        tokens[0] -= tokens[0] % 2  # among the tied columns: log p = -log(ties) beside an lse of 1e30
+        z[0, ::2] = huge / 2
     k = min(c.k, v)
     rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
     topk_ids = rollout.topk(k, dim=-1).indices
@@ -941,6 +1037,94 @@ def check_vp(emu, x: dict, case: VpCase) -> None:
 @pytest.mark.parametrize("case", vp_selected(), ids=lambda c: c.id)
 def test_vocab_parallel_emulated_kernels_match_reference(emu, case: VpCase):
     check_vp(emu, vp_inputs(case, seed=zlib.crc32(case.id.encode())), case)
+
+
+@not_tsan
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_vocab_parallel_topk_kl_rest_mass_precision(emu, world):
+    """test_topk_kl_rest_mass_precision's rows (K = 300, pi -> 1, trainer top-K mass 1 - 1e-10) through the
+    vocabulary-parallel kernels on W ranks: the epilogue merges the ranks' statistics in double, so q_rest ~ 1e-10
+    survives and topk_kl matches the float64 reference (in float it comes out 11.441 for 11.395)."""
+    v, k = 1000, 300
+    z = torch.zeros(2, v, dtype=torch.float64)
+    z[:, 0] = 30.0
+    z[:, k:] = 30.0 + math.log(1e-10 / (v - k))
+    ids = torch.arange(k).repeat(2, 1)
+    p = torch.full((2, k), 0.49 / (k - 1), dtype=torch.float64)
+    p[:, 0] = 0.5
+    p[1] *= 0.9
+    tokens = torch.tensor([0, 0])
+    roll, adv = torch.log(p[:, 0]), torch.tensor([1.0, -1.0])
+    offsets = vp_offsets(v, world)
+    stats = torch.stack(
+        [
+            emu.dppo_vocab_parallel_stats(z[:, a:b].float(), tokens, ids, a, 1.0, False)
+            for a, b in zip(offsets, offsets[1:])
+        ]
+    )
+    got = emu.dppo_vocab_parallel_epilogue(
+        stats,
+        offsets,
+        tokens,
+        roll.float(),
+        adv.float(),
+        ids,
+        torch.log(p).float(),
+        None,
+        "topk_kl",
+        0.2,
+        0.2,
+        10.0,
+        False,
+    )[2]
+    want = dppo_loss_reference(
+        z.float().double(), tokens, roll, adv, topk_ids=ids, topk_logprobs=torch.log(p), mode="topk_kl"
+    )["divergence"]
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=0), (
+        f"vocab-parallel topk_kl W={world}: {got.tolist()} vs float64 {want.tolist()}"
+    )
+
+
+@fiber_only
+def test_more_than_65536_rows(emu):
+    """65,536 + 37 rows of V = 3, most of them padding (cheap): past the 65,535 blocks a grid's y dimension
+    holds, so a kernel that puts rows on grid.y fails to launch (mutation_check.py: vp-rows-on-grid-y). Every
+    kernel with a block per row, or a row per thread: the vocabulary-parallel statistics and epilogue, the
+    one-block forward and the backward, against the CPU ops on the same inputs, the last rows included."""
+    n, v = 65536 + 37, 3
+    g = torch.Generator().manual_seed(23)
+    z = torch.randn(n, v, generator=g) * 3.0
+    tokens = torch.randint(0, v, (n,), generator=g)
+    # Padding but every 97th row and the last 40 (a padding block is a few microseconds, a valid one ~0.6 ms here):
+    # a row indexed wrongly still lands on another row's outputs, and the rows past 65,535 are real ones.
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[::97] = True
+    keep[-40:] = True
+    tokens[~keep] = -100
+    roll = -torch.rand(n, generator=g) * 3.0
+    adv = torch.randn(n, generator=g)
+    rows = (tokens, roll, adv, None, None, None, "binary_kl", DELTA_LOW, DELTA_HIGH, RATIO_CAP, True)
+    emu.stats(True)
+    stats = emu.dppo_vocab_parallel_stats(z, tokens, None, 0, TEMPERATURE, True)
+    want_stats = torch.ops.dppo.dppo_vocab_parallel_stats(z, tokens, None, 0, TEMPERATURE, True)
+    tol = forward_tol(z, THREADS) + forward_tol(z, 8)
+    check_close("vocab-parallel stats, 65,573 rows", stats, want_stats, tol.view(-1, 1))
+    out = emu.dppo_vocab_parallel_epilogue(stats[None], [0, v], *rows)
+    want = torch.ops.dppo.dppo_vocab_parallel_epilogue(want_stats[None], [0, v], *rows)
+    check_forward("vocab-parallel forward, 65,573 rows", tuple(out), tuple(want), roll, tol, tokens)
+    fwd = emu.dppo_loss_forward(
+        z, tokens, roll, adv, None, None, None, "binary_kl", TEMPERATURE, DELTA_LOW, DELTA_HIGH, RATIO_CAP, True
+    )
+    want_fwd = torch.ops.dppo.dppo_loss_forward(
+        z, tokens, roll, adv, None, None, None, "binary_kl", TEMPERATURE, DELTA_LOW, DELTA_HIGH, RATIO_CAP, True
+    )
+    check_forward("forward, 65,573 rows", tuple(fwd), tuple(want_fwd), roll, tol, tokens)
+    gt = torch.randn(n, generator=g)
+    grad = emu.dppo_loss_backward(gt, None, z, tokens, fwd[6], None, TEMPERATURE)
+    want_g = reference_grad(z, tokens, gt, None, fwd[6], None)
+    check_grad("backward, 65,573 rows", grad, want_g, grad_bound(want_g, z, tokens, gt, None, fwd[6], None))
+    launches, blocks = emu.stats(True)[:2]
+    assert launches == 4 and blocks == n + (n + 127) // 128 + n + n, (launches, blocks)
 
 
 @fiber_only
@@ -1111,6 +1295,11 @@ def traffic_launches(
         if grids is not None:
             grids.append(launch["grid"])
     return out
+
+
+def spanned_sectors(base: int, element: int, first: int, end: int) -> int:
+    """The 32-byte sectors elements [first, end) of `element` bytes from address `base` span."""
+    return (base + end * element - 1) // 32 - (base + first * element) // 32 + 1
 
 
 def unique(bufs: dict, name: str, kind: str = "load") -> int:
@@ -1313,6 +1502,18 @@ def test_traffic_vocab_parallel(emu, dtype):
         ).sum()
         assert bufs["logits"]["load_unique"] == nv * (hi - lo) * e, bufs["logits"]
         assert bufs["logits"]["load"] == 2 * nv * (hi - lo) * e + int(owned) * e, bufs["logits"]
+        # Coalesced: each pass's warp requests cover 32 consecutive columns (the sectors those span), and each
+        # owned target or top-K logit gathered by index is at most one sector more.
+        coalesced = sum(
+            spanned_sectors(z[i].data_ptr(), e, c, min(c + 32, hi - lo))
+            for i in valid.nonzero().flatten().tolist()
+            for c in range(0, hi - lo, 32)
+        )
+        sectors = bufs["logits"]["load_sectors"]
+        assert coalesced <= sectors <= 2 * coalesced + int(owned), (
+            f"the statistics kernel's logit loads take {sectors} 32-byte sectors, coalesced loads "
+            f"{2 * coalesced} (+ {int(owned)} gathered): uncoalesced warp requests {bufs['logits']}"
+        )
         assert bufs["stats"]["store"] == bufs["stats"]["store_unique"] == n * (4 + k) * a, bufs["stats"]
         stats.append(st)
     stats = torch.stack(stats)

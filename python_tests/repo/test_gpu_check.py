@@ -37,6 +37,7 @@ def test_gpu_check_dry_run_reaches_every_step(tmp_path):
     logs = {step: (tmp_path / f"{step}.log").read_text() for step in STEPS}
     for step in ("import", "selfcheck", "memcheck", "trainer", "racecheck"):
         assert "dry run: stopped before the first GPU call" in logs[step], (step, logs[step][-2000:])
+    assert "the vocabulary-parallel check stopped before its first GPU call" in logs["selfcheck"], logs["selfcheck"]
     assert "needs_cuda" in logs["pytest"] or "collected" in logs["pytest"], logs["pytest"][-2000:]
     assert "PREDICTED (not measured)" in logs["bandwidth"], logs["bandwidth"][-2000:]
     predicted = json.loads((tmp_path / "gpu_bandwidth_predicted.json").read_text())
