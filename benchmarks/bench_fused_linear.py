@@ -12,7 +12,7 @@ require grad), the LM-head matmul included:
                    same as fused
   fused_f32logits  fused with logits_dtype=torch.float32 (and accum_dtype=torch.float32): from bf16/fp16 hidden and
                    weight, the logits tiles and every LM-head product in float32 (an fp32 LM head), the weight
-                   widened 2 MiB at a time; in float32 the same as fused
+                   widened 16 MiB at a time; in float32 the same as fused
   fused_recompute  dppo_ext.fused_linear_dppo_loss_per_row(...).loss, summed / N by the caller: the per-row path,
                    whose backward recomputes the logits tile by tile (four LM-head products)
   logits           logits = hidden @ weight.T; dppo_ext.dppo_loss(logits, ...)

@@ -196,7 +196,7 @@ def fused_linear_dppo_loss_per_row(
         memory_budget_bytes: cap for one logits buffer in the automatic plan (default max(64 MiB, size of hidden)).
         logits_dtype: the dtype of the logits tiles: None (default) or hidden's dtype, or ``torch.float32`` for
             bfloat16/float16 inputs: every LM-head product (the logits, ``g @ W``, ``g^T @ h``) is accumulated and kept
-            in float32, each gradient rounded once to its dtype; the weight is widened a block at a time (2 MiB), never
+            in float32, each gradient rounded once to its dtype; the weight is widened a block at a time (16 MiB), never
             copied whole. The logits are then those of an fp32 LM head (vLLM's fp32 ``head_dtype``). Not with
             ``vocab_parallel_group`` yet.
         weight_context: zero-argument callable returning a context manager entered around every use of
