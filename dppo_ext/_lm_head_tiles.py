@@ -64,9 +64,10 @@ TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
 # Bytes of one block of widened (float32) weight rows or gradient columns when the logits are wider than the
 # operands (logits_dtype=torch.float32 with bfloat16/float16 hidden and weight): a small fraction of any real LM head,
 # and large enough that each block's product runs near the BLAS's rate for one whole product. Measured for one
-# 256-row chunk's logits at H=512, V=32768 (AVX-512, 2 threads, a loaded host): blocks of 1024 rows (2 MiB) took 5.3x
-# one float32 product with a whole float32 weight, 4096 rows 1.8x, 8192 rows (16 MiB) 1.65x, widening the whole
-# weight and one product 1.5x. Widening costs O(V * H) per chunk of rows, 1/rows of the chunk's multiply-adds.
+# 256-row chunk's logits at H=512, V=32768 (benchmarks/bench_upcast_blocks.py; AVX-512, 2 threads, a host under a
+# load of 31): blocks of 1024 rows (2 MiB) took 6.3x one float32 product with a whole float32 weight, 4096 rows
+# 2.6x, 8192 rows (16 MiB) 1.5x, 16384 rows 2.0x, widening the whole weight and one product 1.3x. Widening costs
+# O(V * H) per chunk of rows, 1/rows of the chunk's multiply-adds.
 UPCAST_BLOCK_BYTES = 16 * 1024 * 1024
 
 
