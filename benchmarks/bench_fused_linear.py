@@ -10,6 +10,9 @@ require grad), the LM-head matmul included:
   fused_f32sums    the same with accum_dtype=torch.float32: in 16-bit dtypes the weight gradient is summed over
                    the chunks in a float32 accumulator (by default: in the 16-bit gradient itself); in float32 the
                    same as fused
+  fused_f32logits  fused with logits_dtype=torch.float32 (and accum_dtype=torch.float32): from bf16/fp16 hidden and
+                   weight, the logits tiles and every LM-head product in float32 (an fp32 LM head), the weight
+                   widened 16 MiB at a time; in float32 the same as fused
   fused_recompute  dppo_ext.fused_linear_dppo_loss_per_row(...).loss, summed / N by the caller: the per-row path,
                    whose backward recomputes the logits tile by tile (four LM-head products)
   logits           logits = hidden @ weight.T; dppo_ext.dppo_loss(logits, ...)
@@ -55,7 +58,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchlib.peak_memory import MALLOC_ENV  # noqa: E402  (benchmarks/ on the path first)
 
-CASES = ("fused", "fused_f32sums", "fused_recompute", "logits", "logits_inplace")
+CASES = ("fused", "fused_f32sums", "fused_f32logits", "fused_recompute", "logits", "logits_inplace")
+# the fused cases that compute the gradients in the forward (plan_chunks(grads_in_forward=True))
+IN_FORWARD = ("fused", "fused_f32sums", "fused_f32logits")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TARGET = {"n": 8192, "hidden": 2048, "vocab": 151936}
 SMALL = {"n": 2048, "hidden": 512, "vocab": 32768}
@@ -111,10 +116,17 @@ class Step:
         name, chunk = _split_case(case)
         self.hidden.grad = self.weight.grad = None
         args = (self.tokens, self.rollout, self.advantages)
-        if name in ("fused", "fused_f32sums"):
-            accum = self.torch.float32 if name == "fused_f32sums" else None
+        if name in IN_FORWARD:
+            accum = self.torch.float32 if name in ("fused_f32sums", "fused_f32logits") else None
+            logits_dtype = self.torch.float32 if name == "fused_f32logits" else None
             loss = fused_linear_dppo_loss(
-                self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk, accum_dtype=accum
+                self.hidden,
+                self.weight,
+                *args,
+                mode=MODE,
+                chunk_size=chunk,
+                accum_dtype=accum,
+                logits_dtype=logits_dtype,
             )[0]
         elif name == "fused_recompute":
             out = fused_linear_dppo_loss_per_row(self.hidden, self.weight, *args, mode=MODE, chunk_size=chunk)
@@ -195,9 +207,17 @@ def _plan(args: argparse.Namespace, case: str) -> dict | None:
     if not name.startswith("fused"):
         return None
     dtype = getattr(torch, DTYPES[args.dtype])
-    in_forward = name in ("fused", "fused_f32sums")
-    plan = plan_chunks(args.n, args.vocab, args.hidden, dtype, chunk_size=chunk, grads_in_forward=in_forward)
-    return plan.__dict__
+    logits_dtype = torch.float32 if name == "fused_f32logits" else None
+    plan = plan_chunks(
+        args.n,
+        args.vocab,
+        args.hidden,
+        dtype,
+        chunk_size=chunk,
+        grads_in_forward=name in IN_FORWARD,
+        logits_dtype=logits_dtype,
+    )
+    return {key: str(value) if key == "logits_dtype" else value for key, value in plan.__dict__.items()}
 
 
 def _mem_available_bytes() -> int:

@@ -15,7 +15,7 @@ import torch
 
 from . import ops  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
 from ._autograd import grad_args, input_grads, refuse_double_backward
-from ._lm_head_tiles import FusedLinearPlan, head_backward, logits_tiles, plan_chunks
+from ._lm_head_tiles import FusedLinearPlan, head_backward, logits_tiles, plan_chunks, upcast_mm
 from ._rows import LossSettings, RowInputs
 from .aggregation import aggregate_with
 from .contract import IGNORE_INDEX, accumulation_dtype
@@ -54,7 +54,7 @@ class FusedLinearRecompute(torch.autograd.Function):
         outs = [torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device) for _ in range(7)]
         if n > 0:
             with weight_context():
-                for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
+                for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows, logits_dtype=plan.logits_dtype):
                     chunk_outs = torch.ops.dppo.dppo_loss_forward(
                         tile.logits, *rows.narrow(tile.rows), *settings.op_args()
                     )
@@ -103,7 +103,9 @@ def recompute_backward(ctx, saved, plan: FusedLinearPlan, g_loss, g_logp, g_entr
         return tile.logits
 
     needs = ctx.needs_input_grad[:3]
-    return head_backward(hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context)
+    return head_backward(
+        hidden, weight, bias, needs, plan.tile_rows, plan.vocab_block, tile_grad, ctx.weight_context, plan.logits_dtype
+    )
 
 
 class FusedLinearGradsInForward(torch.autograd.Function):
@@ -126,7 +128,7 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         weight_acc = None  # sum over chunks of g^T @ h in ``accum`` (add_weight_grad)
         temperature = float(settings.temperature)
         with weight_context():
-            for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows):
+            for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows, logits_dtype=plan.logits_dtype):
                 r = tile.rows
                 chunk = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(r), *settings.op_args())
                 for out, chunk_out in zip(outs, chunk):
@@ -137,10 +139,14 @@ class FusedLinearGradsInForward(torch.autograd.Function):
                 )
                 g = tile.logits  # overwritten with d loss / d logits
                 torch.ops.dppo.dppo_loss_backward_(grad_target, None, g, rows.tokens[r], lse, None, temperature)
+                wide = g.dtype != hidden.dtype  # float32 logits of 16-bit inputs: float32 products
                 if need_hidden:
-                    torch.mm(g, weight, out=grad_hidden[r])
+                    if wide:
+                        grad_hidden[r] = upcast_mm(g, weight)
+                    else:
+                        torch.mm(g, weight, out=grad_hidden[r])
                 if need_weight:
-                    weight_acc = add_weight_grad(weight_acc, g, tile.hidden, accum)
+                    weight_acc = add_weight_grad(weight_acc, g, tile.hidden.to(g.dtype) if wide else tile.hidden, accum)
                 if need_bias:
                     grad_bias += g.sum(0, dtype=acc)
         grad_weight = None
@@ -152,7 +158,7 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         # not saved tensors: the backward hands them to autograd, which then holds the only reference (no copy)
         ctx.grads = [grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)]
         ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse, coef)
-        ctx.settings, ctx.weight_context = settings, weight_context
+        ctx.settings, ctx.weight_context, ctx.logits_dtype = settings, weight_context, plan.logits_dtype
         ctx.mark_non_differentiable(*outs)
         return loss, *outs
 
@@ -165,7 +171,9 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         # A second backward through the same graph (retain_graph=True): the first one took the forward's gradients.
         *saved, coef = ctx.saved_tensors
         hidden, weight = saved[:2]
-        plan = plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype)
+        plan = plan_chunks(
+            hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.dtype, logits_dtype=ctx.logits_dtype
+        )
         grads = recompute_backward(ctx, saved, plan, g_loss * coef, torch.zeros_like(coef), None)
         return input_grads(ctx, *grads)
 
@@ -173,8 +181,9 @@ class FusedLinearGradsInForward(torch.autograd.Function):
 def add_weight_grad(weight_acc: Optional[torch.Tensor], g: torch.Tensor, h: torch.Tensor, accum: torch.dtype):
     """``weight_acc + g^T @ h`` in ``accum``, in place (``weight_acc`` None: the first chunk, a new tensor).
 
-    ``accum`` = ``g``'s dtype (the default): one product added into the sum itself (one rounding per chunk in
-    16-bit dtypes). Otherwise (16-bit ``g``, ``accum_dtype=torch.float32``) the product is formed in blocks of
+    ``h`` is in ``g``'s dtype. ``accum`` = ``g``'s dtype (the default): one product added into the sum itself (one
+    rounding per chunk in 16-bit dtypes). Otherwise (16-bit ``g`` and ``accum_dtype=torch.float32``, or float32
+    ``g`` of float32 logits and 16-bit ``accum``) the product is formed in blocks of
     ``SUM_BLOCK_BYTES`` of the gradient's rows, each still in cache when it is added into the float32 sum (one
     16-bit product buffer of the whole [V, H] would cost its size in memory and a round trip through it per chunk).
     """

@@ -10,11 +10,17 @@ holding the ``[N, V]`` logits.
 - :func:`head_backward`: the LM head's gradients from the tiles' logits gradients: ``grad_hidden += g @ W_b``,
   ``grad_weight[b] += g^T @ h``, ``grad_bias[b] += g.sum(0)``, with float32 (float64) accumulators only where
   partial sums are added across tiles.
+- ``logits_dtype=torch.float32`` with bfloat16/float16 operands (:func:`resolve_logits_dtype`): every tile's logits
+  and logits gradient are float32, each product formed in float32 from operands widened a block at a time
+  (:func:`head_logits_`, :func:`upcast_mm`, :func:`weight_grad_into`): at most ``UPCAST_BLOCK_BYTES`` (16 MiB) of
+  widened weight exist at once, never a float32 copy of the whole weight. (This torch has no mixed-dtype ``torch.mm`` on
+  the CPU: ``aten::mm.dtype``, ``out_dtype=``, is registered for CUDA only.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, NamedTuple, Optional
 
@@ -30,10 +36,15 @@ __all__ = [
     "check_accum_dtype",
     "check_chunk_settings",
     "check_fused_inputs",
+    "check_logits_dtype",
     "head_backward",
+    "head_logits_",
     "logits_tiles",
     "plan_chunks",
     "resolve_accum_dtype",
+    "resolve_logits_dtype",
+    "upcast_mm",
+    "weight_grad_into",
 ]
 
 # Smallest vocabulary block the automatic plan uses before it also splits rows (keeps matmuls efficient).
@@ -50,6 +61,14 @@ DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024
 MIN_TRAINING_CHUNK_ROWS = 256
 # More rows when they fit in this many bytes of logits (a small vocabulary).
 TRAINING_CHUNK_BYTES = 16 * 1024 * 1024
+# Bytes of one block of widened (float32) weight rows or gradient columns when the logits are wider than the
+# operands (logits_dtype=torch.float32 with bfloat16/float16 hidden and weight): a small fraction of any real LM head,
+# and large enough that each block's product runs near the BLAS's rate for one whole product. Measured for one
+# 256-row chunk's logits at H=512, V=32768 (benchmarks/bench_upcast_blocks.py; AVX-512, 2 threads, a host under a
+# load of 31): blocks of 1024 rows (2 MiB) took 6.3x one float32 product with a whole float32 weight, 4096 rows
+# 2.6x, 8192 rows (16 MiB) 1.5x, 16384 rows 2.0x, widening the whole weight and one product 1.3x. Widening costs
+# O(V * H) per chunk of rows, 1/rows of the chunk's multiply-adds.
+UPCAST_BLOCK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -58,11 +77,14 @@ class FusedLinearPlan:
 
     chunk_rows: rows per forward chunk (forward buffer ``[chunk_rows, V]``).
     tile_rows, vocab_block: backward tile (buffer ``[tile_rows, vocab_block + 1]``).
+    logits_dtype: the dtype of the logits tiles when it is wider than the inputs' (``torch.float32`` for
+        bfloat16/float16 inputs), else None (the inputs' dtype).
     """
 
     chunk_rows: int
     tile_rows: int
     vocab_block: int
+    logits_dtype: Optional[torch.dtype] = None
 
     def buffer_bytes(self, vocab: int, element_size: int) -> int:
         """Largest logits buffer the plan allocates, in bytes."""
@@ -103,6 +125,28 @@ def resolve_accum_dtype(accum_dtype: Optional[torch.dtype], dtype: torch.dtype) 
     return accum_dtype
 
 
+def check_logits_dtype(logits_dtype: Optional[torch.dtype]) -> None:
+    """``logits_dtype`` is None or a floating-point ``torch.dtype`` (which ones a call accepts depends on hidden's
+    dtype, see :func:`resolve_logits_dtype`)."""
+    if logits_dtype is not None and not (isinstance(logits_dtype, torch.dtype) and logits_dtype.is_floating_point):
+        raise TypeError(f"logits_dtype must be None or a floating-point torch.dtype, got {logits_dtype!r}")
+
+
+def resolve_logits_dtype(logits_dtype: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The logits tiles' dtype for ``dtype`` hidden and weight when it differs from ``dtype``, else None.
+
+    ``logits_dtype``: None or ``dtype`` (the tiles in the inputs' dtype), or the accumulation dtype (``torch.float32``
+    for bfloat16/float16 inputs: the products accumulated and kept in float32). Anything else is a TypeError."""
+    check_logits_dtype(logits_dtype)
+    if logits_dtype is None or logits_dtype == dtype:
+        return None
+    wide = accumulation_dtype(dtype)
+    if logits_dtype != wide:
+        allowed = f"None or {dtype}" if wide == dtype else f"None, {dtype} (hidden's dtype) or {wide}"
+        raise TypeError(f"logits_dtype must be {allowed} for {dtype} hidden, got {logits_dtype!r}")
+    return logits_dtype
+
+
 def plan_chunks(
     num_rows: int,
     vocab: int,
@@ -113,6 +157,7 @@ def plan_chunks(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     grads_in_forward: bool = False,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> FusedLinearPlan:
     """Choose chunk sizes for ``num_rows`` rows, a ``[vocab, hidden_size]`` weight and ``dtype``.
 
@@ -127,8 +172,26 @@ def plan_chunks(
     ``memory_budget_bytes``, else the larger of ``MIN_TRAINING_CHUNK_ROWS`` and ``hidden_size // 4`` (a chunk's
     logits then take at most a quarter of the weight gradient's size once rows pass the minimum), or as many as fit
     in ``TRAINING_CHUNK_BYTES`` (the same for either ``accum_dtype``).
+
+    ``logits_dtype``: the tiles' dtype when wider than ``dtype`` (:func:`resolve_logits_dtype`); the budgets are then
+    counted in its element size, the plan carries it.
     """
     check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
+    logits_dtype = resolve_logits_dtype(logits_dtype, dtype)
+    if logits_dtype is not None:
+        return dataclasses.replace(
+            plan_chunks(
+                num_rows,
+                vocab,
+                hidden_size,
+                logits_dtype,
+                chunk_size=chunk_size,
+                vocab_chunk_size=vocab_chunk_size,
+                memory_budget_bytes=memory_budget_bytes,
+                grads_in_forward=grads_in_forward,
+            ),
+            logits_dtype=logits_dtype,
+        )
     rows = max(num_rows, 1)
     element_size = torch.empty((), dtype=dtype).element_size()
     if grads_in_forward:  # forward chunks only: there is no backward tile
@@ -212,20 +275,69 @@ class LogitsTile(NamedTuple):
         return self.padded.shape[1] > self.logits.shape[1]
 
 
+def _blocks(count: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive blocks of ``count`` rows of ``row_bytes`` each, ``UPCAST_BLOCK_BYTES`` a
+    block (at least one row)."""
+    step = max(UPCAST_BLOCK_BYTES // max(row_bytes, 1), 1)
+    for start in range(0, count, step):
+        yield start, min(start + step, count)
+
+
+def head_logits_(out: Tensor, h: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``out [r, c] = h [r, H] @ w [c, H]^T (+ bias [c])``, the products in ``out``'s dtype: one ``torch.mm`` when
+    it is the operands' dtype, else (float32 out, 16-bit operands) ``h`` widened once and ``w`` a block of rows at a
+    time."""
+    if out.dtype == h.dtype:
+        torch.mm(h, w.t(), out=out)
+    else:
+        wide = h.to(out.dtype)
+        for c0, c1 in _blocks(w.shape[0], w.shape[1] * out.element_size()):
+            torch.mm(wide, w[c0:c1].to(out.dtype).t(), out=out[:, c0:c1])
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def upcast_mm(g: Tensor, w: Tensor) -> Tensor:
+    """``g [r, c] @ w [c, H]`` in ``g``'s dtype (float32 ``g``, 16-bit ``w``), ``w`` widened a block of rows at a
+    time and the blocks' products summed in a ``[r, H]`` accumulator."""
+    out = g.new_zeros(g.shape[0], w.shape[1])
+    for c0, c1 in _blocks(w.shape[0], w.shape[1] * g.element_size()):
+        out.addmm_(g[:, c0:c1], w[c0:c1].to(g.dtype))
+    return out
+
+
+def weight_grad_into(out: Tensor, g: Tensor, h: Tensor) -> None:
+    """``out [c, H] = g [r, c]^T @ h [r, H]``, the product in ``g``'s dtype (``h`` widened to it), written in blocks
+    of ``out``'s rows when ``out`` is narrower (no ``[c, H]`` temporary in ``g``'s dtype)."""
+    if out.dtype == g.dtype == h.dtype:
+        torch.mm(g.t(), h, out=out)
+        return
+    wide = h.to(g.dtype)
+    for c0, c1 in _blocks(out.shape[0], out.shape[1] * g.element_size()):
+        out[c0:c1] = torch.mm(g[:, c0:c1].t(), wide)
+
+
 def logits_tiles(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tile_rows: int, vocab_block: Optional[int] = None
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    tile_rows: int,
+    vocab_block: Optional[int] = None,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> Iterator[LogitsTile]:
     """The tiles of ``hidden [N, H] @ weight [V, H]^T (+ bias [V])``: vocabulary blocks of ``vocab_block`` columns
     (default: all of V) outermost, row tiles of ``tile_rows`` inside. Every tile is computed into one buffer of
     ``[min(tile_rows, N), vocab_block (+ 1 when V is split)]`` that the next tile overwrites, so a consumer must be
-    done with a tile (it may overwrite it, e.g. with its gradient) before it asks for the next."""
+    done with a tile (it may overwrite it, e.g. with its gradient) before it asks for the next. The buffer is in
+    ``logits_dtype`` (default: hidden's dtype; see :func:`head_logits_`)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     if n == 0:
         return
     block = vocab if vocab_block is None else min(vocab_block, vocab)
     spare = 1 if block < vocab else 0
     rows = min(tile_rows, n)
-    buf = hidden.new_empty(rows, block + spare)
+    buf = hidden.new_empty(rows, block + spare, dtype=logits_dtype or hidden.dtype)
     for v0 in range(0, vocab, block):
         v1 = min(v0 + block, vocab)
         w_block = weight[v0:v1]
@@ -234,9 +346,7 @@ def logits_tiles(
             padded = buf[: r1 - r0, : v1 - v0 + spare]
             logits = padded[:, : v1 - v0]
             h = hidden[r0:r1]
-            torch.mm(h, w_block.t(), out=logits)
-            if bias is not None:
-                logits.add_(bias[v0:v1])
+            head_logits_(logits, h, w_block, None if bias is None else bias[v0:v1])
             yield LogitsTile(slice(r0, r1), slice(v0, v1), h, logits, padded if spare else logits)
 
 
@@ -249,6 +359,7 @@ def head_backward(
     vocab_block: Optional[int],
     tile_grad: Callable[[LogitsTile], Tensor],
     weight_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(grad_hidden, grad_weight, grad_bias)`` of the LM head (``None`` where ``needs`` says it is not needed).
 
@@ -256,6 +367,8 @@ def head_backward(
     tile's buffer with it). ``weight_context`` is entered around every use of ``weight`` and ``bias``. The
     gradients are contiguous and in the inputs' dtypes; partial sums across tiles are accumulated in float32
     (float64 for float64 inputs): ``grad_weight`` when rows are split, ``grad_hidden`` when the vocabulary is.
+    ``logits_dtype``: the tiles' dtype (:func:`logits_tiles`); with float32 tiles of 16-bit inputs every product is
+    formed in float32 (:func:`upcast_mm`, :func:`weight_grad_into`) and rounded once into the gradient.
     """
     need_hidden, need_weight, need_bias = needs
     need_bias = need_bias and bias is not None
@@ -273,18 +386,27 @@ def head_backward(
         )
         weight_acc = None
         with weight_context():
-            for tile in logits_tiles(hidden, weight, bias, tile_rows, vocab_block):
+            for tile in logits_tiles(hidden, weight, bias, tile_rows, vocab_block, logits_dtype):
                 if need_weight and split_rows and tile.rows.start == 0:  # a vocabulary block's first row tile
                     weight_acc = torch.zeros(tile.logits.shape[1], hidden_size, dtype=acc, device=hidden.device)
                 g = tile_grad(tile)
+                wide = g.dtype != hidden.dtype  # float32 tiles of 16-bit inputs
                 if need_hidden:
-                    if hidden_acc is None:
+                    if wide:
+                        product = upcast_mm(g, weight[tile.cols])
+                        if hidden_acc is None:
+                            grad_hidden[tile.rows] = product
+                        else:
+                            hidden_acc[tile.rows] += product
+                    elif hidden_acc is None:
                         torch.mm(g, weight[tile.cols], out=grad_hidden[tile.rows])
                     else:
                         hidden_acc[tile.rows] += torch.mm(g, weight[tile.cols])
                 if need_weight:
                     if weight_acc is None:
-                        torch.mm(g.t(), tile.hidden, out=grad_weight[tile.cols])
+                        weight_grad_into(grad_weight[tile.cols], g, tile.hidden)
+                    elif wide:
+                        weight_acc.addmm_(g.t(), tile.hidden.to(g.dtype))
                     else:
                         weight_acc += torch.mm(g.t(), tile.hidden)
                 if need_bias:

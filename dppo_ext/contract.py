@@ -9,6 +9,7 @@ index, the per-mode default thresholds and the numeric constants of the contract
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -35,7 +36,9 @@ __all__ = [
     "check_aggregation",
     "check_settings",
     "check_token_ids",
+    "refuse_truncated_sampling",
     "resolve_deltas",
+    "sampling_truncation",
 ]
 
 MODES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio", "none")
@@ -178,3 +181,57 @@ def check_token_ids(name: str, ids: Optional[torch.Tensor]) -> None:
             f"{name} must hold integer token ids (an integer dtype such as torch.int64), got dtype {ids.dtype}; "
             f"convert ids you know to be whole numbers with {name}.long()"
         )
+
+
+# Sampling truncation (docs/contract.md, "Truncated sampling"). vLLM's SamplingParams sample from the whole
+# distribution at top_k -1 or 0 (None in TRL's min_p), top_p 1 and min_p 0; any other value samples from the
+# distribution truncated to a kept set and renormalised, and vLLM's processed log-probs mu are then those of the
+# truncated distribution. The loss scores pi over the whole vocabulary until the op takes the kept set (``kept_ids``),
+# so every entry point that samples refuses truncation, with the fix (refuse_truncated_sampling). When the op takes
+# ``kept_ids``, these refusals give way to passing the rollout's kept set (dppo_ext.rollout.vllm_rollout_tensors).
+
+
+def sampling_truncation(
+    top_k: Optional[int], top_p: float, min_p: Optional[float], *, names: Optional[Mapping[str, str]] = None
+) -> dict[str, object]:
+    """The sampling settings among ``top_k`` / ``top_p`` / ``min_p`` that truncate the distribution, by name (empty
+    when none does), each value checked first: ``top_k`` an int >= -1 (-1, 0 or None: off), ``top_p`` a number in
+    (0, 1] (1: off), ``min_p`` a number in [0, 1] (0 or None: off). ``names`` maps ``top_k`` / ``top_p`` / ``min_p``
+    to the names a message should use (e.g. a config path); ValueError naming the setting otherwise."""
+    names = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", **(names or {})}
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise ValueError(f"{names['top_k']} must be an int >= -1 (-1 or 0: no top-k truncation), got {top_k!r}")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"{names['top_p']} must be a number in (0, 1] (1: no top-p truncation), got {top_p!r}")
+    if min_p is not None and (not _is_number(min_p) or not 0 <= min_p <= 1):
+        raise ValueError(f"{names['min_p']} must be a number in [0, 1] (0: no min-p truncation), got {min_p!r}")
+    truncating = {"top_k": top_k is not None and top_k > 0, "top_p": top_p < 1, "min_p": bool(min_p)}
+    values = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+    return {names[key]: values[key] for key, on in truncating.items() if on}
+
+
+def refuse_truncated_sampling(
+    top_k: Optional[int],
+    top_p: float,
+    min_p: Optional[float],
+    *,
+    names: Optional[Mapping[str, str]] = None,
+    fix: Optional[str] = None,
+) -> None:
+    """Raise ``ValueError`` when ``top_k`` / ``top_p`` / ``min_p`` truncate the sampling distribution (see
+    :func:`sampling_truncation`, which also checks their ranges). The message names each truncating setting and its
+    value, says why the loss would be wrong, and gives ``fix`` (default: top_p=1, top_k=-1 (or 0) and min_p=0,
+    spelled with ``names``)."""
+    truncating = sampling_truncation(top_k, top_p, min_p, names=names)
+    if not truncating:
+        return
+    if fix is None:
+        spelled = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", **(names or {})}
+        fix = f"{spelled['top_p']}=1, {spelled['top_k']}=-1 (or 0) and {spelled['min_p']}=0"
+    settings = ", ".join(f"{name}={value!r}" for name, value in truncating.items())
+    raise ValueError(
+        f"{settings} truncates the sampling distribution: vLLM's log-probs mu are then those of the truncated, "
+        "renormalised distribution while the DPPO loss scores pi over the whole vocabulary, so every ratio pi/mu is "
+        "off by the kept set's mass and DPPO masks tokens the policy never moved. The loss cannot replay the kept set "
+        f"yet (docs/contract.md, 'Truncated sampling'): sample from the whole distribution with {fix}"
+    )

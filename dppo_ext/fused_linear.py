@@ -78,8 +78,10 @@ from ._lm_head_tiles import (
     check_accum_dtype,
     check_chunk_settings,
     check_fused_inputs,
+    check_logits_dtype,
     plan_chunks,
     resolve_accum_dtype,
+    resolve_logits_dtype,
 )
 from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
 from ._vocab_split import check_split_args
@@ -106,10 +108,17 @@ def _per_row(
     rendezvous: Optional[Rendezvous],
     vocab_offsets: Optional[Sequence[int]],
     reduce_hidden_grad: bool = True,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> DPPOOutputs:
     """The per-row outputs on flat rows with resolved settings: the single-device fused function, or its
     vocab-parallel form inside ``vocab_parallel_call(vocab_parallel_group)`` (``rendezvous``)."""
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype)
     if rendezvous is not None:
+        if logits_dtype is not None:
+            raise ValueError(
+                f"logits_dtype={logits_dtype} is not supported with vocab_parallel_group yet (each rank's tiles are "
+                f"in hidden's dtype {hidden.dtype}); leave logits_dtype=None"
+            )
         if vocab_chunk_size is not None or weight_context is not None:
             raise ValueError(
                 "vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
@@ -130,7 +139,7 @@ def _per_row(
     check_fused_inputs(hidden, weight, bias, rows)
     (n, hidden_size), vocab = hidden.shape, weight.shape[0]
     chunking = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=memory_budget_bytes)
-    plan = plan_chunks(n, vocab, hidden_size, hidden.dtype, **chunking)
+    plan = plan_chunks(n, vocab, hidden_size, hidden.dtype, logits_dtype=logits_dtype, **chunking)
     return DPPOOutputs(
         *FusedLinearRecompute.apply(
             hidden, weight, bias, rows, settings, plan, weight_context or contextlib.nullcontext
@@ -158,6 +167,7 @@ def fused_linear_dppo_loss_per_row(
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
+    logits_dtype: Optional[torch.dtype] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
     vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     vocab_offsets: Optional[Sequence[int]] = None,
@@ -184,6 +194,11 @@ def fused_linear_dppo_loss_per_row(
         chunk_size: rows per chunk (forward and backward); None chooses it from N, V, H and dtype.
         vocab_chunk_size: vocabulary columns per backward tile; None: automatic (all of V with ``chunk_size``).
         memory_budget_bytes: cap for one logits buffer in the automatic plan (default max(64 MiB, size of hidden)).
+        logits_dtype: the dtype of the logits tiles: None (default) or hidden's dtype, or ``torch.float32`` for
+            bfloat16/float16 inputs: every LM-head product (the logits, ``g @ W``, ``g^T @ h``) is accumulated and kept
+            in float32, each gradient rounded once to its dtype; the weight is widened a block at a time (16 MiB), never
+            copied whole. The logits are then those of an fp32 LM head (vLLM's fp32 ``head_dtype``). Not with
+            ``vocab_parallel_group`` yet.
         weight_context: zero-argument callable returning a context manager entered around every use of
             ``weight``/``bias`` in forward and backward (e.g. a DeepSpeed ZeRO-3 gather).
         vocab_parallel_group: the tensor-parallel group when ``weight`` is this rank's ``[V_local, H]`` slice of
@@ -221,6 +236,7 @@ def fused_linear_dppo_loss_per_row(
             rendezvous,
             vocab_offsets,
             reduce_hidden_grad,
+            logits_dtype,
         )
 
 
@@ -248,6 +264,7 @@ def fused_linear_dppo_loss(
     vocab_chunk_size: Optional[int] = None,
     memory_budget_bytes: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
+    logits_dtype: Optional[torch.dtype] = None,
     weight_context: Optional[Callable[[], ContextManager]] = None,
     vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     vocab_offsets: Optional[Sequence[int]] = None,
@@ -285,6 +302,9 @@ def fused_linear_dppo_loss(
             summed in float32. No effect where the gradients are not computed in the forward (no grad, float16, an
             explicit ``vocab_chunk_size``, ``vocab_parallel_group``): the recompute path sums in float32 per
             vocabulary block.
+        logits_dtype: None (default): the logits tiles in hidden's dtype. ``torch.float32`` with bfloat16/float16
+            inputs: an fp32 LM head without an fp32 copy of the weight (see :func:`fused_linear_dppo_loss_per_row`);
+            combine with ``accum_dtype=torch.float32`` to also keep the weight gradient's partial sums in float32.
         vocab_parallel_group, vocab_offsets: ``weight [V_local, H]`` (``bias [V_local]``) is this rank's slice of a
             vocabulary-sharded LM head (see :func:`fused_linear_dppo_loss_per_row`, docs/distributed.md).
 
@@ -316,11 +336,14 @@ def fused_linear_dppo_loss(
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
         accum = resolve_accum_dtype(accum_dtype, hidden.dtype)
+        wide_logits = resolve_logits_dtype(logits_dtype, hidden.dtype)
         in_forward = rendezvous is None and vocab_chunk_size is None and grads_in_forward_dtype(hidden.dtype)
         if in_forward and grads_will_be_needed(flat, weight, bias):
             check_fused_inputs(flat, weight, bias, rows)
             chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
-            plan = plan_chunks(flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, **chunking)
+            plan = plan_chunks(
+                flat.shape[0], weight.shape[0], hidden_size, hidden.dtype, logits_dtype=wide_logits, **chunking
+            )
             loss, *outs = FusedLinearGradsInForward.apply(
                 flat,
                 weight,
@@ -347,6 +370,7 @@ def fused_linear_dppo_loss(
             weight_context,
             rendezvous,
             vocab_offsets,
+            logits_dtype=wide_logits,
         )
         loss = aggregate_with(out.loss.reshape(lead), valid, settings)
         return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
@@ -380,6 +404,7 @@ class FusedLinearDPPOLoss(LossModule):
         vocab_chunk_size: Optional[int] = None,
         memory_budget_bytes: Optional[int] = None,
         accum_dtype: Optional[torch.dtype] = None,
+        logits_dtype: Optional[torch.dtype] = None,
         vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
@@ -397,10 +422,12 @@ class FusedLinearDPPOLoss(LossModule):
         )
         check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
         check_accum_dtype(accum_dtype)
+        check_logits_dtype(logits_dtype)
         self.chunk_size = chunk_size
         self.vocab_chunk_size = vocab_chunk_size
         self.memory_budget_bytes = memory_budget_bytes
         self.accum_dtype = accum_dtype
+        self.logits_dtype = logits_dtype
 
     def forward(
         self,
@@ -432,10 +459,12 @@ class FusedLinearDPPOLoss(LossModule):
             vocab_chunk_size=self.vocab_chunk_size,
             memory_budget_bytes=self.memory_budget_bytes,
             accum_dtype=self.accum_dtype,
+            logits_dtype=self.logits_dtype,
             weight_context=weight_context,
             **self.loss_kwargs(),
         )
 
     def extra_repr(self) -> str:
         accum = "" if self.accum_dtype is None else f", accum_dtype={self.accum_dtype}"
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}{accum}"
+        logits = "" if self.logits_dtype is None else f", logits_dtype={self.logits_dtype}"
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}{accum}{logits}"

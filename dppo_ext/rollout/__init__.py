@@ -3,9 +3,11 @@ turn vLLM's outputs into the DPPO op's tensors."""
 
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample, force_sampled_into_topk
 from dppo_ext.rollout.factory import make_engine, vllm_available
+from dppo_ext.rollout.truncation import kept_ids_by_rule
 from dppo_ext.rollout.vllm_outputs import (
     RolloutTensors,
     extract_token_logprobs,
+    kept_sets,
     pack_rollout_samples,
     ranked_topk_rows,
     rollout_samples_from_vllm,
@@ -18,6 +20,8 @@ __all__ = [
     "RolloutTensors",
     "extract_token_logprobs",
     "force_sampled_into_topk",
+    "kept_ids_by_rule",
+    "kept_sets",
     "make_engine",
     "pack_rollout_samples",
     "ranked_topk_rows",

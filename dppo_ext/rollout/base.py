@@ -45,6 +45,8 @@ class RolloutSample:
         topk_logprobs: [T][K] log-probs matching ``topk_ids``, or None.
         text: decoded response (special tokens skipped).
         finish_reason: ``"stop"`` (EOS / stop token) or ``"length"`` (hit max_tokens).
+        kept_ids: [T][S_t] under truncated sampling, the token ids the truncation kept at each position (by
+            rank), or None (untruncated sampling).
     """
 
     prompt_ids: list[int]
@@ -54,6 +56,7 @@ class RolloutSample:
     topk_logprobs: list[list[float]] | None
     text: str
     finish_reason: str
+    kept_ids: list[list[int]] | None = None
 
 
 def force_sampled_into_topk(

@@ -21,8 +21,19 @@ goes through :func:`ranked_topk_rows` for that step -- the trainer's vLLM engine
 (:func:`extract_token_logprobs` on ``RequestOutput``s) and the TRL integration (TRL's rank-sorted
 lists) -- so one rollout gives the same top-K divergence on both.
 
+Truncated sampling (``SamplingParams`` with ``top_k`` > 0, ``top_p`` < 1 or ``min_p`` > 0): vLLM samples from the
+distribution truncated to a kept set and renormalised, and its processed log-probs are those of that distribution:
+``-inf`` for every returned token outside the kept set. Given ``sampling_params=``, :func:`vllm_rollout_tensors`
+returns the kept set of every position as ``kept_ids [B, T, S]`` (the finite entries, by rank; -1 padding) for the
+loss to renormalise pi over (DeepSeek-V3.2's "keep sampling mask"). That set is known exactly only where a returned
+entry is ``-inf`` (the set ends among the returned ones) or where top-k sampling keeps at most the ``logprobs``
+returned; elsewhere the set may hold more tokens than vLLM returned, and the position raises (ask for more
+``logprobs``, up to vLLM's ``max_logprobs``), or derive the set from the trainer's logits by the same rule
+(:func:`dppo_ext.rollout.kept_ids_by_rule`, docs/contract.md "Truncated sampling").
+
 Nothing here imports vLLM: the functions read the fields of vLLM's objects (``outputs``,
-``token_ids``, ``logprobs`` dictionaries of ``Logprob(logprob, rank)``, ``prompt_token_ids``).
+``token_ids``, ``logprobs`` dictionaries of ``Logprob(logprob, rank)``, ``prompt_token_ids``) and of
+``SamplingParams`` (``top_k``, ``top_p``, ``min_p``, ``logprobs``).
 """
 
 from __future__ import annotations
@@ -34,11 +45,13 @@ from typing import Any, Optional
 
 import torch
 
+from dppo_ext.contract import sampling_truncation
 from dppo_ext.rollout.base import RolloutSample, force_sampled_into_topk
 
 __all__ = [
     "RolloutTensors",
     "extract_token_logprobs",
+    "kept_sets",
     "pack_rollout_samples",
     "ranked_topk_rows",
     "rollout_samples_from_vllm",
@@ -137,17 +150,81 @@ def extract_token_logprobs(
     )
 
 
-def rollout_samples_from_vllm(outputs: Sequence[Any], top_k: int) -> list[list[RolloutSample]]:
+def kept_sets(
+    token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, Any]], *, logprobs: int, top_k: int
+) -> list[list[int]]:
+    """The kept set of every position of one completion generated with truncated sampling.
+
+    Args:
+        token_ids: [T] sampled tokens.
+        position_logprobs: [T] mappings ``token_id -> Logprob`` (``.logprob``, ``.rank``) of an
+            ``LLM(..., logprobs_mode="processed_logprobs")``: ``-inf`` marks a token the truncation removed.
+        logprobs: L, ``SamplingParams.logprobs`` (vLLM returns the L best ranks plus the sampled token).
+        top_k: ``SamplingParams.top_k`` (<= 0: no top-k truncation).
+
+    Returns:
+        [T] lists of the kept token ids (the finite entries), by rank.
+
+    Raises ValueError naming the position when the kept set may hold more tokens than vLLM returned: all L best
+    entries finite, unless top-k sampling keeps at most L tokens (0 < top_k <= L) or fewer than L entries came back
+    (the whole vocabulary); and when the sampled token is not in the set (its log-prob is -inf).
+    """
+    if len(token_ids) != len(position_logprobs):
+        raise ValueError(
+            f"token_ids and position_logprobs must have the same length, got "
+            f"{len(token_ids)} and {len(position_logprobs)}"
+        )
+    exact_by_top_k = 0 < top_k <= logprobs
+    sets = []
+    for pos, (tok, entries) in enumerate(zip(token_ids, position_logprobs)):
+        ranked = sorted(entries.items(), key=lambda item: item[1].rank)
+        kept = [tid for tid, lp in ranked if lp.logprob is not None and math.isfinite(lp.logprob)]
+        best = [lp.logprob for _, lp in ranked if lp.rank <= logprobs]
+        if len(best) >= logprobs and all(lp is not None and math.isfinite(lp) for lp in best) and not exact_by_top_k:
+            raise ValueError(
+                f"position {pos}: all {len(best)} best log-probs vLLM returned are finite, so the kept set of the "
+                f"truncated sampling may hold more tokens than the {len(best)} returned; raise "
+                f"SamplingParams(logprobs=...) above {len(best)} (and vLLM's LLM(max_logprobs=...) with it), sample "
+                "with top_k <= logprobs, or derive the kept set from the trainer's logits with "
+                "dppo_ext.rollout.kept_ids_by_rule"
+            )
+        if tok not in kept:
+            raise ValueError(
+                f"position {pos}: the sampled token {tok} is not in its kept set (vLLM returned log-prob "
+                f"{entries[tok].logprob if tok in entries else None} for it); was the engine created with "
+                "logprobs_mode='processed_logprobs'?"
+            )
+        sets.append(kept)
+    return sets
+
+
+def _sampling_settings(sampling_params: Any) -> tuple[bool, int, int]:
+    """``(truncates, logprobs, top_k)`` of a ``SamplingParams`` (None: no truncation known)."""
+    if sampling_params is None:
+        return False, 0, 0
+    top_k, top_p, min_p = (getattr(sampling_params, name, None) for name in ("top_k", "top_p", "min_p"))
+    names = {name: f"sampling_params.{name}" for name in ("top_k", "top_p", "min_p")}
+    truncates = bool(sampling_truncation(top_k, 1.0 if top_p is None else top_p, min_p, names=names))
+    return truncates, int(getattr(sampling_params, "logprobs", None) or 0), top_k or 0
+
+
+def rollout_samples_from_vllm(
+    outputs: Sequence[Any], top_k: int, *, sampling_params: Any = None
+) -> list[list[RolloutSample]]:
     """One :class:`RolloutSample` per completion of each ``RequestOutput``.
 
     Args:
         outputs: vLLM ``RequestOutput``s (``LLM.generate``'s return value), generated with
             ``SamplingParams(logprobs=max(top_k, 0))`` and ``logprobs_mode="processed_logprobs"``.
         top_k: K, top-K entries per position (0 = none).
+        sampling_params: the ``SamplingParams`` they were generated with; when they truncate (``top_k`` > 0,
+            ``top_p`` < 1 or ``min_p`` > 0) every sample carries its ``kept_ids`` (:func:`kept_sets`). None: no
+            truncation; a returned ``-inf`` log-prob beside the sampled token then raises (it shows truncation).
 
     Returns:
         ``[len(outputs)][n]`` samples, in vLLM's order.
     """
+    truncates, logprobs, sampling_top_k = _sampling_settings(sampling_params)
     results: list[list[RolloutSample]] = []
     for i, request in enumerate(outputs):
         group = []
@@ -157,11 +234,16 @@ def rollout_samples_from_vllm(outputs: Sequence[Any], top_k: int) -> list[list[R
                     f"vLLM finished a request with reason {completion.finish_reason!r}; expected 'stop' or 'length'"
                 )
             response = list(completion.token_ids)
+            kept = None
             try:
-                logprobs, topk_ids, topk_logprobs = extract_token_logprobs(response, completion.logprobs, top_k)
+                token_logprobs, topk_ids, topk_logprobs = extract_token_logprobs(response, completion.logprobs, top_k)
+                if truncates:
+                    kept = kept_sets(response, completion.logprobs, logprobs=logprobs, top_k=sampling_top_k)
+                else:
+                    _refuse_unannounced_truncation(response, completion.logprobs)
             except ValueError as exc:  # name the sequence: the position alone does not find it in a batch
                 raise ValueError(f"request {i}, completion {j}: {exc}") from exc
-            missing = [pos for pos, lp in enumerate(logprobs) if lp is None]
+            missing = [pos for pos, lp in enumerate(token_logprobs) if lp is None]
             if missing:
                 pos = missing[0]
                 raise ValueError(
@@ -174,11 +256,12 @@ def rollout_samples_from_vllm(outputs: Sequence[Any], top_k: int) -> list[list[R
                 RolloutSample(
                     prompt_ids=list(request.prompt_token_ids),
                     response_ids=response,
-                    logprobs=logprobs,
+                    logprobs=token_logprobs,
                     topk_ids=topk_ids,
                     topk_logprobs=topk_logprobs,
                     text=completion.text,
                     finish_reason=completion.finish_reason,
+                    kept_ids=kept,
                 )
             )
         results.append(group)
@@ -196,6 +279,8 @@ class RolloutTensors:
         topk_ids: [B, T, K] int64 top-K ids with the sampled token forced in (0 on padding), or None.
         topk_logprobs: [B, T, K] float32 matching log-probs (0 on padding), or None.
         prompt_ids: B prompt token lists (B = completions, request by request).
+        kept_ids: [B, T, S] int64 kept set of each position under truncated sampling (the token ids, by rank;
+            -1 pads each set to S, the largest, and fills padding positions), or None when sampling did not truncate.
     """
 
     tokens: torch.Tensor
@@ -204,6 +289,7 @@ class RolloutTensors:
     topk_ids: Optional[torch.Tensor]
     topk_logprobs: Optional[torch.Tensor]
     prompt_ids: list[list[int]]
+    kept_ids: Optional[torch.Tensor] = None
 
 
 def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int, with_topk: bool) -> RolloutTensors:
@@ -214,6 +300,8 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
         pad_token_id: id written into ``tokens`` at padding.
         with_topk: pack ``topk_ids`` / ``topk_logprobs`` too (every non-empty sample must carry
             them, with one K).
+
+    ``kept_ids`` is packed when any sample carries it (then every non-empty one must).
     """
     if not samples:
         raise ValueError("need at least one rollout sample, got none")
@@ -221,7 +309,13 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
     tokens = torch.full((batch, length), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((batch, length), dtype=torch.bool)
     rollout_logprobs = torch.zeros((batch, length), dtype=torch.float32)
-    topk_ids = topk_logprobs = None
+    topk_ids = topk_logprobs = kept_ids = None
+    with_kept = any(s.kept_ids is not None for s in samples)
+    if with_kept:
+        if any(s.kept_ids is None for s in samples if s.response_ids):
+            raise ValueError("some samples carry kept_ids and some do not; one rollout batch has one sampling rule")
+        width = max((len(kept) for s in samples if s.kept_ids for kept in s.kept_ids), default=1)
+        kept_ids = torch.full((batch, length, width), -1, dtype=torch.long)
     if with_topk:
         k = _topk_width(samples)
         topk_ids = torch.zeros((batch, length, k), dtype=torch.long)
@@ -245,6 +339,11 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
         if with_topk:
             topk_ids[row, :t] = torch.tensor(sample.topk_ids, dtype=torch.long)
             topk_logprobs[row, :t] = torch.tensor(sample.topk_logprobs, dtype=torch.float32)
+        if with_kept:
+            if len(sample.kept_ids) != t:
+                raise ValueError(f"sample {row}: {t} response tokens but {len(sample.kept_ids)} kept sets")
+            for pos, kept in enumerate(sample.kept_ids):
+                kept_ids[row, pos, : len(kept)] = torch.tensor(kept, dtype=torch.long)
     return RolloutTensors(
         tokens=tokens,
         rollout_logprobs=rollout_logprobs,
@@ -252,10 +351,13 @@ def pack_rollout_samples(samples: Sequence[RolloutSample], *, pad_token_id: int,
         topk_ids=topk_ids,
         topk_logprobs=topk_logprobs,
         prompt_ids=[list(s.prompt_ids) for s in samples],
+        kept_ids=kept_ids,
     )
 
 
-def vllm_rollout_tensors(outputs: Sequence[Any], top_k: int = 0, *, pad_token_id: int = 0) -> RolloutTensors:
+def vllm_rollout_tensors(
+    outputs: Sequence[Any], top_k: int = 0, *, pad_token_id: int = 0, sampling_params: Any = None
+) -> RolloutTensors:
     """The DPPO op's rollout tensors from vLLM's ``RequestOutput``s.
 
     Args:
@@ -263,13 +365,30 @@ def vllm_rollout_tensors(outputs: Sequence[Any], top_k: int = 0, *, pad_token_id
             with ``SamplingParams(logprobs=K)`` (K >= ``top_k``; ``logprobs=0`` is enough for the binary modes).
         top_k: K of the top-K modes (0: no top-K tensors).
         pad_token_id: id written into ``tokens`` at padding.
+        sampling_params: the ``SamplingParams`` of the generation. When they truncate (``top_k`` > 0, ``top_p`` < 1,
+            ``min_p`` > 0) the result carries ``kept_ids`` (see the module docstring; a position whose kept set may
+            exceed what vLLM returned raises, naming it and the settings to raise). None: untruncated sampling.
 
     Returns:
         :class:`RolloutTensors` with B = all completions, request by request (a GRPO group is
         ``n`` consecutive rows).
     """
-    samples = [s for group in rollout_samples_from_vllm(outputs, top_k) for s in group]
+    groups = rollout_samples_from_vllm(outputs, top_k, sampling_params=sampling_params)
+    samples = [s for group in groups for s in group]
     return pack_rollout_samples(samples, pad_token_id=pad_token_id, with_topk=top_k > 0)
+
+
+def _refuse_unannounced_truncation(token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, Any]]) -> None:
+    """A returned ``-inf`` beside the sampled token means the sampling truncated; without ``sampling_params`` the
+    kept set would be dropped silently."""
+    for pos, (tok, entries) in enumerate(zip(token_ids, position_logprobs)):
+        removed = [tid for tid, lp in entries.items() if tid != tok and lp.logprob == -math.inf]
+        if removed:
+            raise ValueError(
+                f"position {pos}: vLLM returned log-prob -inf for token(s) {removed[:5]}, which the sampling's "
+                "truncation (top_k / top_p / min_p) removed; pass sampling_params= (the SamplingParams of the "
+                "generation) so that the kept sets come back as kept_ids, or sample with top_p=1, top_k=-1, min_p=0"
+            )
 
 
 def _topk_width(samples: Sequence[RolloutSample]) -> int:

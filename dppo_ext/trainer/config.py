@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES
+from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, refuse_truncated_sampling
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
@@ -82,6 +82,15 @@ class TrainConfig:
     temperature: float = _opt(1.0, "rollout temperature (the trainer scores logits / temperature)")
     max_new_tokens: int = _opt(6, "maximum response tokens")
     top_k: int = _opt(0, "rollout top-K log-probs per token (>= 1 for the top-K losses)")
+    top_p: float = _opt(
+        1.0,
+        "rollout top-p (nucleus) sampling; 1 = off. Truncated sampling (< 1, or --sample-top-k > 0, --min-p > 0) is "
+        "refused: the rollout's mu is then of the truncated distribution, which the loss cannot replay yet",
+    )
+    sample_top_k: int = _opt(
+        -1, "rollout top-k sampling (vLLM's SamplingParams.top_k; --top-k is the top-K log-probs); -1 or 0 = off"
+    )
+    min_p: float = _opt(0.0, "rollout min-p sampling; 0 = off")
     adv_std: bool = _opt(True, "divide group advantages by the group std (GRPO); --no-adv-std keeps reward - mean")
     delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the loss's)")
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the loss's)")
@@ -297,6 +306,12 @@ class TrainConfig:
                 "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
                 f"got {self.group_size}"
             )
+        refuse_truncated_sampling(
+            self.sample_top_k,
+            self.top_p,
+            self.min_p,
+            names={"top_k": "--sample-top-k", "top_p": "--top-p", "min_p": "--min-p"},
+        )
         if self.uses_topk and self.top_k < 1:
             raise ValueError(
                 f"--loss {self.loss} needs the rollout's top-K log-probs: --top-k must be >= 1, got {self.top_k}"

@@ -490,13 +490,15 @@ def test_same_signature_as_dppo_loss():
             "vocab_chunk_size",
             "memory_budget_bytes",
             "accum_dtype",
+            "logits_dtype",
             "weight_context",
         ),
     )
     assert fused_fn == logits_fn
     logits_mod = params(DPPOLoss.__init__, ("self", "inplace_backward"))
     fused_mod = params(
-        FusedLinearDPPOLoss.__init__, ("self", "chunk_size", "vocab_chunk_size", "memory_budget_bytes", "accum_dtype")
+        FusedLinearDPPOLoss.__init__,
+        ("self", "chunk_size", "vocab_chunk_size", "memory_budget_bytes", "accum_dtype", "logits_dtype"),
     )
     assert fused_mod == logits_mod
     assert set(params(DPPOLoss.forward, ("self", "logits"))) | {"bias", "weight", "weight_context"} == set(

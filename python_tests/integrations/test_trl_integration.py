@@ -666,6 +666,44 @@ def test_config_refuses_wrong_types_at_construction(tmp_path, field, value, matc
         DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
 
 
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(top_p=0.9), r"top_p=0.9 truncates the sampling distribution"),
+        (dict(top_k=5), r"top_k=5 truncates the sampling distribution"),
+        (dict(min_p=0.05), r"min_p=0.05 truncates the sampling distribution"),
+        (dict(top_p=0.9, top_k=5, min_p=0.05, use_vllm=True), r"top_k=5, top_p=0.9, min_p=0.05 truncates"),
+        (dict(generation_kwargs={"top_p": 0.8}), r"generation_kwargs\['top_p'\]=0.8 truncates"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    ],
+)
+def test_config_refuses_truncated_sampling_with_the_fix(tmp_path, settings, match):
+    """TRL samples with top_p / top_k / min_p; the DPPO loss scores pi over the whole vocabulary, so truncation
+    is refused when the config is built, naming the setting, its value and the fix."""
+    with pytest.raises(ValueError, match=match) as caught:
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
+    if "truncates" in match:
+        assert "top_p=1.0, top_k=0 and min_p=None (GRPOConfig's defaults)" in str(caught.value)
+    DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, top_p=1.0, top_k=0, min_p=0.0)  # untruncated: accepted
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(dppo_logits_dtype="fp32"), r"dppo_logits_dtype must be None \(the model's dtype\) or 'float32'"),
+        (dict(dppo_logits_dtype=torch.float32), r"dppo_logits_dtype must be None .*got torch.float32"),
+        (
+            dict(dppo_logits_dtype="float32", dppo_fused_linear=False),
+            r"dppo_logits_dtype='float32' .* needs dppo_fused_linear=True",
+        ),
+    ],
+)
+def test_config_logits_dtype(tmp_path, settings, match):
+    with pytest.raises(ValueError, match=match):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
+    assert DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_logits_dtype="float32").dppo_logits_dtype
+
+
 def test_config_kv_cache_bytes(tmp_path):
     """The KV-cache size the colocated engine gets, in whole bytes; the smallest accepted size is one byte."""
     assert (

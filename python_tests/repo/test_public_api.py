@@ -45,7 +45,7 @@ DOCUMENTED = {
         "vocab_parallel_offsets",
     ],
     "dppo_ext.reference": ["dppo_loss_full_reference"],
-    "dppo_ext.rollout": ["ranked_topk_rows", "vllm_rollout_tensors"],
+    "dppo_ext.rollout": ["kept_ids_by_rule", "ranked_topk_rows", "vllm_rollout_tensors"],
     "dppo_ext.models.tiny": ["build_tiny_model"],
     "dppo_ext.integrations.trl": ["DPPOGRPOConfig", "DPPOGRPOTrainer"],
     "dppo_ext.integrations.verl.config": ["validate"],

@@ -158,6 +158,28 @@ def test_config_validation_messages(overrides, match):
         TrainConfig(**overrides).validate()
 
 
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--top-p", "0.9"], r"--top-p=0.9 truncates the sampling distribution"),
+        (["--sample-top-k", "5"], r"--sample-top-k=5 truncates the sampling distribution"),
+        (["--min-p", "0.05"], r"--min-p=0.05 truncates the sampling distribution"),
+        (["--top-p", "0.7", "--sample-top-k", "2"], r"--sample-top-k=2, --top-p=0.7 truncates"),
+        (["--top-p", "0"], r"--top-p must be a number in \(0, 1\]"),
+        (["--sample-top-k", "-2"], r"--sample-top-k must be an int >= -1"),
+        (["--min-p", "1.5"], r"--min-p must be a number in \[0, 1\]"),
+    ],
+)
+def test_truncated_sampling_refused_with_the_fix(flags, match):
+    """The trainer samples with vLLM; a truncating flag would make mu the truncated distribution's while the loss
+    scores pi over the vocabulary: refused before anything starts, naming the flag, its value and the fix."""
+    with pytest.raises(ValueError, match=match) as caught:
+        parse_config(flags)
+    if "truncates" in match:
+        assert str(caught.value).endswith("--top-p=1, --sample-top-k=-1 (or 0) and --min-p=0"), str(caught.value)
+    assert parse_config(["--top-p", "1", "--sample-top-k", "0", "--min-p", "0"]).top_p == 1.0
+
+
 def test_cli_parses_every_field_and_rejects_bad_values(capsys):
     config = parse_config(
         ["--loss", "dppo_topk_kl", "--top-k", "4", "--no-adv-std", "--delta-low", "0.1", "--steps", "3"]

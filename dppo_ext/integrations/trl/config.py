@@ -2,6 +2,8 @@
 
 How TRL's own loss fields map (docs/names.md): ``loss_type`` picks the aggregation where it is one; TRL's ratio
 clips are an error that names the ``dppo_*`` field to use; the fields of TRL's other loss formulas get a warning.
+Truncated sampling (``top_p`` < 1, ``top_k`` > 0, ``min_p`` > 0, here or in ``generation_kwargs``) is refused with
+the fix: the loss scores pi over the whole vocabulary, the rollout's mu is of the truncated distribution.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ...contract import (
     TOPK_MODES,
     canonical_mode,
     check_settings,
+    refuse_truncated_sampling,
     resolve_deltas,
 )
 from .versions import import_trl
@@ -35,6 +38,8 @@ __all__ = ["DPPOGRPOConfig", "VLLM_DTYPES"]
 
 # dtypes the colocated vLLM engine may be asked for (dppo_vllm_dtype): vLLM's "auto" or a model dtype.
 VLLM_DTYPES = ("auto", *MODEL_DTYPES)
+# dppo_logits_dtype -> the fused LM head's logits_dtype (None: the model's dtype).
+LOGITS_DTYPES = {None: None, "float32": torch.float32}
 # Bytes per GiB of dppo_vllm_kv_cache_gib (vLLM takes the KV-cache size as an int number of bytes).
 GIB = 2**30
 # TRL's loss_type -> our loss_agg_mode, for the loss types that are an aggregation (docs/aggregation.md).
@@ -83,6 +88,9 @@ class DPPOGRPOConfig(GRPOConfig):
             ``max_completion_length`` (as TRL's ``dr_grpo``).
         dppo_fused_linear: compute the loss from hidden states + LM-head weight (no logits tensor).
         dppo_chunk_size: rows per fused-linear chunk; ``None`` chooses from the sizes.
+        dppo_logits_dtype: ``None`` (the LM head's logits in the model's dtype) or ``"float32"``: with a bf16/fp16
+            model the fused LM head computes and keeps its logits in float32 without a float32 copy of the weight
+            (``fused_linear_dppo_loss(logits_dtype=torch.float32)``; needs ``dppo_fused_linear=True``).
         dppo_vllm_dtype: dtype of the colocated vLLM engine (``vllm_mode="colocate"``); ``auto`` is vLLM's choice,
             which runs a float32 checkpoint in bfloat16 or float16, so ``|pi - mu|`` then includes that rounding.
         dppo_sync_check: after every weight sync into the colocated vLLM engine, score the first sequence of the
@@ -117,6 +125,13 @@ class DPPOGRPOConfig(GRPOConfig):
     )
     dppo_chunk_size: Optional[int] = field(
         default=None, metadata={"help": "Rows per fused-linear chunk; None: automatic."}
+    )
+    dppo_logits_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "None: the fused LM head's logits in the model's dtype; float32: in float32 from bf16/fp16 "
+            "hidden states and weight (an fp32 LM head, no fp32 weight copy)."
+        },
     )
     dppo_vllm_dtype: str = field(
         default="auto",
@@ -170,6 +185,7 @@ class DPPOGRPOConfig(GRPOConfig):
                 f"dppo_topk=K >= 1 (got use_vllm={self.use_vllm}, dppo_topk={self.dppo_topk})"
             )
         self._check_trl_loss_fields()
+        self._refuse_truncated_sampling()
         if self.dppo_loss_agg_mode not in AGG_MODES:
             raise ValueError(f"dppo_loss_agg_mode must be one of {AGG_MODES}, got {self.dppo_loss_agg_mode!r}")
         if self.dppo_loss_agg_mode in NORM_AGG_MODES and not (self.max_completion_length or 0) > 0:
@@ -188,6 +204,15 @@ class DPPOGRPOConfig(GRPOConfig):
         )
         for name in ("dppo_fused_linear", "dppo_sync_check"):
             _check_bool(name, getattr(self, name))
+        if not (isinstance(self.dppo_logits_dtype, (str, type(None))) and self.dppo_logits_dtype in LOGITS_DTYPES):
+            raise ValueError(
+                f"dppo_logits_dtype must be None (the model's dtype) or 'float32', got {self.dppo_logits_dtype!r}"
+            )
+        if self.dppo_logits_dtype is not None and not self.dppo_fused_linear:
+            raise ValueError(
+                f"dppo_logits_dtype={self.dppo_logits_dtype!r} sets the fused LM head's logits dtype: it needs "
+                "dppo_fused_linear=True (got False); the logits path uses the model's own LM head"
+            )
         if not (isinstance(self.dppo_vllm_dtype, str) and self.dppo_vllm_dtype in VLLM_DTYPES):
             raise ValueError(f"dppo_vllm_dtype must be one of {VLLM_DTYPES}, got {self.dppo_vllm_dtype!r}")
         gib = self.dppo_vllm_kv_cache_gib
@@ -236,6 +261,23 @@ class DPPOGRPOConfig(GRPOConfig):
                 f"divergence (binary_tv default {DEFAULT_DELTAS['binary_tv']}), not the ratio pi/pi_old. Set "
                 f"dppo_delta_low / dppo_delta_high (for dppo_mode='ratio' these are the same clip as epsilon / "
                 f"epsilon_high) and leave epsilon, epsilon_high and delta at TRL's defaults (0.2, None, None)"
+            )
+
+    def _refuse_truncated_sampling(self) -> None:
+        """TRL's ``top_p`` / ``top_k`` / ``min_p`` (and the same keys in ``generation_kwargs``, which TRL passes to
+        the sampler over them) must sample from the whole distribution (``dppo_ext.contract``)."""
+        extra = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        for where, values in (("", vars(self)), ("generation_kwargs", extra)):
+            names = {key: f"{where}[{key!r}]" if where else key for key in ("top_k", "top_p", "min_p")}
+            if where and not any(key in values for key in names):
+                continue
+            top_k, top_p, min_p = (values.get(key) for key in ("top_k", "top_p", "min_p"))
+            refuse_truncated_sampling(
+                top_k,
+                1.0 if top_p is None else top_p,
+                min_p,
+                names=names,
+                fix="top_p=1.0, top_k=0 and min_p=None (GRPOConfig's defaults), none of them in generation_kwargs",
             )
 
     def _warn_ignored_trl_fields(self) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ...fused_linear import fused_linear_dppo_loss_per_row
 from ...loss import dppo_loss_per_row
-from .config import DPPOGRPOConfig
+from .config import LOGITS_DTYPES, DPPOGRPOConfig
 from .versions import import_trl
 
 import_trl()
@@ -136,6 +136,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
                     advantages,
                     bias=None if bias is None else bias.to(dtype),
                     chunk_size=args.dppo_chunk_size,
+                    logits_dtype=LOGITS_DTYPES[args.dppo_logits_dtype],
                     weight_context=gather,
                     **op_kwargs,
                 )

@@ -6,9 +6,17 @@ driver, before ``ray.init``; the plugin wraps that function (:mod:`dppo_ext.inte
 a missing threshold passed verl's own checks and failed at the first actor update, or inside the rollout server,
 minutes into a run.
 
-Pure Python on purpose (no verl, torch or dppo_ext._C import at import time; :mod:`dppo_ext.contract` only when a
-run names one of dppo_ext's own modes, to refuse it): the config is read through ``.get`` and attribute access, which
-both an omegaconf ``DictConfig`` and a plain mapping tree answer.
+No verl or compiled-code import on purpose: the config is read through ``.get`` and attribute access, which both
+an omegaconf ``DictConfig`` and a plain mapping tree answer. (:mod:`dppo_ext.contract`, for the sampling rule and
+dppo_ext's own mode names, loads no compiled code.)
+
+What the rollout must report for the DPPO modes (:func:`check_rollout_distribution`): mu of ``logits / T`` over the
+whole vocabulary. ``rollout.logprobs_mode`` must be ``processed_logprobs`` (``raw_logprobs`` is the same thing at
+temperature 1 only; logits modes are never log-probs), and where the loss's mu is the rollout's log-probs (the top-K
+modes, and any mode under ``algorithm.rollout_correction.bypass_mode``) ``rollout.top_p`` / ``rollout.top_k`` (and a
+``min_p``) must not truncate: vLLM's mu is then of the truncated distribution, and the loss cannot replay the kept
+set yet. (The binary modes outside bypass mode anchor on the actor's recomputed ``old_log_probs``, a full-vocabulary
+distribution like pi: truncated sampling leaves their trust region exact.)
 """
 
 from __future__ import annotations
@@ -18,9 +26,19 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
+from dppo_ext.contract import refuse_truncated_sampling
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["VERL_MODES", "ModeSpec", "Thresholds", "check_topk", "thresholds", "validate"]
+__all__ = [
+    "VERL_MODES",
+    "ModeSpec",
+    "Thresholds",
+    "check_rollout_distribution",
+    "check_topk",
+    "thresholds",
+    "validate",
+]
 
 # actor_rollout_ref.rollout.custom.<TOPK_CONFIG_KEY> = K turns the rollout's top-K log-probs on.
 TOPK_CONFIG_KEY = "dppo_topk"
@@ -109,6 +127,31 @@ def check_topk(value: Any, max_logprobs: Optional[int] = None) -> int:
             f"lower K or raise it with +{ROLLOUT}.engine_kwargs.vllm.max_logprobs={value}"
         )
     return value
+
+
+def check_rollout_distribution(rollout: Any, mode: str, mu_is_rollout: bool) -> None:
+    """The rollout's log-probs and sampling for DPPO mode ``mode`` (see the module docstring); ``mu_is_rollout``: the
+    loss's mu is the rollout's log-probs. Raises ``ValueError`` naming the setting, its value and the fix."""
+    logprobs_mode = _get(rollout, "logprobs_mode", "processed_logprobs")
+    temperature = _get(rollout, "temperature", 1.0)
+    if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+        raise ValueError(
+            f"{ROLLOUT}.logprobs_mode={logprobs_mode!r} does not report log-probs: mu of {ACTOR}.policy_loss."
+            f"loss_mode={mode} must be vLLM's log-softmax of logits / T; set {ROLLOUT}.logprobs_mode=processed_logprobs"
+        )
+    if logprobs_mode == "raw_logprobs" and temperature != 1.0:
+        raise ValueError(
+            f"{ROLLOUT}.logprobs_mode=raw_logprobs at {ROLLOUT}.temperature={temperature}: mu (and the top-K) are "
+            f"then log-probs of the raw logits, not of logits / T, which the actor scores, so every token of "
+            f"loss_mode={mode} looks mismatched; set {ROLLOUT}.logprobs_mode=processed_logprobs (raw_logprobs "
+            "equals it at temperature 1 only)"
+        )
+    if mu_is_rollout:
+        names = {key: f"{ROLLOUT}.{key}" for key in ("top_k", "top_p", "min_p")}
+        top_p = _get(rollout, "top_p", 1.0)
+        refuse_truncated_sampling(
+            _get(rollout, "top_k", -1), 1.0 if top_p is None else top_p, _get(rollout, "min_p"), names=names
+        )
 
 
 def _max_logprobs(rollout: Any) -> Optional[int]:
@@ -206,16 +249,7 @@ def validate(config: Any) -> None:
                 f"{ACTOR}.policy_loss.loss_mode={mode} needs verl's vLLM rollout ({ROLLOUT}.name=vllm), "
                 f"whose server the plugin makes return the top-K; got name={name!r}"
             )
-        logprobs_mode = _get(rollout, "logprobs_mode", "processed_logprobs")
-        temperature = _get(rollout, "temperature", 1.0)
-        if logprobs_mode != "processed_logprobs" and temperature != 1.0:
-            logger.warning(
-                "%s.logprobs_mode=%r at temperature %s: mu and the top-K are then log-probs of the raw logits, not of "
-                "logits / T, which the actor scores; every token looks mismatched (keep processed_logprobs)",
-                ROLLOUT,
-                logprobs_mode,
-                temperature,
-            )
+    check_rollout_distribution(rollout, mode, spec.anchor == "rollout_log_probs" or bypass)
 
 
 def _verl_name_of_ours(mode: Any) -> Optional[str]:
