@@ -150,6 +150,7 @@ def fused_linear_dppo_loss_per_row(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
+    kept_ids: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -207,7 +208,7 @@ def fused_linear_dppo_loss_per_row(
         settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
         check_tensors(hidden=hidden, weight=weight, bias=bias)
         check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
-        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, kept_ids)
         return _per_row(
             hidden,
             weight,
@@ -237,6 +238,7 @@ def fused_linear_dppo_loss(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
+    kept_ids: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -270,7 +272,7 @@ def fused_linear_dppo_loss(
             sequence aggregation modes.
         weight: ``[V, H]`` LM-head weight (same dtype/device as ``hidden``; may be a tied input embedding).
         tokens, rollout_logprobs, advantages, response_mask, mode, topk_ids, topk_logprobs, anchor_logprobs,
-            temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
+            kept_ids, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
             as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
@@ -312,6 +314,7 @@ def fused_linear_dppo_loss(
             topk_ids,
             topk_logprobs,
             anchor_logprobs,
+            kept_ids,
         )
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
@@ -415,6 +418,7 @@ class FusedLinearDPPOLoss(LossModule):
         topk_ids: Optional[torch.Tensor] = None,
         topk_logprobs: Optional[torch.Tensor] = None,
         anchor_logprobs: Optional[torch.Tensor] = None,
+        kept_ids: Optional[torch.Tensor] = None,
         weight_context: Optional[Callable[[], ContextManager]] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_dppo_loss(
@@ -428,6 +432,7 @@ class FusedLinearDPPOLoss(LossModule):
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
             anchor_logprobs=anchor_logprobs,
+            kept_ids=kept_ids,
             chunk_size=self.chunk_size,
             vocab_chunk_size=self.vocab_chunk_size,
             memory_budget_bytes=self.memory_budget_bytes,

@@ -112,10 +112,12 @@ def _topk_divergences(
 
 
 def kept_set_mask(kept_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[N, V]`` bool, True at the ids of each row's kept set (``kept_ids [N, S]``, ``-1`` padding)."""
+    """``[N, V]`` bool, True at the ids of each row's kept set (``kept_ids [N, S]``, ``-1`` padding; any id outside
+    ``[0, V)`` is left out, as a padding row's kept set, which the op never reads, may hold one)."""
     ids = kept_ids.long()
     n = ids.shape[0]
-    spill = torch.where(ids >= 0, ids, torch.full_like(ids, vocab))  # padding lands in an extra column
+    inside = (ids >= 0) & (ids < vocab)
+    spill = torch.where(inside, ids, torch.full_like(ids, vocab))  # padding lands in an extra column
     mask = torch.zeros((n, vocab + 1), dtype=torch.bool, device=kept_ids.device)
     return mask.scatter(1, spill, True)[:, :vocab]
 
