@@ -200,14 +200,28 @@ def test_gradients_match_reference(dtype, mode, inplace):
 
 @pytest.mark.parametrize("mode", ["binary_tv", "topk_tv", "ratio"])
 def test_gradcheck(mode):
+    """float64 gradcheck of loss, logp and entropy. The weight and the mask are constants for autograd, so the inputs
+    pin the weight at the cap (mu = pi / e, ratio_cap 0.5) and zero the advantage of rows within 1e-3 of a threshold
+    (as the op tests' gradcheck does)."""
     inputs = replay_inputs(torch.float64, mode, n=9, v=31, rule="top_k", value=5.0)
+    ref = _reference(inputs)
+    valid = inputs["tokens"] != -100
+    inputs["rollout_logprobs"] = torch.where(valid, ref["logp"] - 1.0, inputs["rollout_logprobs"])
+    inputs["ratio_cap"] = 0.5
+    ref = _reference(inputs)
+    assert (ref["weight"][valid] == 0.5).all()
+    edges = (1.0 - inputs["delta_low"], 1.0 + inputs["delta_high"]) if mode == "ratio" else (0.15,)
+    tie = torch.zeros_like(valid)
+    for edge in edges:
+        tie |= (ref["divergence"] - edge).abs() < 1e-3
+    inputs["advantages"] = torch.where(tie, torch.zeros_like(inputs["advantages"]), inputs["advantages"])
     logits = inputs.pop("logits").requires_grad_(True)
 
     def fn(z):
         out = dppo_loss_per_row(z, **inputs)
         return out.loss, out.logp, out.entropy
 
-    assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 # ---- 4. opcheck ------------------------------------------------------------------------------------------------
@@ -557,14 +571,14 @@ def test_mismatch_metrics_by_hand():
     logits = torch.zeros(n, v, dtype=torch.float64)  # pi = 1/3 everywhere
     tokens = torch.tensor([0, 1, 2, 0, 0])
     mask = torch.tensor([1, 1, 1, 1, 0])
-    mu = torch.tensor([1 / 3, 1 / 6, 2 / 3, 1 / 12, 0.5], dtype=torch.float64)
+    mu = torch.tensor([1 / 3, 2 / 9, 5 / 6, 1 / 12, 0.5], dtype=torch.float64)  # pi / mu = 1, 1.5, 0.4, 4
     _, metrics = dppo_loss(logits, tokens, mu.log(), torch.ones(n, dtype=torch.float64), response_mask=mask)
-    r = torch.tensor([1.0, 2.0, 0.5, 4.0], dtype=torch.float64)
+    r = torch.tensor([1.0, 1.5, 0.4, 4.0], dtype=torch.float64)
     delta = r.log()
     assert metrics["mismatch_k3"].item() == pytest.approx(float((r - 1 - delta).mean()))
-    assert metrics["log_ratio_min"].item() == pytest.approx(-math.log(2))
+    assert metrics["log_ratio_min"].item() == pytest.approx(math.log(0.4))
     assert metrics["log_ratio_max"].item() == pytest.approx(math.log(4))
-    assert metrics["log_ratio_outlier_frac"].item() == pytest.approx(0.25)  # |log 2| is not > ln 2; log 4 is
+    assert metrics["log_ratio_outlier_frac"].item() == pytest.approx(0.5)  # 0.4 and 4 lie outside [1/2, 2]
     assert metrics["ess"].item() == pytest.approx(float(r.sum() ** 2 / (4 * (r**2).sum())))
     _, empty = dppo_loss(logits, tokens, mu.log(), torch.ones(n, dtype=torch.float64), response_mask=mask * 0)
     for key in ("mismatch_k3", "log_ratio_min", "log_ratio_max", "log_ratio_outlier_frac", "ess"):
