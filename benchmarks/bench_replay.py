@@ -42,14 +42,10 @@ def make_inputs(n: int, v: int, s: int, device: str, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, v, generator=gen) * 2.0
     tokens = torch.randint(0, v, (n,), generator=gen)
-    kept = torch.randint(0, v, (n, s), generator=gen)
-    kept[:, 0] = tokens
-    # distinct ids per row: replace repeats (rare at these V) by -1, and pad a quarter of the columns
-    sorted_ids, order = kept.sort(dim=1)
-    repeat = torch.zeros_like(kept, dtype=torch.bool)
-    repeat[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
-    kept = kept.scatter(1, order, torch.where(repeat, -1, sorted_ids))
-    kept[:, 0] = tokens
+    # distinct ids per row: the token, then offsets 1, 1 + step, 1 + 2 step, ... from it (mod V)
+    step = max(v // s, 1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), 1 + step * torch.arange(s - 1)])
+    kept = (tokens[:, None] + offsets[None, :]) % v
     kept[:, -(s // 4) :] = -1
     rollout = torch.log_softmax(logits.double() / 1.0, -1).gather(1, tokens[:, None]).squeeze(1).float() - 0.01
     adv = torch.randn(n, generator=gen)

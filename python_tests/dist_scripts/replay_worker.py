@@ -29,7 +29,7 @@ TOL = dict(rtol=1e-9, atol=1e-10)
 
 def _batched(inputs: dict) -> dict:
     valid = inputs["tokens"] != -100
-    return dict(
+    out = dict(
         tokens=torch.where(valid, inputs["tokens"], 0)[None],
         rollout_logprobs=inputs["rollout_logprobs"][None],
         advantages=inputs["advantages"][None],
@@ -37,6 +37,10 @@ def _batched(inputs: dict) -> dict:
         kept_ids=inputs["kept_ids"][None],
         temperature=inputs["temperature"],
     )
+    for key in ("topk_ids", "topk_logprobs"):
+        if key in inputs:
+            out[key] = inputs[key][None]
+    return out
 
 
 def gather_columns(local: torch.Tensor, world: int) -> torch.Tensor:
