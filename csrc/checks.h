@@ -9,6 +9,8 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "dppo_math.h"
 #include "ops.h"
@@ -270,19 +272,79 @@ inline void check_rollout_values(Mode mode, int64_t vocab, const RowInputs& rows
   check_finite_values(rows.advantages, "advantages", live);
 }
 
+// ---- sampling replay (kept_ids [N, S], -1 padding) -------------------------------------------------------------
+
+// vocab < 0: S is not bounded by V here (the backward, which a fused LM head runs on vocabulary blocks narrower
+// than S; the vocabulary-parallel statistics, whose ids are global: the epilogue checks S <= V).
+inline void check_kept_shape(const at::Tensor& kept, const RowSource& src, int64_t vocab) {
+  TORCH_CHECK_VALUE(kept.dim() == 2 && kept.size(0) == src.n, "kept_ids must be 2-D [N, S] with N=", src.n, " rows (",
+                    src.rows, "), got shape ", kept.sizes());
+  if (vocab < 0) {
+    TORCH_CHECK_VALUE(kept.size(1) >= 1, "kept_ids must have S >= 1 columns, got shape ", kept.sizes());
+  } else {
+    TORCH_CHECK_VALUE(kept.size(1) >= 1 && kept.size(1) <= vocab, "kept_ids must have 1 <= S <= V=", vocab,
+                      " columns (the ids each row's truncation kept, -1 padding), got shape ", kept.sizes());
+  }
+  TORCH_CHECK_TYPE(kept.scalar_type() == at::kLong, "kept_ids must have dtype ", at::kLong, " (token ids), got ",
+                   kept.scalar_type());
+  TORCH_CHECK_VALUE(kept.device() == src.tensor.device(), "kept_ids must be on the same device as ", src.name, " (",
+                    src.tensor.device(), "), got ", kept.device());
+}
+
+// The first (row, column) where `bad` [N, S] (or [N], column -1) is true, or (-1, -1).
+inline std::pair<int64_t, int64_t> first_true(const at::Tensor& bad) {
+  if (!bad.any().item<bool>()) return {-1, -1};
+  const at::Tensor where = bad.nonzero();  // row-major order: the first is the first bad row
+  const int64_t row = where[0][0].item<int64_t>();
+  return {row, bad.dim() == 2 ? where[0][1].item<int64_t>() : -1};
+}
+
+// The kept sets' values at the rows that are not padding (token != -100): ids in [-1, V), no id twice, the
+// sampled token among them. One small set of [N, S] reductions (a host sync on CUDA, like the other value
+// checks): O(N * S), never O(N * V).
+inline void check_kept_values(const at::Tensor& kept, const at::Tensor& tokens, int64_t vocab) {
+  if (kept.numel() == 0) return;
+  const at::Tensor live = tokens.ne(kIgnoreIndex).unsqueeze(1);  // [N, 1]
+  auto [r, c] = first_true(kept.lt(-1).logical_or(kept.ge(vocab)).logical_and(live));
+  TORCH_CHECK_INDEX(r < 0, "kept_ids must hold token ids in [0, V=", vocab, ") or the padding -1, got ",
+                    r < 0 ? 0 : kept[r][c].item<int64_t>(), " at row ", r, ", column ", c);
+  const at::Tensor sorted = std::get<0>(kept.sort(1));
+  if (kept.size(1) > 1) {
+    const at::Tensor hi = sorted.narrow(1, 1, kept.size(1) - 1);
+    const at::Tensor dup = hi.eq(sorted.narrow(1, 0, kept.size(1) - 1)).logical_and(hi.ge(0)).logical_and(live);
+    std::tie(r, c) = first_true(dup);
+    TORCH_CHECK_VALUE(r < 0, "kept_ids must hold each id at most once per row, got id ",
+                      r < 0 ? 0 : sorted[r][c + 1].item<int64_t>(), " twice in row ", r);
+  }
+  const at::Tensor live_row = live.squeeze(1);
+  std::tie(r, c) = first_true(kept.ge(0).any(1).logical_not().logical_and(live_row));
+  TORCH_CHECK_VALUE(r < 0, "kept_ids row ", r, " is empty (every entry -1), but its token ",
+                    r < 0 ? 0 : tokens[r].item<int64_t>(),
+                    " was sampled: an empty kept set cannot have produced a sample; pass the ids the rollout's "
+                    "truncation kept at that position (or mask the row out)");
+  std::tie(r, c) = first_true(kept.eq(tokens.unsqueeze(1)).any(1).logical_not().logical_and(live_row));
+  TORCH_CHECK_VALUE(r < 0, "tokens[", r, "] = ", r < 0 ? 0 : tokens[r].item<int64_t>(),
+                    " is not in its kept set kept_ids[", r,
+                    "]: a rollout cannot sample a token its truncation removed; kept_ids must be the kept set of "
+                    "the same position (aligned with tokens)");
+}
+
 // Everything the forward entry point validates, for both backends (the mode was parsed by loss_settings).
 inline void check_forward_inputs(const at::Tensor& logits, const RowInputs& rows, const LossSettings& settings,
-                                 double temperature) {
+                                 double temperature, const c10::optional<at::Tensor>& kept_ids) {
   check_logits(logits);
   check_temperature(temperature);
   check_trust_region(settings);
   check_rollout_shapes(logits_rows(logits), settings.mode, rows);
+  if (kept_ids.has_value()) check_kept_shape(*kept_ids, logits_rows(logits), logits.size(1));
   check_rollout_values(settings.mode, logits.size(1), rows);
+  if (kept_ids.has_value()) check_kept_values(*kept_ids, rows.tokens, logits.size(1));
 }
 
 inline void check_backward_inputs(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                  const c10::optional<at::Tensor>& entropy, double temperature) {
+                                  const c10::optional<at::Tensor>& entropy, double temperature,
+                                  const c10::optional<at::Tensor>& kept_ids) {
   check_logits(logits);
   check_temperature(temperature);
   const RowSource src = logits_rows(logits);
@@ -295,12 +357,16 @@ inline void check_backward_inputs(const at::Tensor& grad_target, const c10::opti
     check_row_vector(*grad_entropy, "grad_entropy", src.float_dtype, src);
     check_row_vector(*entropy, "entropy", src.float_dtype, src);
   }
+  // The forward checked the kept sets' values; the backward's gather and scatter stay in bounds regardless
+  // (ids outside [0, V) are skipped), and a vocabulary block of a fused LM head may be narrower than S.
+  if (kept_ids.has_value()) check_kept_shape(*kept_ids, src, /*vocab=*/-1);
 }
 
 // ---- the vocabulary-parallel ops (vocab_parallel_math.h) --------------------------------------------------------
 
 inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& tokens,
-                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start, double temperature) {
+                                  const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start, double temperature,
+                                  const c10::optional<at::Tensor>& kept_ids) {
   check_logits(logits);
   check_temperature(temperature);
   TORCH_CHECK_VALUE(vocab_start >= 0, "vocab_start (this rank's first global vocabulary id) must be >= 0, got ",
@@ -308,12 +374,14 @@ inline void check_vp_stats_inputs(const at::Tensor& logits, const at::Tensor& to
   const RowSource src = logits_rows(logits);
   check_row_vector(tokens, "tokens", at::kLong, src);
   if (topk_ids.has_value()) check_topk_matrix(*topk_ids, "topk_ids", -1, at::kLong, src);
+  // The ids are global: the epilogue checks them against the whole vocabulary.
+  if (kept_ids.has_value()) check_kept_shape(*kept_ids, src, /*vocab=*/-1);
 }
 
 // Everything the epilogue validates (the mode was parsed by loss_settings). stats: [W, N, 4 + K], every rank's
 // statistics stacked.
 inline void check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef offsets, const RowInputs& rows,
-                                     const LossSettings& settings) {
+                                     const LossSettings& settings, const c10::optional<at::Tensor>& kept_ids) {
   const Mode mode = settings.mode;
   check_trust_region(settings);
   TORCH_CHECK_VALUE(stats.dim() == 3 && stats.size(2) >= kVpTopk,
@@ -332,13 +400,17 @@ inline void check_vp_epilogue_inputs(const at::Tensor& stats, at::IntArrayRef of
   }
   const RowSource src{stats, "stats", "stats.size(1)", stats.size(1), stats.scalar_type()};
   check_rollout_shapes(src, mode, rows);
-  if (mode_is_topk(mode)) {
-    const int64_t k = rows.topk_ids->size(1);
-    TORCH_CHECK_VALUE(stats.size(2) == vp_stat_width(k), "stats must have 4 + K = ", vp_stat_width(k),
-                      " columns for K=", k, " top-K ids (pass the same topk_ids to dppo_vocab_parallel_stats), ",
-                      "got shape ", stats.sizes());
+  if (kept_ids.has_value()) check_kept_shape(*kept_ids, src, offsets[world]);
+  const int64_t k = mode_is_topk(mode) ? rows.topk_ids->size(1) : 0;
+  const int64_t s = kept_ids.has_value() ? kept_ids->size(1) : 0;
+  if (mode_is_topk(mode) || s > 0) {
+    TORCH_CHECK_VALUE(stats.size(2) == vp_stat_width(k, s), "stats must have 4 + K + S = ", vp_stat_width(k, s),
+                      " columns for K=", k, " top-K ids and S=", s,
+                      " kept ids (pass the same topk_ids and kept_ids to dppo_vocab_parallel_stats), got shape ",
+                      stats.sizes());
   }
   check_rollout_values(mode, offsets[world], rows);
+  if (kept_ids.has_value()) check_kept_values(*kept_ids, rows.tokens, offsets[world]);
 }
 
 }  // namespace dppo

@@ -358,4 +358,83 @@ DPPO_HOST_DEVICE T topk_divergence(Mode mode, const TopkAcc<T>& acc) {
   return mode == Mode::kTopkTV ? topk_tv_finish(acc) : topk_kl_finish(acc);
 }
 
+// ---- sampling replay (kept_ids) -------------------------------------------------------------------------------
+//
+// With the rollout's kept set K (kept [S] ids, -1 padding; the sampled token a is in K, checks.h), the row's
+// distribution is the softmax of s renormalised over K: lse_K = logsumexp_{j in K} s_j, logp = s_a - lse_K,
+// log(1 - pi) = logsumexp_{j in K, j != a} s_j - lse_K, the entropy over K, and a top-K id outside K has
+// log q = -inf. A kernel runs its usual pass over the whole row first (its lse, full_lse here, decides whether
+// the row has a distribution at all: a NaN or +inf anywhere in the row poisons it, with or without K), then
+// gathers the S kept logits with these functions. Serial over S: one thread per row.
+
+template <typename T>
+struct KeptRow {
+  T mx;         // max_{j in K} s_j
+  T log_total;  // log sum_{j in K} exp(s_j - mx)
+  T lse;        // lse_K (NaN when the whole row has no distribution)
+  T lp;         // s_a - lse_K
+  T l1p;        // log(1 - pi_K(a)), from the other kept tokens' mass
+  T entropy;    // the entropy over K (0 unless asked)
+};
+
+// Whether id is one of the S kept ids (padding -1 never matches a token id).
+DPPO_HOST_DEVICE bool kept_contains(const int64_t* kept, int64_t s, int64_t id) {
+  for (int64_t c = 0; c < s; ++c) {
+    if (kept[c] == id) return true;
+  }
+  return false;
+}
+
+// The kept set's statistics of one row from its scaled kept logits: scaled(c) is s of the c-th kept id (called
+// only for ids >= 0; each kernel forms s = z / T as its whole-row pass does, in the accumulation dtype with one
+// rounding), kept: the S ids, a: the sampled token (in K) and s_a its scaled logit, full_lse: the lse of the whole
+// row from the kernel's own pass (or any number finite exactly when the row has a distribution).
+template <typename T, typename Scaled>
+DPPO_HOST_DEVICE KeptRow<T> kept_row_from(const Scaled& scaled, const int64_t* kept, int64_t s, int64_t a, T s_a,
+                                          T full_lse, bool entropy) {
+  T mx = -INFINITY;
+  for (int64_t c = 0; c < s; ++c) {
+    if (kept[c] >= 0) mx = nan_max(mx, scaled(c));
+  }
+  // The same arithmetic as the full row: the non-target sum, then the target's own term.
+  T other = T(0), wsum = T(0);
+  for (int64_t c = 0; c < s; ++c) {
+    const int64_t id = kept[c];
+    if (id < 0 || id == a) continue;
+    const T x_raw = scaled(c) - mx;
+    const T x = x_raw > shift_floor<T>() ? x_raw : shift_floor<T>();
+    const T e = std::exp(x);
+    other += e;
+    if (entropy) wsum += e * x;
+  }
+  const T xa_raw = s_a - mx;
+  const T xa = xa_raw > shift_floor<T>() ? xa_raw : shift_floor<T>();
+  const T ea = std::exp(xa);
+  const T total = other + ea;
+  if (entropy) wsum += ea * xa;
+  const T log_total = std::log(total);
+  const T lse = row_has_distribution(full_lse) ? mx + log_total : T(NAN);
+  const T ent = entropy ? entropy_from_state(total, wsum) : T(0);
+  return {mx, log_total, lse, xa_raw - log_total, std::log(other) - log_total, ent};
+}
+
+// log q of a top-K id under the kept distribution, from its scaled logit s_id: -inf outside K.
+template <typename T>
+DPPO_HOST_DEVICE T kept_logq(const int64_t* kept, int64_t s, int64_t id, T s_id, const KeptRow<T>& k) {
+  if (!kept_contains(kept, s, id)) return -INFINITY;
+  return (s_id - k.mx) - k.log_total;
+}
+
+// The gradient of one kept logit (dl/dz_j for j in K; every other logit's is 0), from its scaled logit s_j (the
+// caller forms it with one rounding, never fused into an FMA with the subtraction below) and the saved lse_K: the
+// softmax gradient over K (grad_target's expm1 form at the sampled token).
+template <typename T>
+DPPO_HOST_DEVICE T kept_grad(T s_j, bool is_target, T lse, T g_t, T g_h, T entropy, T inv_t) {
+  const T l_raw = s_j - lse;
+  if (is_target) return grad_target(l_raw, g_t, g_h, entropy, inv_t);
+  const T l = l_raw > shift_floor<T>() ? l_raw : shift_floor<T>();
+  return g_h == T(0) ? grad_from_p_noent(std::exp(l), g_t, -inv_t)
+                     : grad_from_p(std::exp(l), l, g_t, g_h, entropy, -inv_t);
+}
+
 }  // namespace dppo

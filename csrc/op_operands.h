@@ -54,18 +54,26 @@ inline void make_row_operands(RowOperands& in, const at::TensorOptions& opts, co
 }
 
 struct ForwardOperands : RowOperands {
-  int64_t v, ld;  // vocab, logits row stride
+  int64_t v, ld;    // vocab, logits row stride
+  int64_t s = 0;    // kept-set width S (0 without sampling replay)
+  at::Tensor kept;  // [N, S] contiguous int64, or undefined
+
+  const int64_t* kept_ptr() const { return kept.defined() ? kept.const_data_ptr<int64_t>() : nullptr; }
 };
 
 inline ForwardOperands prepare_forward(const at::Tensor& logits, const RowInputs& rows, const LossSettings& settings,
-                                       double temperature) {
-  check_forward_inputs(logits, rows, settings, temperature);
+                                       double temperature, const c10::optional<at::Tensor>& kept_ids) {
+  check_forward_inputs(logits, rows, settings, temperature, kept_ids);
   ForwardOperands in;
   in.settings = settings;
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.ld = in.n > 1 ? logits.stride(0) : in.v;
   make_row_operands(in, logits.options().dtype(acc_dtype(logits.scalar_type())), rows);
+  if (kept_ids.has_value() && in.n > 0) {
+    in.kept = kept_ids->contiguous();
+    in.s = in.kept.size(1);
+  }
   return in;
 }
 
@@ -73,13 +81,20 @@ struct BackwardOperands {
   int64_t n, v, ld_in, ld_out;                      // rows, vocab, row strides of logits and grad
   at::Tensor tokens, lse, grad_target;              // [N] contiguous
   c10::optional<at::Tensor> grad_entropy, entropy;  // [N] contiguous, given together
+  // Sampling replay: the kept ids [N, S] and their logits [N, S] (logits dtype), gathered before any kernel
+  // writes, so the in-place backward reads them intact. Undefined without kept_ids.
+  int64_t s = 0;
+  at::Tensor kept, kept_logits;
+
+  const int64_t* kept_ptr() const { return kept.defined() ? kept.const_data_ptr<int64_t>() : nullptr; }
 };
 
 // The inputs of one backward pass writing into `grad` (logits itself for the in-place op);
 // check_backward_inputs has already validated them.
 inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                          const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
-                                         const at::Tensor& lse, const c10::optional<at::Tensor>& entropy) {
+                                         const at::Tensor& lse, const c10::optional<at::Tensor>& entropy,
+                                         const c10::optional<at::Tensor>& kept_ids) {
   BackwardOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
@@ -92,6 +107,12 @@ inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c1
     in.grad_entropy = grad_entropy->contiguous();
     in.entropy = entropy->contiguous();
   }
+  if (kept_ids.has_value()) {
+    in.kept = kept_ids->contiguous();
+    in.s = in.kept.size(1);
+    // O(N * S): padding (-1) gathers column 0, which the kernels never use.
+    in.kept_logits = logits.gather(1, in.kept.clamp_min(0).clamp_max(in.v - 1)).contiguous();
+  }
   return in;
 }
 
@@ -99,38 +120,47 @@ inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c1
 
 struct VpStatsOperands {
   int64_t n, v, k, ld, start;  // rows, local vocab, top-K width (0 without ids), row stride
+  int64_t s;                   // kept-set width (0 without kept_ids)
   at::Tensor tokens;           // [N] contiguous
   at::Tensor topk_ids;         // [N, K] contiguous, or undefined
-  at::Tensor stats;            // the output [N, 4 + K] in the accumulation dtype
+  at::Tensor kept;             // [N, S] contiguous, or undefined
+  at::Tensor stats;            // the output [N, 4 + K + S] in the accumulation dtype
 
   const int64_t* topk_ids_ptr() const { return topk_ids.defined() ? topk_ids.const_data_ptr<int64_t>() : nullptr; }
+  const int64_t* kept_ptr() const { return kept.defined() ? kept.const_data_ptr<int64_t>() : nullptr; }
 };
 
 inline VpStatsOperands prepare_vp_stats(const at::Tensor& logits, const at::Tensor& tokens,
                                         const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                        double temperature) {
-  check_vp_stats_inputs(logits, tokens, topk_ids, vocab_start, temperature);
+                                        double temperature, const c10::optional<at::Tensor>& kept_ids) {
+  check_vp_stats_inputs(logits, tokens, topk_ids, vocab_start, temperature, kept_ids);
   VpStatsOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
   in.k = topk_ids.has_value() ? topk_ids->size(1) : 0;
+  in.s = kept_ids.has_value() ? kept_ids->size(1) : 0;
   in.ld = in.n > 1 ? logits.stride(0) : in.v;
   in.start = vocab_start;
-  in.stats = at::empty({in.n, vp_stat_width(in.k)}, logits.options().dtype(acc_dtype(logits.scalar_type())));
+  in.stats = at::empty({in.n, vp_stat_width(in.k, in.s)}, logits.options().dtype(acc_dtype(logits.scalar_type())));
   if (in.n == 0) return in;
   in.tokens = tokens.contiguous();
   if (topk_ids.has_value()) in.topk_ids = topk_ids->contiguous();
+  if (kept_ids.has_value()) in.kept = kept_ids->contiguous();
   return in;
 }
 
 struct VpEpilogueOperands : RowOperands {
-  int64_t world, width;  // ranks, statistics per row (4 + K)
-  at::Tensor stats;      // [W, N, 4 + K] contiguous
+  int64_t world, width;  // ranks, statistics per row (4 + K + S)
+  int64_t s = 0;         // kept-set width (0 without kept_ids)
+  at::Tensor stats;      // [W, N, 4 + K + S] contiguous
+  at::Tensor kept;       // [N, S] contiguous, or undefined
+
+  const int64_t* kept_ptr() const { return kept.defined() ? kept.const_data_ptr<int64_t>() : nullptr; }
 };
 
 inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntArrayRef offsets, const RowInputs& rows,
-                                              const LossSettings& settings) {
-  check_vp_epilogue_inputs(stats, offsets, rows, settings);
+                                              const LossSettings& settings, const c10::optional<at::Tensor>& kept_ids) {
+  check_vp_epilogue_inputs(stats, offsets, rows, settings, kept_ids);
   VpEpilogueOperands in;
   in.settings = settings;
   in.world = stats.size(0);
@@ -138,6 +168,10 @@ inline VpEpilogueOperands prepare_vp_epilogue(const at::Tensor& stats, at::IntAr
   in.width = stats.size(2);
   in.stats = stats.contiguous();
   make_row_operands(in, stats.options(), rows);
+  if (kept_ids.has_value() && in.n > 0) {
+    in.kept = kept_ids->contiguous();
+    in.s = in.kept.size(1);
+  }
   return in;
 }
 

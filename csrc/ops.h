@@ -26,20 +26,23 @@ using LossForwardOp = ForwardOutputs(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
-                                     bool compute_entropy);
+                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids);
 
 using LossBackwardOp = at::Tensor(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                  const c10::optional<at::Tensor>& entropy, double temperature);
+                                  const c10::optional<at::Tensor>& entropy, double temperature,
+                                  const c10::optional<at::Tensor>& kept_ids);
 
 // dppo_loss_backward_: the gradient written into logits (Tensor(a!)), nothing returned.
 using LossBackwardInplaceOp = void(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                   const c10::optional<at::Tensor>& entropy, double temperature);
+                                   const c10::optional<at::Tensor>& entropy, double temperature,
+                                   const c10::optional<at::Tensor>& kept_ids);
 
 using VocabParallelStatsOp = at::Tensor(const at::Tensor& logits, const at::Tensor& tokens,
                                         const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                        double temperature, bool compute_entropy);
+                                        double temperature, bool compute_entropy,
+                                        const c10::optional<at::Tensor>& kept_ids);
 
 using VocabParallelEpilogueOp = ForwardOutputs(const at::Tensor& stats, at::IntArrayRef vocab_offsets,
                                                const at::Tensor& tokens, const at::Tensor& rollout_logprobs,
@@ -47,7 +50,7 @@ using VocabParallelEpilogueOp = ForwardOutputs(const at::Tensor& stats, at::IntA
                                                const c10::optional<at::Tensor>& topk_logprobs,
                                                const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                                double delta_low, double delta_high, double ratio_cap,
-                                               bool compute_entropy);
+                                               bool compute_entropy, const c10::optional<at::Tensor>& kept_ids);
 
 // `impl` as a pointer of op Op's declared type, for a registration: an implementation whose signature drifted
 // from its declaration above does not convert, so it does not compile.

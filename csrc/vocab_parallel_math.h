@@ -11,6 +11,7 @@
 //               (0 unless the entropy is computed)
 //   [3] s_a   = s of the sampled token when this rank owns it, else 0
 //   [4 + k]   = s of the k-th rollout top-K id when this rank owns it, else 0
+//   [4 + K + c] = s of the c-th kept id (sampling replay, kept_ids [N, S]) when this rank owns it, else 0
 // These are the single-device kernel's row state (max, the non-target sum, the entropy moment and the
 // gathered logits), so the merge below reproduces its arithmetic: global max M, other = sum_r
 // other_r exp(mx_r - M), total = other + exp(s_a - M), lse = M + log(total), logp = (s_a - M) -
@@ -30,7 +31,7 @@ constexpr int64_t kVpWsum = 2;
 constexpr int64_t kVpTarget = 3;
 constexpr int64_t kVpTopk = 4;  // first of the K top-K columns
 
-DPPO_HOST_DEVICE int64_t vp_stat_width(int64_t k) { return kVpTopk + k; }
+DPPO_HOST_DEVICE int64_t vp_stat_width(int64_t k, int64_t s = 0) { return kVpTopk + k + s; }
 
 // The rank whose slice holds global id `id` (offsets: [world + 1], nondecreasing, offsets[0] == 0).
 DPPO_HOST_DEVICE int64_t vp_owner(const int64_t* offsets, int64_t world, int64_t id) {
@@ -42,11 +43,26 @@ DPPO_HOST_DEVICE int64_t vp_owner(const int64_t* offsets, int64_t world, int64_t
 // The merged row: stats points at rank 0's statistics of this row, rank r's are at stats + r * rank_stride.
 // a: the global sampled id (not padding). topk_ids/topk_lp: this row's K ids and rollout log-probs.
 // T: the type the row is evaluated in; S: the stored type of stats and topk_lp (the CUDA kernel evaluates
-// float rows in double, as its single-device epilogue does).
+// float rows in double, as its single-device epilogue does). kept: this row's S kept ids, or null (sampling
+// replay: the row's distribution renormalised over them, from their gathered logits, dppo_math.h's kept_row_from).
+template <typename T, typename S>
+struct VpKeptLogits {
+  const S* stats;  // rank 0's statistics of the row
+  int64_t rank_stride;
+  const int64_t* offsets;
+  int64_t world;
+  const int64_t* kept;
+  int64_t col;  // the first kept column, 4 + K
+  DPPO_HOST_DEVICE T operator()(int64_t c) const {
+    return T(stats[vp_owner(offsets, world, kept[c]) * rank_stride + col + c]);
+  }
+};
+
 template <typename T, typename S>
 DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride, const int64_t* offsets, int64_t world,
                                             int64_t a, T m, T la, T adv, const int64_t* topk_ids, const S* topk_lp,
-                                            int64_t k, const LossSettings& settings) {
+                                            int64_t k, const LossSettings& settings, const int64_t* kept = nullptr,
+                                            int64_t s = 0) {
   const int64_t owner = vp_owner(offsets, world, a);
   const T s_a = T(stats[owner * rank_stride + kVpTarget]);
   // One pass over the ranks: the non-target sums merge as log-sum-exp states, the full sums (the owner's
@@ -77,6 +93,24 @@ DPPO_HOST_DEVICE RowOutputs<T> vp_merge_row(const S* stats, int64_t rank_stride,
   const T lse = mx + log_total;
   const T lp = xa_raw - log_total;
   const T l1p = std::log(other_sum) - log_total;
+  if (kept != nullptr) {  // sampling replay: the merged lse only decides whether the row has a distribution
+    const VpKeptLogits<T, S> scaled{stats, rank_stride, offsets, world, kept, kVpTopk + k};
+    const KeptRow<T> kr = kept_row_from<T>(scaled, kept, s, a, s_a, lse, settings.compute_entropy);
+    T div;
+    if (mode_is_topk(settings.mode)) {
+      TopkAcc<T> acc = topk_init<T>();
+      for (int64_t c = 0; c < k; ++c) {
+        const int64_t id = topk_ids[c];
+        const T s_c = T(stats[vp_owner(offsets, world, id) * rank_stride + kVpTopk + c]);
+        const T lq = kept_contains(kept, s, id) ? (s_c - kr.mx) - kr.log_total : T(-INFINITY);
+        topk_add(acc, T(topk_lp[c]), lq);
+      }
+      div = topk_divergence(settings.mode, acc);
+    } else {
+      div = binary_divergence(settings.mode, kr.lp, kr.l1p, la);
+    }
+    return finish_row(settings, adv, kr.lp, la, m, div, kr.entropy, kr.lse);
+  }
   T div;
   if (mode_is_topk(settings.mode)) {
     TopkAcc<T> acc = topk_init<T>();

@@ -46,11 +46,12 @@ ROW_INPUT_NAMES = (
     "topk_ids",
     "topk_logprobs",
     "anchor_logprobs",
+    "kept_ids",
 )
 _HEADER_WORDS = 18  # int64 words: the fixed size that lets ranks with different row counts still meet
 _MAGIC = 0x4450504F  # header[0] of every call header ("DPPO")
 _FLAG, _ROWS, _TOPK, _LOCAL_VOCAB, _ACC_BYTES, _OFFSETS, _SETTINGS, _FINGERPRINTS = 1, 2, 3, 4, 5, 6, 7, 8
-_DTYPE, _REDUCED, _HIDDEN = 14, 15, 16  # after the fingerprints: the input's dtype, the reduced tensors, hidden
+_DTYPE, _REDUCED, _HIDDEN = 15, 16, 17  # after the fingerprints: the input's dtype, the reduced tensors, hidden
 # The input dtypes a header names (its index; -1 for any other): shown by name when the ranks differ.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CHUNK_WORDS = 1 << 20  # the fingerprint's working set: int64 temporaries of this many words, whatever the input

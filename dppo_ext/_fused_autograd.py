@@ -55,8 +55,9 @@ class FusedLinearRecompute(torch.autograd.Function):
         if n > 0:
             with weight_context():
                 for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows, logits_dtype=plan.logits_dtype):
+                    chunk = rows.narrow(tile.rows)
                     chunk_outs = torch.ops.dppo.dppo_loss_forward(
-                        tile.logits, *rows.narrow(tile.rows), *settings.op_args()
+                        tile.logits, *chunk.op_inputs, *settings.op_args(), chunk.kept_ids
                     )
                     for out, chunk_out in zip(outs, chunk_outs):
                         out[tile.rows] = chunk_out
@@ -65,6 +66,7 @@ class FusedLinearRecompute(torch.autograd.Function):
         ctx.settings = settings
         ctx.plan = plan
         ctx.weight_context = weight_context
+        ctx.kept_ids = rows.kept_ids  # an input, not an output: held as an attribute without a reference cycle
         ctx.mark_non_differentiable(divergence, mask, row_weight, lse)
         return loss, logp, divergence, mask, row_weight, entropy, lse
 
@@ -99,7 +101,13 @@ def recompute_backward(ctx, saved, plan: FusedLinearPlan, g_loss, g_logp, g_entr
             tile.padded[:, width] = (lse[r] - OFF_BLOCK_GAP) * temperature
         ge = None if grad_entropy is None else grad_entropy[r]
         ent = None if entropy_arg is None else entropy_arg[r]
-        torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature)
+        kept = ctx.kept_ids
+        if kept is not None:
+            # this block's kept ids, local to it (-1 elsewhere: the backward writes 0 there)
+            v0, v1 = tile.cols.start, tile.cols.stop
+            kept = kept[r]
+            kept = torch.where((kept >= v0) & (kept < v1), kept - v0, torch.full_like(kept, -1))
+        torch.ops.dppo.dppo_loss_backward_(grad_target[r], ge, tile.padded, tok, lse[r], ent, temperature, kept)
         return tile.logits
 
     needs = ctx.needs_input_grad[:3]
@@ -130,7 +138,10 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         with weight_context():
             for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows, logits_dtype=plan.logits_dtype):
                 r = tile.rows
-                chunk = torch.ops.dppo.dppo_loss_forward(tile.logits, *rows.narrow(r), *settings.op_args())
+                part = rows.narrow(r)
+                chunk = torch.ops.dppo.dppo_loss_forward(
+                    tile.logits, *part.op_inputs, *settings.op_args(), part.kept_ids
+                )
                 for out, chunk_out in zip(outs, chunk):
                     out[r] = chunk_out
                 _loss, _logp, _div, mask, row_weight, entropy, lse = chunk
@@ -138,7 +149,9 @@ class FusedLinearGradsInForward(torch.autograd.Function):
                     settings.compute_entropy, rows.advantages[r], mask, row_weight, coef[r], 0.0, None, entropy
                 )
                 g = tile.logits  # overwritten with d loss / d logits
-                torch.ops.dppo.dppo_loss_backward_(grad_target, None, g, rows.tokens[r], lse, None, temperature)
+                torch.ops.dppo.dppo_loss_backward_(
+                    grad_target, None, g, rows.tokens[r], lse, None, temperature, part.kept_ids
+                )
                 wide = g.dtype != hidden.dtype  # float32 logits of 16-bit inputs: float32 products
                 if need_hidden:
                     if wide:
@@ -159,6 +172,7 @@ class FusedLinearGradsInForward(torch.autograd.Function):
         ctx.grads = [grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)]
         ctx.save_for_backward(hidden, weight, bias, rows.tokens, rows.advantages, row_weight, mask, entropy, lse, coef)
         ctx.settings, ctx.weight_context, ctx.logits_dtype = settings, weight_context, plan.logits_dtype
+        ctx.kept_ids = rows.kept_ids
         ctx.mark_non_differentiable(*outs)
         return loss, *outs
 

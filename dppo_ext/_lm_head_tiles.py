@@ -254,10 +254,10 @@ def check_fused_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], r
         tensor = getattr(rows, name)
         if tensor is not None and tensor.shape != (n,):
             raise ValueError(f"{name} must be 1-D with N={n} rows, got shape {tuple(tensor.shape)}")
-    for name in ("topk_ids", "topk_logprobs"):
+    for name, width in (("topk_ids", "K"), ("topk_logprobs", "K"), ("kept_ids", "S")):
         tensor = getattr(rows, name)
         if tensor is not None and (tensor.dim() != 2 or tensor.shape[0] != n):
-            raise ValueError(f"{name} must be 2-D [N={n}, K], got shape {tuple(tensor.shape)}")
+            raise ValueError(f"{name} must be 2-D [N={n}, {width}], got shape {tuple(tensor.shape)}")
 
 
 class LogitsTile(NamedTuple):

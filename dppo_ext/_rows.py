@@ -128,9 +128,10 @@ class DPPOOutputs(NamedTuple):
 
 
 class RowInputs(NamedTuple):
-    """The op's per-row inputs in its schema's order: ``tokens [N]`` int64, ``rollout_logprobs``, ``advantages``
-    ``[N]`` and ``anchor_logprobs [N]?`` in the accumulation dtype, ``topk_ids [N, K]?`` int64, ``topk_logprobs
-    [N, K]?``."""
+    """The op's per-row inputs: ``tokens [N]`` int64, ``rollout_logprobs``, ``advantages`` ``[N]`` and
+    ``anchor_logprobs [N]?`` in the accumulation dtype, ``topk_ids [N, K]?`` int64, ``topk_logprobs [N, K]?`` (the
+    first six, :attr:`op_inputs`, in the schema's order after the logits), and ``kept_ids [N, S]?`` int64 (sampling
+    replay; the schema's last argument)."""
 
     tokens: Tensor
     rollout_logprobs: Tensor
@@ -138,6 +139,20 @@ class RowInputs(NamedTuple):
     topk_ids: Optional[Tensor] = None
     topk_logprobs: Optional[Tensor] = None
     anchor_logprobs: Optional[Tensor] = None
+    kept_ids: Optional[Tensor] = None
+
+    @property
+    def op_inputs(self) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """The six per-row inputs that follow the logits in ``dppo_loss_forward``'s (and the vocabulary-parallel
+        epilogue's) schema; ``kept_ids`` goes last, after the settings."""
+        return (
+            self.tokens,
+            self.rollout_logprobs,
+            self.advantages,
+            self.topk_ids,
+            self.topk_logprobs,
+            self.anchor_logprobs,
+        )
 
     @classmethod
     def of(
@@ -148,9 +163,10 @@ class RowInputs(NamedTuple):
         topk_ids: Optional[Tensor] = None,
         topk_logprobs: Optional[Tensor] = None,
         anchor_logprobs: Optional[Tensor] = None,
+        kept_ids: Optional[Tensor] = None,
     ) -> RowInputs:
         """The rows of a per-row entry point, each checked to be a tensor (or None where optional)."""
-        rows = cls(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        rows = cls(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, kept_ids)
         check_tensors(**rows._asdict())
         return rows
 
@@ -223,6 +239,15 @@ def check_topk_shapes(lead: torch.Size, topk_ids: Optional[Tensor], topk_logprob
             raise ValueError(f"{name} must have shape {tuple(lead)} + (K,), got {tuple(t.shape)}")
 
 
+def check_kept_shape(lead: torch.Size, kept_ids: Optional[Tensor]) -> None:
+    """``kept_ids`` (None passes) must be ``[*lead, S]``: one kept set per row."""
+    if kept_ids is not None and (kept_ids.dim() != len(lead) + 1 or kept_ids.shape[:-1] != lead):
+        raise ValueError(
+            f"kept_ids must have shape {tuple(lead)} + (S,) (the ids the rollout's truncation kept at each position, "
+            f"-1 padding), got {tuple(kept_ids.shape)}"
+        )
+
+
 def prepare_rows(
     lead: torch.Size,
     layout: str,
@@ -235,6 +260,7 @@ def prepare_rows(
     topk_ids: Optional[Tensor],
     topk_logprobs: Optional[Tensor],
     anchor_logprobs: Optional[Tensor],
+    kept_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, RowInputs]:
     """``(valid, rows)`` of an aggregating entry point whose ``layout`` tensor (``"logits"``, ``"hidden"``) has the
     leading dims ``lead``: the inputs checked against ``lead`` (token ids must be integers), per-sequence advantages
@@ -248,6 +274,7 @@ def prepare_rows(
         topk_ids=topk_ids,
         topk_logprobs=topk_logprobs,
         anchor_logprobs=anchor_logprobs,
+        kept_ids=kept_ids,
     )
     check_row_shapes(
         lead,
@@ -259,8 +286,10 @@ def prepare_rows(
     )
     check_token_ids("tokens", tokens)
     check_token_ids("topk_ids", topk_ids)
+    check_token_ids("kept_ids", kept_ids)
     advantages = broadcast_advantages(advantages, lead, layout)
     check_topk_shapes(lead, topk_ids, topk_logprobs)
+    check_kept_shape(lead, kept_ids)
     valid = torch.ones(lead, dtype=torch.bool, device=device) if response_mask is None else response_mask.bool()
     flat_tokens = torch.where(valid, tokens.long(), torch.full_like(tokens, IGNORE_INDEX, dtype=torch.long))
     n = lead.numel()
@@ -275,6 +304,7 @@ def prepare_rows(
         flat(topk_ids, torch.long),
         flat(topk_logprobs, acc),
         flat(anchor_logprobs, acc),
+        flat(kept_ids, torch.long),
     )
 
 

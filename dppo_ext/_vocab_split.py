@@ -55,10 +55,14 @@ def vocab_parallel_offsets(local_vocab: int, group: Optional[dist.ProcessGroup] 
     return offsets
 
 
-def gathered_bytes_per_row(world_size: int, k: int = 0, logits_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes each rank receives per row in the forward's statistics all-gather: ``W * (4 + K) * sizeof(acc)`` (plus,
-    once per call, the ``W * 128`` bytes of the call headers, see ``dppo_ext._agreement.Rendezvous``)."""
-    return world_size * (4 + k) * torch.empty((), dtype=accumulation_dtype(logits_dtype)).element_size()
+def gathered_bytes_per_row(
+    world_size: int, k: int = 0, logits_dtype: torch.dtype = torch.bfloat16, kept_width: int = 0
+) -> int:
+    """Bytes each rank receives per row in the forward's statistics all-gather: ``W * (4 + K + S) * sizeof(acc)``
+    (``S = kept_width``, the kept-set width of sampling replay; plus, once per call, the ``W * 144`` bytes of the
+    call headers, see ``dppo_ext._agreement.Rendezvous``)."""
+    width = 4 + k + kept_width
+    return world_size * width * torch.empty((), dtype=accumulation_dtype(logits_dtype)).element_size()
 
 
 def check_offsets(offsets: Sequence[int], world: int) -> list[int]:

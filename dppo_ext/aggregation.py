@@ -10,6 +10,7 @@ Pure PyTorch: nothing here loads the compiled library.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -85,7 +86,11 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
 
     Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``mismatch_mean`` and
     ``mismatch_max`` (|pi - mu|, the paper's training-inference mismatch), ``divergence_mean``,
-    ``entropy_mean``, ``ratio_max`` (pi / mu, log-ratio clamped at 20), ``num_tokens``.
+    ``entropy_mean``, ``ratio_max`` (pi / mu, log-ratio clamped at 20), ``num_tokens``, and the mismatch metrics of
+    docs/contract.md over ``delta = clamp(log pi - log mu, -20, 20)`` (0 where both are -inf), ``r = exp(delta)``:
+    ``mismatch_k3`` (mean of ``r - 1 - delta``, the k3 estimate of KL(mu || pi)), ``log_ratio_min`` /
+    ``log_ratio_max``, ``log_ratio_outlier_frac`` (share with ``|delta| > ln 2``) and ``ess`` (``(sum r)^2 /
+    (n sum r^2)``, the normalised effective sample size of the importance weights). Per-row work only.
     """
     v = valid.to(out.loss.dtype)
     n = v.sum()
@@ -102,6 +107,17 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
     # a row without a distribution keeps its NaN, so the metric shows it.
     impossible = torch.isneginf(out.logp) & torch.isneginf(rollout_logprobs)
     ratio = torch.where(impossible, 0.0, torch.exp((out.logp - rollout_logprobs).clamp(max=LOG_RATIO_CLAMP)))
+    delta = torch.where(impossible, 0.0, (out.logp - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    r = torch.exp(delta)
+    r_valid = r * v
+    r_sq = (r_valid * r_valid).sum()
+    ess = torch.where(r_sq > 0, r_valid.sum() ** 2 / (n * r_sq), torch.zeros_like(r_sq))
+
+    def vextreme(x: Tensor, reduce, fill: float) -> Tensor:
+        if x.numel() == 0:
+            return x.new_zeros(())
+        return torch.where(valid.any(), reduce(torch.where(valid, x, torch.full_like(x, fill))), 0.0)
+
     return {
         "masked_frac": mean(masked, v),
         "masked_frac_pos": mean(masked, v * (advantages > 0)),
@@ -112,6 +128,11 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
         "entropy_mean": mean(out.entropy, v),
         "ratio_max": vmax(ratio),
         "num_tokens": n,
+        "mismatch_k3": mean(r - 1 - delta, v),
+        "log_ratio_min": vextreme(delta, torch.amin, math.inf),
+        "log_ratio_max": vextreme(delta, torch.amax, -math.inf),
+        "log_ratio_outlier_frac": mean((delta.abs() > math.log(2.0)).to(delta.dtype), v),
+        "ess": ess,
     }
 
 

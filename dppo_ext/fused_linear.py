@@ -159,6 +159,7 @@ def fused_linear_dppo_loss_per_row(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
+    kept_ids: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -222,7 +223,7 @@ def fused_linear_dppo_loss_per_row(
         settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
         check_tensors(hidden=hidden, weight=weight, bias=bias)
         check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
-        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs)
+        rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, kept_ids)
         return _per_row(
             hidden,
             weight,
@@ -253,6 +254,7 @@ def fused_linear_dppo_loss(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
+    kept_ids: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -287,7 +289,7 @@ def fused_linear_dppo_loss(
             sequence aggregation modes.
         weight: ``[V, H]`` LM-head weight (same dtype/device as ``hidden``; may be a tied input embedding).
         tokens, rollout_logprobs, advantages, response_mask, mode, topk_ids, topk_logprobs, anchor_logprobs,
-            temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
+            kept_ids, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
             as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
@@ -332,6 +334,7 @@ def fused_linear_dppo_loss(
             topk_ids,
             topk_logprobs,
             anchor_logprobs,
+            kept_ids,
         )
         flat = hidden.reshape(lead.numel(), hidden_size)
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
@@ -442,6 +445,7 @@ class FusedLinearDPPOLoss(LossModule):
         topk_ids: Optional[torch.Tensor] = None,
         topk_logprobs: Optional[torch.Tensor] = None,
         anchor_logprobs: Optional[torch.Tensor] = None,
+        kept_ids: Optional[torch.Tensor] = None,
         weight_context: Optional[Callable[[], ContextManager]] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_dppo_loss(
@@ -455,6 +459,7 @@ class FusedLinearDPPOLoss(LossModule):
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
             anchor_logprobs=anchor_logprobs,
+            kept_ids=kept_ids,
             chunk_size=self.chunk_size,
             vocab_chunk_size=self.vocab_chunk_size,
             memory_budget_bytes=self.memory_budget_bytes,

@@ -44,6 +44,7 @@ def dppo_loss(
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
+    kept_ids: Optional[Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -72,6 +73,9 @@ def dppo_loss(
         topk_ids, topk_logprobs: ``[..., K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[...]`` recomputed old-policy log-probs replacing mu in the mask test
             only (the "recompute" ablations); the importance weight always uses mu.
+        kept_ids: ``[..., S]`` integer ids that the rollout's top-k / top-p / min-p truncation kept at each position
+            (-1 padding): sampling replay, pi (its ratio, divergence and entropy) renormalised over the kept set
+            (docs/contract.md). Without it a truncated rollout's mu is compared with the full softmax.
         temperature: the rollout temperature; logits are divided by it.
         delta_low, delta_high: trust-region thresholds; ``None`` takes ``DEFAULT_DELTAS[mode]``.
         ratio_cap: cap C on the importance weight min(pi / mu, C).
@@ -111,6 +115,7 @@ def dppo_loss(
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
             anchor_logprobs=anchor_logprobs,
+            kept_ids=kept_ids,
         )
         lead, vocab = logits.shape[:-1], logits.shape[-1]
         valid, rows = prepare_rows(lead, "logits", accumulation_dtype(logits.dtype), logits.device, **named)
@@ -131,6 +136,7 @@ def dppo_loss_per_row(
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
+    kept_ids: Optional[Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -158,6 +164,8 @@ def dppo_loss_per_row(
         mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
         topk_ids, topk_logprobs: ``[N, K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
+        kept_ids: ``[N, S]`` int64 ids the rollout's truncation kept per row (-1 padding): sampling replay, every
+            output over the softmax renormalised on the kept set (docs/contract.md).
         temperature: logits are divided by it (must match the rollout's temperature).
         delta_low, delta_high: trust-region thresholds (A <= 0 and A > 0 sides); ``None`` takes
             ``DEFAULT_DELTAS[mode]`` (``dppo_ext.contract``), as every other entry point does.
@@ -192,6 +200,7 @@ def dppo_loss_per_row(
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
             anchor_logprobs=anchor_logprobs,
+            kept_ids=kept_ids,
         )
         rows = RowInputs.of(**named)
         return _forward_rows(
@@ -278,6 +287,7 @@ class DPPOLoss(LossModule):
         topk_ids: Optional[Tensor] = None,
         topk_logprobs: Optional[Tensor] = None,
         anchor_logprobs: Optional[Tensor] = None,
+        kept_ids: Optional[Tensor] = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return dppo_loss(
             logits,
@@ -288,6 +298,7 @@ class DPPOLoss(LossModule):
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
             anchor_logprobs=anchor_logprobs,
+            kept_ids=kept_ids,
             inplace_backward=self.inplace_backward,
             **self.loss_kwargs(),
         )

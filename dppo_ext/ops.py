@@ -23,6 +23,8 @@ differentiation of the gradient) and ``torch.func`` transforms (``grad``, ``vmap
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,7 @@ def _forward_fake(
     delta_high,
     ratio_cap,
     compute_entropy,
+    kept_ids=None,
 ):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
     n = logits.shape[0]
@@ -68,20 +71,21 @@ def _forward_fake(
 
 
 @torch.library.register_fake("dppo::dppo_loss_backward")
-def _backward_fake(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature):
+def _backward_fake(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("dppo::dppo_loss_backward_")
-def _backward_inplace_fake(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature):
+def _backward_inplace_fake(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids=None):
     return None
 
 
 @torch.library.register_fake("dppo::dppo_vocab_parallel_stats")
-def _stats_fake(logits, tokens, topk_ids, vocab_start, temperature, compute_entropy):
+def _stats_fake(logits, tokens, topk_ids, vocab_start, temperature, compute_entropy, kept_ids=None):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D [N, V_local], got shape {tuple(logits.shape)}")
     k = 0 if topk_ids is None else topk_ids.shape[1]
-    return logits.new_empty((logits.shape[0], 4 + k), dtype=accumulation_dtype(logits.dtype))
+    s = 0 if kept_ids is None else kept_ids.shape[1]
+    return logits.new_empty((logits.shape[0], 4 + k + s), dtype=accumulation_dtype(logits.dtype))
 
 
 @torch.library.register_fake("dppo::dppo_vocab_parallel_epilogue")
@@ -99,6 +103,7 @@ def _epilogue_fake(
     delta_high,
     ratio_cap,
     compute_entropy,
+    kept_ids=None,
 ):
     torch._check(stats.dim() == 3, lambda: f"stats must be 3-D [W, N, 4 + K], got shape {tuple(stats.shape)}")
     return tuple(stats.new_empty((stats.shape[1],)) for _ in range(7))
@@ -108,27 +113,43 @@ def _epilogue_fake(
 
 
 def _save_for_backward(
-    ctx, logits: Tensor, tokens: Tensor, advantages: Tensor, temperature: float, compute_entropy: bool, output
+    ctx,
+    logits: Tensor,
+    tokens: Tensor,
+    advantages: Tensor,
+    temperature: float,
+    compute_entropy: bool,
+    output,
+    kept_ids: Optional[Tensor] = None,
 ) -> None:
     _loss, _logp, divergence, mask, weight, entropy, lse = output
     ctx.temperature = temperature
     ctx.compute_entropy = compute_entropy
-    ctx.save_for_backward(logits, tokens, advantages, mask, weight, entropy, lse)
+    ctx.has_kept = kept_ids is not None
+    kept = (kept_ids,) if kept_ids is not None else ()
+    ctx.save_for_backward(logits, tokens, advantages, mask, weight, entropy, lse, *kept)
     ctx.mark_non_differentiable(divergence, mask, weight, lse)
 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(_FORWARD_ARGS, inputs))
     _save_for_backward(
-        ctx, args["logits"], args["tokens"], args["advantages"], args["temperature"], args["compute_entropy"], output
+        ctx,
+        args["logits"],
+        args["tokens"],
+        args["advantages"],
+        args["temperature"],
+        args["compute_entropy"],
+        output,
+        args.get("kept_ids"),
     )
 
 
 def _backward_args(ctx, grad_loss, grad_logp, grad_entropy):
     """``(logits, backward op arguments after logits)`` from the saved tensors and the upstream gradients."""
-    logits, tokens, advantages, mask, weight, entropy, lse = ctx.saved_tensors
+    logits, tokens, advantages, mask, weight, entropy, lse, *kept = ctx.saved_tensors
     gt, ge, ent = grad_args(ctx.compute_entropy, advantages, mask, weight, grad_loss, grad_logp, grad_entropy, entropy)
-    return logits, (gt, ge, logits, tokens, lse, ent, ctx.temperature)
+    return logits, (gt, ge, logits, tokens, lse, ent, ctx.temperature, kept[0] if kept else None)
 
 
 def _backward(ctx, grad_loss, grad_logp, _g_div, _g_mask, _g_weight, grad_entropy, _g_lse):
@@ -156,9 +177,9 @@ class _DPPOInplace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, rows: RowInputs, settings: LossSettings):
-        out = torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args())
+        out = torch.ops.dppo.dppo_loss_forward(logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids)
         temperature, compute_entropy = float(settings.temperature), bool(settings.compute_entropy)
-        _save_for_backward(ctx, logits, rows.tokens, rows.advantages, temperature, compute_entropy, out)
+        _save_for_backward(ctx, logits, rows.tokens, rows.advantages, temperature, compute_entropy, out, rows.kept_ids)
         ctx.consumed = False
         return out
 
@@ -185,4 +206,4 @@ def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplac
     (``dppo_ext.loss``: ``dppo_loss``, ``dppo_loss_per_row``), which checked everything already."""
     if inplace:
         return DPPOOutputs(*_DPPOInplace.apply(logits, rows, settings))
-    return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows, *settings.op_args()))
+    return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids))

@@ -58,6 +58,11 @@ METRIC_KEYS = (
     "entropy_mean",
     "ratio_max",
     "num_tokens",
+    "mismatch_k3",
+    "log_ratio_min",
+    "log_ratio_max",
+    "log_ratio_outlier_frac",
+    "ess",
 )
 
 
@@ -106,6 +111,17 @@ def _topk_divergences(
     return tv, kl
 
 
+def kept_set_mask(kept_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N, V]`` bool, True at the ids of each row's kept set (``kept_ids [N, S]``, ``-1`` padding; any id outside
+    ``[0, V)`` is left out, as a padding row's kept set, which the op never reads, may hold one)."""
+    ids = kept_ids.long()
+    n = ids.shape[0]
+    inside = (ids >= 0) & (ids < vocab)
+    spill = torch.where(inside, ids, torch.full_like(ids, vocab))  # padding lands in an extra column
+    mask = torch.zeros((n, vocab + 1), dtype=torch.bool, device=kept_ids.device)
+    return mask.scatter(1, spill, True)[:, :vocab]
+
+
 def dppo_loss_reference(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -115,6 +131,7 @@ def dppo_loss_reference(
     topk_ids: torch.Tensor | None = None,
     topk_logprobs: torch.Tensor | None = None,
     anchor_logprobs: torch.Tensor | None = None,
+    kept_ids: torch.Tensor | None = None,
     mode: str = DEFAULT_MODE,
     temperature: float = 1.0,
     delta_low: float | None = None,
@@ -132,6 +149,9 @@ def dppo_loss_reference(
         topk_ids: [N, K] rollout top-K token ids (top-K modes).
         topk_logprobs: [N, K] rollout log-probs of those ids (top-K modes).
         anchor_logprobs: [N] optional log-probs that replace the rollout's in the mask test only.
+        kept_ids: [N, S] optional token ids the rollout's truncation kept (-1 padding): every output is
+            then that of the softmax renormalised over the kept set (sampling replay, docs/contract.md),
+            the entropy included; logits outside the set get a zero gradient. Not validated here.
         mode: one of ``MODES``.
         temperature, delta_low, delta_high, ratio_cap: the contract's scalars (a None threshold takes
             ``DEFAULT_DELTAS[mode]``).
@@ -154,11 +174,17 @@ def dppo_loss_reference(
     safe_tokens = torch.where(valid, tokens, torch.zeros_like(tokens)).long()
 
     scaled = logits.to(acc) / temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)  # [N, V], the naive full-vocabulary buffer
-    lse = torch.logsumexp(scaled, dim=-1).detach()
     # Rows without a distribution: NaN (0 elsewhere), added to every output so that the value and
     # the gradient of such a row are NaN, as torch.nn.functional.cross_entropy's are.
-    poison = torch.where(torch.isfinite(lse), zero, math.nan)
+    poison = torch.where(torch.isfinite(torch.logsumexp(scaled.detach(), dim=-1)), zero, math.nan)
+    if kept_ids is not None:
+        # Replay: the tokens outside the kept set get -inf, so the softmax below is renormalised over the set
+        # and their logits get no gradient. A NaN or +inf outside the set still poisons the row (above).
+        kept = kept_set_mask(kept_ids, logits.shape[-1])
+        scaled = torch.where(kept, scaled, torch.full_like(scaled, -math.inf))
+    log_probs = torch.log_softmax(scaled, dim=-1)  # [N, V], the naive full-vocabulary buffer
+    lse = torch.logsumexp(scaled, dim=-1).detach()
+    poison = poison + torch.where(torch.isfinite(lse), zero, math.nan)
     logp = torch.where(valid, torch.gather(log_probs, 1, safe_tokens[:, None]).squeeze(1) + poison, zero)
 
     m = rollout_logprobs.to(acc)
@@ -275,6 +301,14 @@ def _masked_max(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
     return torch.cat([picked.reshape(-1), values.new_zeros(1)]).amax()
 
 
+def _signed_extreme(values: torch.Tensor, select: torch.Tensor, reduce) -> torch.Tensor:
+    """``reduce`` (``torch.amin`` / ``torch.amax``) of ``values`` where ``select``; 0 for an empty selection."""
+    fill = math.inf if reduce is torch.amin else -math.inf
+    picked = torch.where(select, values, torch.full_like(values, fill))
+    extreme = reduce(torch.cat([picked.reshape(-1), values.new_full((1,), fill)]))
+    return torch.where(select.any(), extreme, torch.zeros_like(extreme))
+
+
 def dppo_loss_full_reference(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -286,6 +320,7 @@ def dppo_loss_full_reference(
     topk_ids: torch.Tensor | None = None,
     topk_logprobs: torch.Tensor | None = None,
     anchor_logprobs: torch.Tensor | None = None,
+    kept_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     delta_low: float | None = None,
     delta_high: float | None = None,
@@ -302,7 +337,7 @@ def dppo_loss_full_reference(
         advantages: [...] per token, or [B] (or [B, 1]) per sequence when ``logits`` is [B, T, V].
         response_mask: [...] bool or 0/1; None means every token counts. Tokens with mask 0
             (or token id -100) are padding.
-        topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...].
+        topk_ids, topk_logprobs: [..., K]; anchor_logprobs: [...]; kept_ids: [..., S].
         loss_agg_mode, loss_scale_factor: see aggregate_loss_reference.
         delta_low, delta_high: None takes ``DEFAULT_DELTAS[mode]``.
         Other arguments: as in ``dppo_loss_reference``.
@@ -313,7 +348,10 @@ def dppo_loss_full_reference(
         masked_frac_neg = the same fraction among tokens with A > 0 / A < 0; mismatch_mean /
         mismatch_max = mean / max of |pi - mu| (mu = the rollout's probability); divergence_mean;
         entropy_mean; ratio_max = max of pi / mu (log-ratio clamped at 20, not capped at C);
-        num_tokens = number of valid tokens.
+        num_tokens = number of valid tokens; the mismatch metrics of docs/contract.md, with
+        delta = clamp(logp - m, -20, 20) (0 where both are -inf) and r = exp(delta): mismatch_k3 =
+        mean(r - 1 - delta), log_ratio_min / log_ratio_max, log_ratio_outlier_frac = share with
+        |delta| > ln 2, ess = (sum r)^2 / (n * sum r^2).
         Empty selections give 0.
     """
     if mode not in MODES:  # the oracle takes the canonical names only (aliases are the API's business)
@@ -336,6 +374,7 @@ def dppo_loss_full_reference(
         topk_ids=None if topk_ids is None else topk_ids.reshape(-1, topk_ids.shape[-1]),
         topk_logprobs=None if topk_logprobs is None else topk_logprobs.reshape(-1, topk_logprobs.shape[-1]),
         anchor_logprobs=None if anchor_logprobs is None else anchor_logprobs.reshape(-1),
+        kept_ids=None if kept_ids is None else kept_ids.reshape(-1, kept_ids.shape[-1]),
         mode=mode,
         temperature=temperature,
         delta_low=delta_low,
@@ -355,6 +394,12 @@ def dppo_loss_full_reference(
     mismatch = (logp.exp() - m.exp()).abs()
     impossible = torch.isneginf(logp) & torch.isneginf(m)  # a NaN row keeps its NaN
     ratio = torch.where(impossible, torch.zeros_like(logp), torch.exp(torch.clamp(logp - m, max=LOG_RATIO_CLAMP)))
+    delta = torch.where(impossible, torch.zeros_like(logp), torch.clamp(logp - m, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    r = torch.exp(delta)
+    n_valid = flat_valid.sum().to(acc)
+    r_valid = torch.where(flat_valid, r, torch.zeros_like(r))
+    r_sum_sq = (r_valid**2).sum()
+    ess = torch.where(r_sum_sq > 0, r_valid.sum() ** 2 / (n_valid * r_sum_sq), torch.zeros_like(r_sum_sq))
     metrics = {
         "masked_frac": _masked_mean(masked_out, flat_valid),
         "masked_frac_pos": _masked_mean(masked_out, flat_valid & (adv > 0)),
@@ -364,6 +409,11 @@ def dppo_loss_full_reference(
         "divergence_mean": _masked_mean(out["divergence"], flat_valid),
         "entropy_mean": _masked_mean(out["entropy"].detach(), flat_valid),
         "ratio_max": _masked_max(ratio, flat_valid),
-        "num_tokens": flat_valid.sum().to(acc),
+        "num_tokens": n_valid,
+        "mismatch_k3": _masked_mean(r - 1 - delta, flat_valid),
+        "log_ratio_min": _signed_extreme(delta, flat_valid, torch.amin),
+        "log_ratio_max": _signed_extreme(delta, flat_valid, torch.amax),
+        "log_ratio_outlier_frac": _masked_mean((delta.abs() > math.log(2.0)).to(acc), flat_valid),
+        "ess": ess,
     }
     return loss, metrics

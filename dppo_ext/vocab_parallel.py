@@ -74,15 +74,26 @@ __all__ = [
 # ---- per-row op ------------------------------------------------------------------------------------
 
 
-def _local_tokens(tokens: Tensor, start: int, local_vocab: int) -> tuple[Tensor, Tensor]:
+def _local_tokens(tokens: Tensor, start: int, local_vocab: int, replay: bool = False) -> tuple[Tensor, Tensor]:
     """(ids for the backward op on this slice, rows whose column 0 must be recomputed as a non-target column).
 
-    Owned rows: the local id. Rows owned elsewhere: column 0 (fixed afterwards). Padding (-100) stays -100."""
+    Owned rows: the local id. Rows owned elsewhere: column 0 (fixed afterwards), or with sampling replay
+    (``replay``) ``local_vocab``, an id outside the slice that the kept-set backward writes no column for (nothing
+    to fix). Padding (-100) stays -100."""
     owned = (tokens >= start) & (tokens < start + local_vocab)
     pad = tokens == IGNORE_INDEX
-    local = torch.where(owned, tokens - start, torch.zeros_like(tokens))
+    elsewhere = torch.full_like(tokens, local_vocab) if replay else torch.zeros_like(tokens)
+    local = torch.where(owned, tokens - start, elsewhere)
     local = torch.where(pad, tokens, local)
-    return local, ~owned & ~pad
+    return local, ~owned & ~pad & (not replay)
+
+
+def _local_kept(kept_ids: Optional[Tensor], start: int, local_vocab: int) -> Optional[Tensor]:
+    """This slice's kept ids, local (-1 for the ids other ranks hold and for padding), or None."""
+    if kept_ids is None:
+        return None
+    inside = (kept_ids >= start) & (kept_ids < start + local_vocab)
+    return torch.where(inside, kept_ids - start, torch.full_like(kept_ids, -1))
 
 
 def _slice_backward(
@@ -95,10 +106,19 @@ def _slice_backward(
     lse: Tensor,
     temperature: float,
     inplace: bool,
+    kept: Optional[Tensor] = None,
 ) -> Tensor:
     """d loss / d logits for this rank's slice, written by ``dppo_loss_backward`` (in place into ``logits`` when
     ``inplace``). ``foreign`` rows (token on another rank) had the op's target column at 0; that column is then
-    recomputed by the same op as a non-target column of a two-column copy whose column 1 plays the target."""
+    recomputed by the same op as a non-target column of a two-column copy whose column 1 plays the target.
+    ``kept``: this slice's local kept ids (sampling replay; ``lse`` is then the kept set's, and ``_local_tokens``
+    marked no row foreign)."""
+    if kept is not None:
+        args = (grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature, kept)
+        if inplace:
+            torch.ops.dppo.dppo_loss_backward_(*args)
+            return logits
+        return torch.ops.dppo.dppo_loss_backward(*args)
     col0 = logits[:, 0].clone()
     if inplace:
         torch.ops.dppo.dppo_loss_backward_(grad_target, grad_entropy, logits, local_tokens, lse, entropy, temperature)
@@ -125,8 +145,9 @@ def _check_local(n: int, local_vocab: int, dtype: torch.dtype, device, rows: Row
         )
     check_row_counts(n, rows)
     topk = None if rows.topk_ids is None else rows.topk_ids[:0]
+    kept = None if rows.kept_ids is None else rows.kept_ids[:0]
     empty = torch.empty((0, local_vocab), dtype=dtype, device=device)
-    torch.ops.dppo.dppo_vocab_parallel_stats(empty, rows.tokens[:0], topk, 0, *settings.stats_args())
+    torch.ops.dppo.dppo_vocab_parallel_stats(empty, rows.tokens[:0], topk, 0, *settings.stats_args(), kept)
 
 
 def _agreed_offsets(
@@ -166,7 +187,9 @@ def _agreed_offsets(
 def _merged_outputs(stats: Tensor, offsets: list[int], group, rows: RowInputs, settings: LossSettings):
     """The seven per-row outputs from this rank's statistics: the statistics all-gather, then the epilogue op."""
     gathered = gather_stats(stats, len(offsets) - 1, group)
-    return torch.ops.dppo.dppo_vocab_parallel_epilogue(gathered, offsets, *rows, *settings.epilogue_args())
+    return torch.ops.dppo.dppo_vocab_parallel_epilogue(
+        gathered, offsets, *rows.op_inputs, *settings.epilogue_args(), rows.kept_ids
+    )
 
 
 def _topk_only(rows: RowInputs, settings: LossSettings) -> RowInputs:
@@ -182,12 +205,14 @@ class _VocabParallelDPPO(torch.autograd.Function):
             rendezvous, rows, settings, n, local_vocab, logits.dtype, logits.device, offsets
         )
         stats = torch.ops.dppo.dppo_vocab_parallel_stats(
-            logits, rows.tokens, rows.topk_ids, start, *settings.stats_args()
+            logits, rows.tokens, rows.topk_ids, start, *settings.stats_args(), rows.kept_ids
         )
         outs = _merged_outputs(stats, offsets, rendezvous.group, rows, settings)
         _loss, _logp, divergence, mask, weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
-        ctx.save_for_backward(logits, local_tokens, foreign, rows.advantages, mask, weight, entropy, lse)
+        replay = rows.kept_ids is not None
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab, replay)
+        kept = (_local_kept(rows.kept_ids, start, local_vocab),) if replay else ()
+        ctx.save_for_backward(logits, local_tokens, foreign, rows.advantages, mask, weight, entropy, lse, *kept)
         ctx.settings, ctx.inplace, ctx.consumed = settings, inplace, False
         ctx.mark_non_differentiable(divergence, mask, weight, lse)
         return outs
@@ -197,11 +222,20 @@ class _VocabParallelDPPO(torch.autograd.Function):
         refuse_double_backward("the vocab-parallel DPPO loss")
         if ctx.consumed:  # the same rule as the single-device in-place backward
             raise RuntimeError(BACKWARD_CONSUMED)
-        logits, local_tokens, foreign, adv, mask, weight, entropy, lse = ctx.saved_tensors
+        logits, local_tokens, foreign, adv, mask, weight, entropy, lse, *kept = ctx.saved_tensors
         settings = ctx.settings
         gt, ge, ent = grad_args(settings.compute_entropy, adv, mask, weight, g_loss, g_logp, g_entropy, entropy)
         grad = _slice_backward(
-            gt, ge, ent, logits, local_tokens, foreign, lse, float(settings.temperature), ctx.inplace
+            gt,
+            ge,
+            ent,
+            logits,
+            local_tokens,
+            foreign,
+            lse,
+            float(settings.temperature),
+            ctx.inplace,
+            kept[0] if kept else None,
         )
         if ctx.inplace:  # autograd must know the logits were overwritten, as for the single-device op
             torch.autograd.graph.increment_version(logits)
@@ -253,17 +287,20 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
         )
         group = rendezvous.group
         k = 0 if rows.topk_ids is None else rows.topk_ids.shape[1]
-        stats = torch.empty((n, 4 + k), dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
+        s = 0 if rows.kept_ids is None else rows.kept_ids.shape[1]
+        stats = torch.empty((n, 4 + k + s), dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         for tile in logits_tiles(hidden, weight, bias, chunk_rows):
             chunk = rows.narrow(tile.rows)
             stats[tile.rows] = torch.ops.dppo.dppo_vocab_parallel_stats(
-                tile.logits, chunk.tokens, chunk.topk_ids, start, *settings.stats_args()
+                tile.logits, chunk.tokens, chunk.topk_ids, start, *settings.stats_args(), chunk.kept_ids
             )
         outs = _merged_outputs(stats, offsets, group, rows, settings)
         _loss, _logp, divergence, mask, row_weight, entropy, lse = outs
-        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab)
+        replay = rows.kept_ids is not None
+        local_tokens, foreign = _local_tokens(rows.tokens, start, local_vocab, replay)
+        kept = (_local_kept(rows.kept_ids, start, local_vocab),) if replay else ()
         ctx.save_for_backward(
-            hidden, weight, bias, local_tokens, foreign, rows.advantages, mask, row_weight, entropy, lse
+            hidden, weight, bias, local_tokens, foreign, rows.advantages, mask, row_weight, entropy, lse, *kept
         )
         ctx.settings, ctx.chunk_rows = settings, chunk_rows
         ctx.group, ctx.reduce_hidden_grad = group, reduce_hidden_grad
@@ -273,7 +310,7 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_logp, _g_div, _g_mask, _g_weight, g_entropy, _g_lse):
         refuse_double_backward("fused_linear_dppo_loss (vocab-parallel)")
-        hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse = ctx.saved_tensors
+        hidden, weight, bias, local_tokens, foreign, adv, mask, row_weight, entropy, lse, *kept = ctx.saved_tensors
         settings = ctx.settings
         gt, ge, ent = grad_args(settings.compute_entropy, adv, mask, row_weight, g_loss, g_logp, g_entropy, entropy)
 
@@ -289,6 +326,7 @@ class _FusedLinearVocabParallel(torch.autograd.Function):
                 lse[r],
                 float(settings.temperature),
                 True,
+                kept[0][r] if kept else None,
             )
 
         grad_hidden, grad_weight, grad_bias = head_backward(

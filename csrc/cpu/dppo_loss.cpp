@@ -37,7 +37,8 @@ void forward_kernel(const scalar_t* logits,  // [N, V], row stride ld
                     const at::opmath_type<scalar_t>* topk_lp,     // [N, K] or null
                     int64_t k,
                     const at::opmath_type<scalar_t>* anchor_lp,  // [N] or null
-                    double temperature, const LossSettings& settings,
+                    const int64_t* kept,                         // [N, S] or null (sampling replay)
+                    int64_t s, double temperature, const LossSettings& settings,
                     const RowOutputPtrs<at::opmath_type<scalar_t>>& out) {  // seven [N]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
@@ -51,6 +52,33 @@ void forward_kernel(const scalar_t* logits,  // [N, V], row stride ld
       }
       const scalar_t* z = logits + i * ld;
       const acc_t mx = row_max(z, v) * inv_t;
+      const int64_t* row_kept = kept ? kept + i * s : nullptr;
+      if (row_kept) {
+        // Sampling replay: the row's distribution renormalised over its kept set, formed in double from the S kept
+        // logits (as the CUDA epilogue does). The whole row is read once, for its max: finite exactly when the row
+        // has a distribution (no NaN, no +inf, not all -inf), as its lse is.
+        // s = z / T in the accumulation dtype, as the whole-row pass and the backward form it
+        const auto scaled = [&](int64_t c) { return static_cast<double>(static_cast<acc_t>(z[row_kept[c]]) * inv_t); };
+        const double s_a = static_cast<double>(static_cast<acc_t>(z[a]) * inv_t);
+        const KeptRow<double> kr =
+            kept_row_from<double>(scaled, row_kept, s, a, s_a, static_cast<double>(mx), settings.compute_entropy);
+        const double m = rollout_lp[i];
+        const double la = anchor_lp ? static_cast<double>(anchor_lp[i]) : m;
+        double div;
+        if (topk) {
+          TopkAcc<double> acc = topk_init<double>();
+          for (int64_t c = 0; c < k; ++c) {
+            const int64_t id = topk_ids[i * k + c];
+            const double lq = kept_logq(row_kept, s, id, static_cast<double>(static_cast<acc_t>(z[id]) * inv_t), kr);
+            topk_add(acc, static_cast<double>(topk_lp[i * k + c]), lq);
+          }
+          div = topk_divergence(settings.mode, acc);
+        } else {
+          div = binary_divergence(settings.mode, kr.lp, kr.l1p, la);
+        }
+        out.store(i, finish_row(settings, static_cast<double>(adv[i]), kr.lp, la, m, div, kr.entropy, kr.lse));
+        continue;
+      }
       // Sum over the non-target tokens, then the target's own term: 1 - pi = other / (other + e_a).
       acc_t other = 0, wsum = 0;
       row_sums(z, 0, a, inv_t, mx, settings.compute_entropy, other, wsum);
@@ -77,8 +105,8 @@ void forward_kernel(const scalar_t* logits,  // [N, V], row stride ld
         TopkAcc<double> acc = topk_init<double>();
         const double log_total_d = std::log(static_cast<double>(other) + static_cast<double>(ea));
         for (int64_t c = 0; c < k; ++c) {
-          const acc_t s = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
-          topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s) - mx) - log_total_d);
+          const acc_t s_c = static_cast<acc_t>(z[topk_ids[i * k + c]]) * inv_t;
+          topk_add(acc, static_cast<double>(topk_lp[i * k + c]), (static_cast<double>(s_c) - mx) - log_total_d);
         }
         div = static_cast<acc_t>(topk_divergence(settings.mode, acc));
       } else {
@@ -129,6 +157,22 @@ void backward_row(const double* z, double* g, int64_t v, double inv_t, double ls
   }
 }
 
+// Sampling replay: the row is 0 outside its kept set, and the kept set's softmax gradient inside (dppo_math.h's
+// kept_grad), from the kept logits gathered before the row is written (the in-place backward overwrites it).
+template <typename scalar_t>
+void backward_kept_row(scalar_t* g, int64_t v, const int64_t* kept, const scalar_t* zk, int64_t s, int64_t a,
+                       at::opmath_type<scalar_t> inv_t, at::opmath_type<scalar_t> lse, at::opmath_type<scalar_t> gt,
+                       at::opmath_type<scalar_t> gh, at::opmath_type<scalar_t> ent) {
+  using acc_t = at::opmath_type<scalar_t>;
+  std::fill(g, g + v, scalar_t(0));
+  for (int64_t c = 0; c < s; ++c) {
+    const int64_t id = kept[c];
+    if (id < 0 || id >= v) continue;  // padding
+    g[id] =
+        static_cast<scalar_t>(kept_grad<acc_t>(static_cast<acc_t>(zk[c]) * inv_t, id == a, lse, gt, gh, ent, inv_t));
+  }
+}
+
 template <typename scalar_t>
 void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stride ld_in
                      scalar_t* grad, int64_t ld_out,         // [N, V], row stride ld_out (may alias logits)
@@ -138,7 +182,9 @@ void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stri
                      const at::opmath_type<scalar_t>* g_t,  // [N]
                      const at::opmath_type<scalar_t>* g_h,  // [N] or null
                      const at::opmath_type<scalar_t>* ent,  // [N] or null
-                     double temperature) {
+                     const int64_t* kept,                   // [N, S] or null (sampling replay)
+                     const scalar_t* kept_logits,           // [N, S] or null, gathered before any write
+                     int64_t s, double temperature) {
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
@@ -146,12 +192,18 @@ void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stri
       const scalar_t* z = logits + i * ld_in;
       scalar_t* g = grad + i * ld_out;
       const int64_t a = tokens[i];
-      if (a < 0 || a >= v) {  // padding row (-100); out-of-range ids were rejected by the forward
+      // Padding row (-100); out-of-range ids were rejected by the forward. With a kept set an id outside [0, V)
+      // is a sampled token this slice does not hold (a vocabulary-parallel rank's): its kept ids still get theirs.
+      if (a == kIgnoreIndex || (kept == nullptr && (a < 0 || a >= v))) {
         std::fill(g, g + v, scalar_t(0));
         continue;
       }
       const acc_t gh = g_h ? g_h[i] : acc_t(0);
       const acc_t h = ent ? ent[i] : acc_t(0);
+      if (kept) {
+        backward_kept_row(g, v, kept + i * s, kept_logits + i * s, s, a, inv_t, lse[i], g_t[i], gh, h);
+        continue;
+      }
       // Read the target logit before the row is overwritten (in-place backward).
       const acc_t lpa = static_cast<acc_t>(z[a]) * inv_t - lse[i];
       backward_row(z, g, v, inv_t, lse[i], g_t[i], gh, h);
@@ -166,50 +218,54 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
-                                     bool compute_entropy) {
+                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
-  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature, kept_ids);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     forward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.n, in.v, in.ld, in.tokens.data_ptr<int64_t>(),
                              in.rollout_lp.data_ptr<acc_t>(), in.adv.data_ptr<acc_t>(), opt_ptr<int64_t>(in.topk_ids),
-                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), temperature, in.settings,
-                             in.output_ptrs<acc_t>());
+                             opt_ptr<acc_t>(in.topk_lp), in.k, opt_ptr<acc_t>(in.anchor_lp), in.kept_ptr(), in.s,
+                             temperature, in.settings, in.output_ptrs<acc_t>());
   });
   return in.outputs();
 }
 
 void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                   const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens, const at::Tensor& lse,
-                  const c10::optional<at::Tensor>& entropy, double temperature) {
+                  const c10::optional<at::Tensor>& entropy, double temperature,
+                  const c10::optional<at::Tensor>& kept_ids) {
   if (logits.size(0) == 0) return;
-  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n,
-                              in.v, in.tokens.data_ptr<int64_t>(), in.lse.data_ptr<acc_t>(),
-                              in.grad_target.data_ptr<acc_t>(), opt_ptr<acc_t>(in.grad_entropy),
-                              opt_ptr<acc_t>(in.entropy), temperature);
+    backward_kernel<scalar_t>(
+        logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n, in.v,
+        in.tokens.data_ptr<int64_t>(), in.lse.data_ptr<acc_t>(), in.grad_target.data_ptr<acc_t>(),
+        opt_ptr<acc_t>(in.grad_entropy), opt_ptr<acc_t>(in.entropy), in.kept_ptr(),
+        in.kept_logits.defined() ? in.kept_logits.const_data_ptr<scalar_t>() : nullptr, in.s, temperature);
   });
 }
 
 at::Tensor dppo_loss_backward_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                  const c10::optional<at::Tensor>& entropy, double temperature) {
-  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+                                  const c10::optional<at::Tensor>& entropy, double temperature,
+                                  const c10::optional<at::Tensor>& kept_ids) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids);
   // Resident blocks (cpu/buffer_cache.h): a fresh buffer's page faults cost several backward passes.
   at::Tensor grad = empty_cached(logits.sizes(), logits.options());
-  run_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature);
+  run_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature, kept_ids);
   return grad;
 }
 
 void dppo_loss_backward_inplace_cpu(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                    const c10::optional<at::Tensor>& entropy, double temperature) {
-  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
-  run_backward(grad_target, grad_entropy, logits, logits, tokens, lse, entropy, temperature);
+                                    const c10::optional<at::Tensor>& entropy, double temperature,
+                                    const c10::optional<at::Tensor>& kept_ids) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids);
+  run_backward(grad_target, grad_entropy, logits, logits, tokens, lse, entropy, temperature, kept_ids);
 }
 
 }  // namespace

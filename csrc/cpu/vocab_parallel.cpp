@@ -33,11 +33,12 @@ void stats_kernel(const scalar_t* logits, int64_t ld,  // [N, V_local], row stri
                   int64_t n, int64_t v, int64_t start,
                   const int64_t* tokens,               // [N] global ids or -100
                   const int64_t* topk_ids, int64_t k,  // [N, K] global ids, or null
+                  const int64_t* kept, int64_t s,      // [N, S] global ids (-1 padding), or null
                   double temperature, bool with_ent,
-                  at::opmath_type<scalar_t>* stats) {  // [N, 4 + K]
+                  at::opmath_type<scalar_t>* stats) {  // [N, 4 + K + S]
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
-  const int64_t width = vp_stat_width(k);
+  const int64_t width = vp_stat_width(k, s);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       acc_t* st = stats + i * width;
@@ -68,20 +69,25 @@ void stats_kernel(const scalar_t* logits, int64_t ld,  // [N, V_local], row stri
         const int64_t id = topk_ids[i * k + c] - start;
         if (id >= 0 && id < v) st[kVpTopk + c] = static_cast<acc_t>(z[id]) * inv_t;
       }
+      for (int64_t c = 0; c < s; ++c) {  // padding (-1) is never in [start, start + v)
+        const int64_t id = kept[i * s + c] - start;
+        if (kept[i * s + c] >= 0 && id >= 0 && id < v) st[kVpTopk + k + c] = static_cast<acc_t>(z[id]) * inv_t;
+      }
     }
   });
 }
 
 at::Tensor dppo_vocab_parallel_stats_cpu(const at::Tensor& logits, const at::Tensor& tokens,
                                          const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                         double temperature, bool compute_entropy) {
-  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+                                         double temperature, bool compute_entropy,
+                                         const c10::optional<at::Tensor>& kept_ids) {
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature, kept_ids);
   if (in.n == 0) return in.stats;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_vocab_parallel_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     stats_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld, in.n, in.v, in.start,
-                           in.tokens.const_data_ptr<int64_t>(), in.topk_ids_ptr(), in.k, temperature, compute_entropy,
-                           in.stats.data_ptr<acc_t>());
+                           in.tokens.const_data_ptr<int64_t>(), in.topk_ids_ptr(), in.k, in.kept_ptr(), in.s,
+                           temperature, compute_entropy, in.stats.data_ptr<acc_t>());
   });
   return in.stats;
 }
@@ -92,10 +98,10 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
                                                 const c10::optional<at::Tensor>& topk_logprobs,
                                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                                 double delta_low, double delta_high, double ratio_cap,
-                                                bool compute_entropy) {
+                                                bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
-  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings, kept_ids);
   if (in.n == 0) return in.outputs();
   const std::vector<int64_t> offsets(vocab_offsets.begin(), vocab_offsets.end());
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "dppo_vocab_parallel_epilogue_cpu", [&] {
@@ -107,6 +113,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
     const T* anchor = opt_ptr<T>(in.anchor_lp);
     const int64_t* ids = opt_ptr<int64_t>(in.topk_ids);
     const T* tlp = opt_ptr<T>(in.topk_lp);
+    const int64_t* kept = in.kept_ptr();
     const RowOutputPtrs<T> out = in.output_ptrs<T>();
     const int64_t rank_stride = in.n * in.width;
     at::parallel_for(0, in.n, 64, [&](int64_t begin, int64_t end) {
@@ -118,7 +125,8 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
         }
         out.store(i, vp_merge_row<T, T>(st + i * in.width, rank_stride, offsets.data(), in.world, a, m[i],
                                         anchor ? anchor[i] : m[i], adv[i], ids ? ids + i * in.k : nullptr,
-                                        tlp ? tlp + i * in.k : nullptr, in.k, in.settings));
+                                        tlp ? tlp + i * in.k : nullptr, in.k, in.settings,
+                                        kept ? kept + i * in.s : nullptr, in.s));
       }
     });
   });

@@ -29,6 +29,9 @@ struct BackwardParams {
   const acc_t* grad_entropy;  // [N] or nullptr
   const acc_t* entropy;       // [N] or nullptr (given with grad_entropy)
   acc_t inv_t;
+  const int64_t* kept;          // [N, S] contiguous, or nullptr (sampling replay, -1 padding)
+  const scalar_t* kept_logits;  // [N, S] contiguous: the kept logits, gathered before any write
+  int64_t s;
 };
 
 // Per-row constants of the backward and the element formulas of dppo_math.h. kEnt: the row has a
@@ -150,6 +153,30 @@ __global__ void __launch_bounds__(kThreads, kStreamMinBlocks<scalar_t>)
   } else {
     const RowGrad<acc_t, true> rg{lse, gt, gh, h, p.inv_t, a};
     backward_share(in, out, p.v, s, n_split, &rg);
+  }
+}
+
+// Sampling replay, grid (N): row i is zero outside its kept set and the kept set's softmax gradient inside
+// (dppo_math.h's kept_grad), from the kept logits the entry point gathered first (the in-place backward
+// overwrites the row). The zeros go first; the barrier orders them before the S scattered values.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads) dppo_loss_backward_kept_kernel(const BackwardParams<scalar_t, acc_t> p) {
+  const int64_t i = blockIdx.x;
+  scalar_t* g = p.grad + i * p.ld_out;
+  for (int64_t j = threadIdx.x; j < p.v; j += blockDim.x) g[j] = scalar_t(0);
+  __syncthreads();
+  const int64_t a = p.tokens[i];
+  // Padding row: zeros only. Another id outside [0, V) is a sampled token this slice does not hold (a
+  // vocabulary-parallel rank's): no column of the row is its target.
+  if (a == kIgnoreIndex) return;
+  const acc_t lse = p.lse[i], gt = p.grad_target[i];
+  const acc_t gh = p.grad_entropy != nullptr ? p.grad_entropy[i] : acc_t(0);
+  const acc_t h = p.entropy != nullptr ? p.entropy[i] : acc_t(0);
+  for (int64_t c = threadIdx.x; c < p.s; c += blockDim.x) {
+    const int64_t id = p.kept[i * p.s + c];
+    if (id < 0 || id >= p.v) continue;  // padding
+    g[id] = static_cast<scalar_t>(kept_grad<acc_t>(scale_logit(static_cast<acc_t>(p.kept_logits[i * p.s + c]), p.inv_t),
+                                                   id == a, lse, gt, gh, h, p.inv_t));
   }
 }
 

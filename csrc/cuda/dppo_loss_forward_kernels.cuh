@@ -122,9 +122,23 @@ struct ForwardParams {
   const int64_t* topk_ids;  // [N, K] contiguous, or nullptr (non-top-K modes)
   const acc_t* topk_lp;     // [N, K] contiguous, or nullptr
   int64_t k;
-  LossSettings settings;     // mode, deltas, ratio cap (the kernels take compute_entropy as kEntropy)
+  const int64_t* kept;  // [N, S] contiguous, or nullptr (sampling replay, -1 padding)
+  int64_t s;
+  LossSettings settings;     // mode, deltas, ratio cap (the kernels take the whole row's entropy as kEntropy)
   acc_t inv_t;               // 1 / T, applied to every logit as it is loaded
   RowOutputPtrs<acc_t> out;  // seven [N]
+};
+
+// The scaled kept logits of a row for dppo_math.h's kept_row_from: s of the c-th kept id, in the accumulation
+// dtype with one rounding (scale_logit, never fused into an FMA), as the whole-row pass forms every s.
+template <typename scalar_t, typename acc_t>
+struct KeptScaled {
+  const scalar_t* row;
+  const int64_t* kept;
+  acc_t inv_t;
+  __device__ __forceinline__ double operator()(int64_t c) const {
+    return scale_logit(static_cast<acc_t>(row[kept[c]]), inv_t);
+  }
 };
 
 // Everything after the row reduction. `other` is the block-merged state of the non-target tokens
@@ -143,28 +157,45 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   // Log-probabilities are formed relative to the row max ((s - mx) - log(sum)), never as s - lse:
   // for huge |s| the absolute lse has lost log(sum) to rounding.
   const ep_t log_sum = std::log(full.sum);
-  const ep_t lse = full.mx + log_sum;
+  ep_t lse = full.mx + log_sum;
+  // Sampling replay: the kept set's statistics (dppo_math.h's kept_row, S gathers; every thread forms them, so
+  // the top-K loop below needs no broadcast). The whole row's pass above decided whether it has a distribution.
+  const int64_t* kept = p.kept != nullptr ? p.kept + i * p.s : nullptr;
+  KeptRow<ep_t> kr{};
+  if (kept != nullptr) {
+    // s = z / T in the accumulation dtype with one rounding (scale_logit), as the whole-row pass forms s_a
+    const KeptScaled<scalar_t, acc_t> scaled{row, kept, p.inv_t};
+    kr = kept_row_from<ep_t>(scaled, kept, p.s, p.tokens[i], s_a, lse, p.settings.compute_entropy);
+  }
   TopkAcc<ep_t> acc = topk_init<ep_t>();
   const bool topk = mode_is_topk(p.settings.mode);
   if (topk) {
     for (int64_t c = threadIdx.x; c < p.k; c += kBlock) {
       const int64_t id = p.topk_ids[i * p.k + c];  // validated in [0, V) by check_forward_inputs
-      const ep_t lq = id >= 0 && id < p.v
-                          ? (ep_t(scale_logit(static_cast<acc_t>(row[id]), p.inv_t)) - full.mx) - log_sum
-                          : static_cast<ep_t>(-INFINITY);
+      ep_t lq = static_cast<ep_t>(-INFINITY);
+      if (id >= 0 && id < p.v) {
+        const ep_t s_id = scale_logit(static_cast<acc_t>(row[id]), p.inv_t);
+        lq = kept != nullptr ? kept_logq(kept, p.s, id, s_id, kr) : (s_id - full.mx) - log_sum;
+      }
       topk_add(acc, ep_t(p.topk_lp[i * p.k + c]), lq);
     }
     acc = block_sum_topk<kBlock>(acc);
   }
   if (threadIdx.x != 0) return;
-  const ep_t lp = (s_a - full.mx) - log_sum;
-  const ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
-                                                            : (other.mx - full.mx) + std::log(other.sum) - log_sum;
+  ep_t lp = (s_a - full.mx) - log_sum;
+  ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
+                                                      : (other.mx - full.mx) + std::log(other.sum) - log_sum;
+  ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
+  if (kept != nullptr) {
+    lse = kr.lse;
+    lp = kr.lp;
+    l1p = kr.l1p;
+    ent = kr.entropy;
+  }
   const ep_t m = p.rollout_lp[i];
   const ep_t adv = p.adv[i];
   const ep_t la = p.anchor_lp != nullptr ? ep_t(p.anchor_lp[i]) : m;
   const ep_t div = topk ? topk_divergence(p.settings.mode, acc) : binary_divergence(p.settings.mode, lp, l1p, la);
-  const ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
   p.out.store(i, finish_row(p.settings, adv, lp, la, m, div, ent, lse));
 }
 

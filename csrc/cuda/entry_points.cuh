@@ -48,6 +48,8 @@ ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardOperan
   p.topk_ids = opt_ptr<int64_t>(in.topk_ids);
   p.topk_lp = opt_ptr<acc_t>(in.topk_lp);
   p.k = in.k;
+  p.kept = in.kept_ptr();
+  p.s = in.s;
   p.settings = in.settings;
   p.inv_t = static_cast<acc_t>(1.0 / temperature);
   p.out = in.output_ptrs<acc_t>();
@@ -80,18 +82,19 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
                                        const c10::optional<at::Tensor>& topk_logprobs,
                                        const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                        double temperature, double delta_low, double delta_high, double ratio_cap,
-                                       bool compute_entropy) {
+                                       bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
   Device::require(logits, "logits");
   const Device device(logits);
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
-  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature);
+  const ForwardOperands in = prepare_forward(logits, rows, settings, temperature, kept_ids);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.outputs();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_forward_cuda", [&] {
     const auto p = forward_params<scalar_t>(in, logits, temperature);
     const int64_t n_split = forward_splits(in.n, in.v, Pack<scalar_t>::kSize, device.sm_count());
-    if (settings.compute_entropy) {
+    // With a kept set the entropy is the kept set's (the epilogue's), so the whole row's pass skips its moment.
+    if (settings.compute_entropy && !kept_ids.has_value()) {
       launch_forward<scalar_t, true>(p, n_split, logits, device.stream());
     } else {
       launch_forward<scalar_t, false>(p, n_split, logits, device.stream());
@@ -106,13 +109,14 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
 template <typename Device>
 void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                             const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
-                            const at::Tensor& lse, const c10::optional<at::Tensor>& entropy, double temperature) {
+                            const at::Tensor& lse, const c10::optional<at::Tensor>& entropy, double temperature,
+                            const c10::optional<at::Tensor>& kept_ids) {
   Device::require(logits, "logits");
   const Device device(logits);
   const int64_t n = logits.size(0);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cuda", [&] {
     using acc_t = acc_type_t<scalar_t>;
     BackwardParams<scalar_t, acc_t> p;
@@ -128,6 +132,14 @@ void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<a
     p.grad_entropy = opt_ptr<acc_t>(in.grad_entropy);
     p.entropy = opt_ptr<acc_t>(in.entropy);
     p.inv_t = static_cast<acc_t>(1.0 / temperature);
+    p.kept = in.kept_ptr();
+    p.kept_logits = in.kept_logits.defined() ? in.kept_logits.const_data_ptr<scalar_t>() : nullptr;
+    p.s = in.s;
+    if (p.kept != nullptr) {
+      launch_kernel(dppo_loss_backward_kept_kernel<scalar_t, acc_t>, dim3(static_cast<unsigned>(in.n)), dim3(kThreads),
+                    device.stream(), p);
+      return;
+    }
     const int64_t n_split = backward_splits(in.n, in.v, Pack<scalar_t>::kSize, device.sm_count());
     const dim3 grid(static_cast<unsigned>(in.n), static_cast<unsigned>(n_split));
     launch_kernel(dppo_loss_backward_kernel<scalar_t, acc_t>, grid, dim3(kThreads), device.stream(), p);
@@ -137,19 +149,22 @@ void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<a
 template <typename Device>
 at::Tensor dppo_loss_backward_entry(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                    const c10::optional<at::Tensor>& entropy, double temperature) {
-  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
+                                    const c10::optional<at::Tensor>& entropy, double temperature,
+                                    const c10::optional<at::Tensor>& kept_ids) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids);
   at::Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  dppo_loss_backward_run<Device>(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature);
+  dppo_loss_backward_run<Device>(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, temperature, kept_ids);
   return grad;
 }
 
 template <typename Device>
 void dppo_loss_backward_inplace_entry(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                       const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
-                                      const c10::optional<at::Tensor>& entropy, double temperature) {
-  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature);
-  dppo_loss_backward_run<Device>(grad_target, grad_entropy, logits, logits, tokens, lse, entropy, temperature);
+                                      const c10::optional<at::Tensor>& entropy, double temperature,
+                                      const c10::optional<at::Tensor>& kept_ids) {
+  check_backward_inputs(grad_target, grad_entropy, logits, tokens, lse, entropy, temperature, kept_ids);
+  dppo_loss_backward_run<Device>(grad_target, grad_entropy, logits, logits, tokens, lse, entropy, temperature,
+                                 kept_ids);
 }
 
 // ---- vocabulary-parallel ----------------------------------------------------------------------------------
@@ -157,10 +172,11 @@ void dppo_loss_backward_inplace_entry(const at::Tensor& grad_target, const c10::
 template <typename Device>
 at::Tensor dppo_vocab_parallel_stats_entry(const at::Tensor& logits, const at::Tensor& tokens,
                                            const c10::optional<at::Tensor>& topk_ids, int64_t vocab_start,
-                                           double temperature, bool compute_entropy) {
+                                           double temperature, bool compute_entropy,
+                                           const c10::optional<at::Tensor>& kept_ids) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature);
+  const VpStatsOperands in = prepare_vp_stats(logits, tokens, topk_ids, vocab_start, temperature, kept_ids);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
   if (in.n == 0) return in.stats;
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -168,7 +184,8 @@ at::Tensor dppo_vocab_parallel_stats_entry(const at::Tensor& logits, const at::T
         using acc_t = acc_type_t<scalar_t>;
         launch_kernel(vp_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(in.n)), dim3(kVpThreads), device.stream(),
                       logits.const_data_ptr<scalar_t>(), in.ld, in.v, in.start, in.tokens.const_data_ptr<int64_t>(),
-                      in.topk_ids_ptr(), in.k, acc_t(1.0 / temperature), compute_entropy, in.stats.data_ptr<acc_t>());
+                      in.topk_ids_ptr(), in.k, in.kept_ptr(), in.s, acc_t(1.0 / temperature), compute_entropy,
+                      in.stats.data_ptr<acc_t>());
       });
   return in.stats;
 }
@@ -178,12 +195,13 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(
     const at::Tensor& stats, at::IntArrayRef vocab_offsets, const at::Tensor& tokens,
     const at::Tensor& rollout_logprobs, const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
     const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
-    c10::string_view mode, double delta_low, double delta_high, double ratio_cap, bool compute_entropy) {
+    c10::string_view mode, double delta_low, double delta_high, double ratio_cap, bool compute_entropy,
+    const c10::optional<at::Tensor>& kept_ids) {
   Device::require(stats, "stats");
   const Device device(stats);
   const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
-  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings);
+  const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings, kept_ids);
   if (in.n == 0) return in.outputs();
   const at::Tensor offsets =
       at::tensor(std::vector<int64_t>(vocab_offsets.begin(), vocab_offsets.end()), at::kLong).to(stats.device());
@@ -194,7 +212,7 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(
                   in.stats.const_data_ptr<S>(), offsets.const_data_ptr<int64_t>(), in.world, in.n, in.width,
                   in.tokens.const_data_ptr<int64_t>(), in.rollout_lp.const_data_ptr<S>(), in.adv.const_data_ptr<S>(),
                   opt_ptr<S>(in.anchor_lp), opt_ptr<int64_t>(in.topk_ids), opt_ptr<S>(in.topk_lp), in.k, in.settings,
-                  in.output_ptrs<S>());
+                  in.kept_ptr(), in.s, in.output_ptrs<S>());
   });
   return in.outputs();
 }

@@ -26,12 +26,14 @@ __global__ void __launch_bounds__(kVpThreads)
                     int64_t ld, int64_t v, int64_t start,
                     const int64_t* __restrict__ tokens,    // [N] global ids or -100
                     const int64_t* __restrict__ topk_ids,  // [N, K] global ids, or null
-                    int64_t k, acc_type_t<scalar_t> inv_t, bool with_ent,
-                    acc_type_t<scalar_t>* __restrict__ stats) {  // [N, 4 + K]
+                    int64_t k,
+                    const int64_t* __restrict__ kept,  // [N, S] global ids (-1 padding), or null
+                    int64_t s, acc_type_t<scalar_t> inv_t, bool with_ent,
+                    acc_type_t<scalar_t>* __restrict__ stats) {  // [N, 4 + K + S]
   using acc_t = acc_type_t<scalar_t>;
   __shared__ acc_t smem[kVpThreads / kWarp];
   const int64_t i = blockIdx.x;
-  const int64_t width = vp_stat_width(k);
+  const int64_t width = vp_stat_width(k, s);
   acc_t* st = stats + i * width;
   const int64_t a = tokens[i];
   if (a == kIgnoreIndex) {
@@ -65,6 +67,11 @@ __global__ void __launch_bounds__(kVpThreads)
     const int64_t id = topk_ids[i * k + c] - start;
     st[kVpTopk + c] = (id >= 0 && id < v) ? static_cast<acc_t>(z[id]) * inv_t : acc_t(0);
   }
+  for (int64_t c = threadIdx.x; c < s; c += kVpThreads) {  // the kept ids this rank owns (padding -1 never)
+    const int64_t g = kept[i * s + c];
+    const int64_t id = g - start;
+    st[kVpTopk + k + c] = (g >= 0 && id >= 0 && id < v) ? static_cast<acc_t>(z[id]) * inv_t : acc_t(0);
+  }
 }
 
 template <typename S>
@@ -79,7 +86,8 @@ __global__ void __launch_bounds__(kVpEpilogueThreads, 1)
                        const int64_t* __restrict__ topk_ids,  // [N, K] or null
                        const S* __restrict__ topk_lp,         // [N, K] or null
                        int64_t k, LossSettings settings,
-                       RowOutputPtrs<S> out) {  // seven [N]
+                       const int64_t* __restrict__ kept,   // [N, S] or null (sampling replay)
+                       int64_t s, RowOutputPtrs<S> out) {  // seven [N]
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t a = tokens[i];
@@ -91,7 +99,7 @@ __global__ void __launch_bounds__(kVpEpilogueThreads, 1)
   out.store(i, vp_merge_row<double, S>(stats + i * width, n * width, offsets, world, a, m,
                                        anchor_lp ? double(anchor_lp[i]) : m, double(adv[i]),
                                        topk_ids ? topk_ids + i * k : nullptr, topk_lp ? topk_lp + i * k : nullptr, k,
-                                       settings));
+                                       settings, kept ? kept + i * s : nullptr, s));
 }
 
 }  // namespace

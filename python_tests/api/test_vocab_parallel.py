@@ -278,7 +278,7 @@ def _epilogue_args(**over):
         ({"vocab_offsets": [0, 50, 50]}, ValueError, "strictly increasing"),
         ({"vocab_offsets": [1, 50, 129]}, ValueError, r"vocab_offsets\[0\] must be 0"),
         ({"stats": torch.zeros(2, 37, 3)}, ValueError, r"stats must be 3-D \[W, N, 4 \+ K\]"),
-        ({"stats": torch.zeros(2, 37, 5)}, ValueError, "stats must have 4 \\+ K = 9 columns"),
+        ({"stats": torch.zeros(2, 37, 5)}, ValueError, "stats must have 4 \\+ K \\+ S = 9 columns"),
         ({"stats": torch.zeros(2, 37, 9, dtype=torch.float16)}, TypeError, "stats must be float32 or float64"),
         ({"tokens": torch.full((37,), 129)}, IndexError, r"tokens must hold ids in \[0, V=129\)"),
         ({"rollout_logprobs": torch.zeros(36)}, ValueError, "rollout_logprobs must be 1-D with N=37"),

@@ -488,6 +488,26 @@ MUTANTS += [
         VP_HEADER,
     ),
 ]
+# Sampling replay (kept_ids): only the grid's kept cases run these lines, so only they can catch these.
+MUTANTS += [
+    Mutant(
+        "replay-keeps-full-lse",
+        "with kept_ids the forward keeps the whole row's lse (the output the backward reads) instead of the kept set's",
+        "    lse = kr.lse;\n",
+        "",
+        "fiber",
+        WRONG_VALUES,
+    ),
+    Mutant(
+        "replay-bwd-skips-target",
+        "the replay backward never writes the sampled token's column (left at the row's zero)",
+        "    if (id < 0 || id >= p.v) continue;  // padding\n",
+        "    if (id < 0 || id >= p.v || id == a) continue;  // padding\n",
+        "fiber",
+        WRONG_VALUES,
+        header=BACKWARD,
+    ),
+]
 TSAN_MUTANTS = [
     Mutant(
         "no-syncthreads (tsan)",

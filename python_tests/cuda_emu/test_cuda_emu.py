@@ -52,7 +52,7 @@ from dppo_testing.vocab_parallel import split_offsets  # uneven splits; at W = 3
 
 import dppo_ext.ops  # noqa: F401  (loads the native library: registers torch.ops.dppo, the CPU ops compared with)
 from dppo_ext.contract import TOPK_MODES
-from dppo_ext.reference import dppo_loss_reference
+from dppo_ext.reference import dppo_loss_reference, kept_set_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import emu_build  # noqa: E402
@@ -115,6 +115,7 @@ def grad_bound(
     gh: torch.Tensor | None,
     lse: torch.Tensor,
     ent: torch.Tensor | None,
+    kept_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N, V] bound on |kernel - float64 formula| for each gradient element, given the kernel's own lse and
     entropy (the formula is evaluated from the same s = z * fl(1 / T) and lse, see reference_grad).
@@ -127,7 +128,7 @@ def grad_bound(
     u = U_ACC[acc]
     s = (logits.to(acc) * torch.tensor(1.0 / TEMPERATURE, dtype=torch.float64).to(acc)).double()
     lg = s - lse.double()[:, None]
-    p = torch.exp(lg)
+    p = kept_probs(torch.exp(lg), kept_ids)
     live = p > 0
     labs = torch.where(live, lg.abs(), torch.zeros_like(lg))
     p = torch.where(live, p, torch.zeros_like(p))
@@ -155,6 +156,7 @@ class Case:
     split: int | None  # None: the launch policy
     extreme: bool
     n: int = N_ROWS
+    kept: bool = False  # sampling replay: a kept set per row (kept_ids)
 
     @property
     def id(self) -> str:
@@ -163,6 +165,7 @@ class Case:
             f"{str(self.dtype)[6:]}-v{self.v}-{'strided' if self.strided else 'contig'}-{self.mode}{topk}"
             f"-ent{int(self.entropy)}-anc{int(self.anchor)}-split{self.split or 'auto'}"
             f"{'-huge' if self.extreme else ''}{f'-n{self.n}' if self.n != N_ROWS else ''}"
+            f"{'-kept' if self.kept else ''}"
         )
 
 
@@ -176,6 +179,7 @@ DIMS = {
     "anchor": (False, True),
     "split": (None, 1, 2, 3, 7, 100, 150),
     "extreme": (False, True),
+    "kept": (False, True),
 }
 
 
@@ -241,6 +245,8 @@ EXTRA = [
     Case(torch.bfloat16, 33000, True, "binary_kl", 64, True, False, 150, False),
     Case(torch.float16, 33000, False, "ratio", 5, False, True, 100, True),
     Case(torch.float64, 33000, True, "none", 5, True, False, 7, True),
+    # sampling replay with a kept set wider than a block's threads (S = 300 > 256) and the top-K's rest over it
+    Case(torch.float32, 4099, True, "topk_kl", 64, True, False, 3, False, kept=True),
 ]
 # Batches of 2 and 3 rows (make_inputs' first rows: mu = 0, pi -> 1, padding), where a bug tied to the row count
 # or to a row's neighbours is not diluted among seven rows: every dtype, contiguous and strided, one block per
@@ -266,6 +272,8 @@ ASAN_CASES = [c for c in GRID if c.v in (3, 41, 1000, 4099) and c.split != 100]
 TSAN_CASES = [
     Case(torch.float32, 1000, True, "topk_kl", 64, True, False, 2, False),
     Case(torch.bfloat16, 41, False, "binary_kl", 5, False, True, 1, False),
+    # the replay backward's barrier between the row's zeros and the kept values
+    Case(torch.float32, 1000, False, "binary_tv", 5, True, False, 1, False, kept=True),
 ]
 # The other tests check host-side logic and the CUDA epilogue: the fiber and ASan runs cover them.
 not_tsan = pytest.mark.skipif(VARIANT == "tsan", reason="covered by the fiber and ASan runs")
@@ -333,7 +341,28 @@ def make_inputs(c: Case, seed: int) -> dict:
     buf = torch.full((n, width), math.nan, dtype=c.dtype)
     buf[:, col_off : col_off + v] = z.to(c.dtype)
     k = min(c.k, v)
-    rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
+    noisy = z + torch.randn(n, v, generator=g, dtype=torch.float64)
+    kept_ids = None
+    if c.kept:
+        # Each row's kept set: its token and up to S - 1 random others (S = 300 when the top-K is that wide, to
+        # cross a block's 256 threads; else 9), in random columns among -1 padding; the padding row's set holds
+        # ids out of range and repeated (never read). The rollout's distribution is renormalised over the set.
+        width = min(v, 300 if c.k == 300 else 9)
+        kept_ids = torch.full((n, width), -1, dtype=torch.long)
+        keep = torch.zeros(n, v, dtype=torch.bool)
+        for i in range(n):
+            a = int(tokens[i]) if tokens[i] >= 0 else 0
+            others = [j for j in torch.randperm(v, generator=g).tolist() if j != a]
+            size = int(torch.randint(1, width + 1, (1,), generator=g))
+            ids = torch.tensor([a, *others[: size - 1]], dtype=torch.long)
+            slots = torch.randperm(width, generator=g)[:size]
+            kept_ids[i, slots] = ids
+            keep[i, ids] = True
+        if n > 2:
+            kept_ids[2, 0] = v + 3
+            kept_ids[2, -1] = kept_ids[2, 0]
+        noisy = noisy.masked_fill(~keep, -math.inf)
+    rollout = torch.log_softmax(noisy, dim=-1)
     topk_lp, topk_ids = rollout.topk(k, dim=-1)
     roll_lp = rollout.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
     roll_lp[0] = -math.inf  # mu = 0
@@ -349,6 +378,7 @@ def make_inputs(c: Case, seed: int) -> dict:
         topk_ids=topk_ids,
         topk_lp=topk_lp.to(acc),
         anchor=anchor.to(acc),
+        kept_ids=kept_ids,
     )
 
 
@@ -373,6 +403,7 @@ def op_args(x: dict, c: Case) -> tuple:
         DELTA_HIGH,
         RATIO_CAP,
         c.entropy,
+        x["kept_ids"],
     )
 
 
@@ -392,18 +423,27 @@ def reference_forward(x: dict, c: Case) -> tuple:
         delta_high=DELTA_HIGH,
         ratio_cap=RATIO_CAP,
         compute_entropy=c.entropy,
+        kept_ids=x["kept_ids"],
     )
     return tuple(out[name].detach() for name in NAMES)
 
 
-def reference_grad(logits, tokens, gt, gh, lse, ent) -> torch.Tensor:
+def kept_probs(p: torch.Tensor, kept_ids: torch.Tensor | None) -> torch.Tensor:
+    """p with every column outside its row's kept set zeroed (sampling replay; unchanged without kept_ids)."""
+    if kept_ids is None:
+        return p
+    return torch.where(kept_set_mask(kept_ids, p.shape[1]), p, torch.zeros_like(p))
+
+
+def reference_grad(logits, tokens, gt, gh, lse, ent, kept_ids=None) -> torch.Tensor:
     """[N, V] float64: (g_t (1[j = a] - p) - g_h p (log p + H)) / T from the lse and entropy the
     kernel was given, with s = z * (1 / T) rounded to the accumulation dtype as the kernel forms it
-    (so s - lse is exactly 0 where the kernel's is, even for logits of 1e30)."""
+    (so s - lse is exactly 0 where the kernel's is, even for logits of 1e30); with kept_ids, p is 0 outside
+    each row's kept set (lse is then the kept set's)."""
     acc = lse.dtype
     s = (logits.to(acc) * torch.tensor(1.0 / TEMPERATURE, dtype=torch.float64).to(acc)).double()
     logp = s - lse.double()[:, None]
-    p = torch.exp(logp)
+    p = kept_probs(torch.exp(logp), kept_ids)
     valid = tokens >= 0
     onehot = torch.zeros_like(s)
     onehot[valid, tokens[valid]] = 1.0
@@ -500,13 +540,14 @@ def check_case(emu, x: dict, case: Case, fresh=None) -> None:
         if fresh is not None:
             fresh()  # the previous in-place run overwrote x["buf"]
         ghg, eg = (gh, ent) if with_ent else (None, None)
-        want_g = reference_grad(logits_of(x), x["tokens"], gt, ghg, lse, eg)
-        bound = grad_bound(want_g, logits_of(x), x["tokens"], gt, ghg, lse, eg)
-        grad = emu.dppo_loss_backward(gt, ghg, logits_of(x), x["tokens"], lse, eg, TEMPERATURE)
+        kept = x["kept_ids"]
+        want_g = reference_grad(logits_of(x), x["tokens"], gt, ghg, lse, eg, kept)
+        bound = grad_bound(want_g, logits_of(x), x["tokens"], gt, ghg, lse, eg, kept)
+        grad = emu.dppo_loss_backward(gt, ghg, logits_of(x), x["tokens"], lse, eg, TEMPERATURE, kept)
         assert same_bits(x["buf"], untouched), "the backward wrote into its logits"
         check_grad(f"backward entropy_grad={with_ent}", grad, want_g, bound)
         buf2 = fresh() if fresh is not None else x["buf"].clone()
-        emu.dppo_loss_backward_(gt, ghg, logits_of(x, buf2), x["tokens"], lse, eg, TEMPERATURE)
+        emu.dppo_loss_backward_(gt, ghg, logits_of(x, buf2), x["tokens"], lse, eg, TEMPERATURE, kept)
         check_grad(f"in-place backward entropy_grad={with_ent}", logits_of(x, buf2), want_g, bound)
         outside = torch.ones(buf2.shape, dtype=torch.bool)
         outside[:, x["col_off"] : x["col_off"] + x["v"]] = False
@@ -851,6 +892,7 @@ class VpCase:
     v: int
     k: int = 5
     extreme: bool = False
+    kept: bool = False  # sampling replay: kept_ids, S kept logits per row in every rank's statistics
 
     @property
     def anchor(self) -> bool:
@@ -860,7 +902,7 @@ class VpCase:
     def id(self) -> str:
         return (
             f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
-            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}"
+            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}{'-kept' if self.kept else ''}"
         )
 
 
@@ -877,6 +919,10 @@ VP_GRID += [
     VpCase(d, m, e, w, 700 if e else 37, extreme=True)
     for d in DTYPES
     for m, e, w in (("binary_tv", True, 3), ("topk_kl", True, 2), ("ratio", False, 3))
+]
+# Sampling replay: every mode, fp32 and bf16, W = 2 and 3, kept sets spread over the ranks.
+VP_GRID += [
+    VpCase(d, m, True, w, 700, kept=True) for d in (torch.float32, torch.bfloat16) for m in MODES for w in (2, 3)
 ]
 VP_ASAN = [c for c in VP_GRID if c.world == 3 and c.dtype in (torch.float32, torch.bfloat16)]
 VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
@@ -916,7 +962,24 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
         tokens[0] -= tokens[0] % 2  # among the tied columns: log p = -log(ties) beside an lse of 1e30
         z[0, ::2] = huge / 2
     k = min(c.k, v)
-    rollout = torch.log_softmax(z + torch.randn(n, v, generator=g, dtype=torch.float64), dim=-1)
+    noisy = z + torch.randn(n, v, generator=g, dtype=torch.float64)
+    kept_ids = None
+    if c.kept:
+        # Each row keeps its token and 11 random others (on every rank, with -1 padding among them; the rollout's
+        # distribution renormalised over them); padding rows hold an out-of-range and a repeated id (never read).
+        width = 16
+        kept_ids = torch.full((n, width), -1, dtype=torch.long)
+        keep = torch.zeros(n, v, dtype=torch.bool)
+        for i in range(n):
+            a = int(tokens[i]) if tokens[i] >= 0 else 0
+            others = [j for j in torch.randperm(v, generator=g).tolist() if j != a][:11]
+            ids = torch.tensor([a, *others], dtype=torch.long)
+            kept_ids[i, torch.randperm(width, generator=g)[: ids.numel()]] = ids
+            keep[i, ids] = True
+        for i in (2, n - 1):
+            kept_ids[i, 0], kept_ids[i, 1], kept_ids[i, 2] = v + 7, 5 % v, 5 % v
+        noisy = noisy.masked_fill(~keep, -math.inf)
+    rollout = torch.log_softmax(noisy, dim=-1)
     topk_ids = rollout.topk(k, dim=-1).indices
     for r in range(c.world):
         if not (topk_ids[5 + r] == offsets[r]).any():
@@ -935,6 +998,7 @@ def vp_inputs(c: VpCase, seed: int, n: int = VP_ROWS) -> dict:
         topk_ids=topk_ids,
         topk_lp=topk_lp.to(acc),
         anchor=anchor.to(acc),
+        kept_ids=kept_ids,
     )
 
 
@@ -955,7 +1019,7 @@ def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
     offsets = x["offsets"]
     stats = torch.stack(
         [
-            ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy)
+            ops.dppo_vocab_parallel_stats(s, x["tokens"], ids, a, TEMPERATURE, c.entropy, x["kept_ids"])
             for s, a in zip(vp_slices(x["logits"], offsets), offsets)
         ]
     )
@@ -973,6 +1037,7 @@ def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
         DELTA_HIGH,
         RATIO_CAP,
         c.entropy,
+        x["kept_ids"],
     )
     return stats, tuple(out)
 
@@ -993,6 +1058,7 @@ def vp_reference(x: dict, c: VpCase) -> tuple:
         delta_high=DELTA_HIGH,
         ratio_cap=RATIO_CAP,
         compute_entropy=c.entropy,
+        kept_ids=x["kept_ids"],
     )
     return tuple(out[name].detach() for name in NAMES)
 
@@ -1022,7 +1088,8 @@ def check_vp(emu, x: dict, case: VpCase) -> None:
     stats, out = vp_run(emu, x, case)
     assert same_bits(x["logits"], untouched), "the stats kernel wrote into its logits"
     acc = acc_of(case.dtype)
-    assert stats.shape == (case.world, n, 4 + (case.k if case.mode in TOPK_MODES else 0))
+    s = 0 if x["kept_ids"] is None else x["kept_ids"].shape[1]
+    assert stats.shape == (case.world, n, 4 + (case.k if case.mode in TOPK_MODES else 0) + s)
     assert stats.dtype == acc and all(o.dtype == acc and o.shape == (n,) for o in out)
     mu = x["anchor"] if case.anchor else x["rollout"]
     check_forward("vocab-parallel forward vs reference", out, vp_reference(x, case), mu, vp_tol(x), x["tokens"])

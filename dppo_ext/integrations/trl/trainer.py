@@ -39,8 +39,9 @@ __all__ = ["DPPOGRPOTrainer", "micro_batch_loss"]
 
 logger = logging.getLogger(__name__)
 
-# Metrics aggregated across processes by max instead of mean.
-_MAX_METRICS = ("mismatch_max", "ratio_max")
+# Metrics aggregated across processes by max (or min) instead of mean.
+_MAX_METRICS = ("mismatch_max", "ratio_max", "log_ratio_max")
+_MIN_METRICS = ("log_ratio_min",)
 
 
 def micro_batch_loss(
@@ -302,6 +303,8 @@ class DPPOGRPOTrainer(GRPOTrainer):
             column = gathered[:, i]
             if name in _MAX_METRICS:
                 value = column.max()
+            elif name in _MIN_METRICS:
+                value = column.min()
             elif name == "num_tokens":
                 value = column.sum()
             else:
