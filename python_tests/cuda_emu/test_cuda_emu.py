@@ -902,7 +902,8 @@ class VpCase:
     def id(self) -> str:
         return (
             f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
-            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}{'-kept' if self.kept else ''}"
+            f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}"
+            f"{'-kept' if self.kept else ''}"
         )
 
 
