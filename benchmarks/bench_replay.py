@@ -9,7 +9,7 @@ resident-set peak VmHWM is reset before the step) on CPU, ``max_memory_allocated
 inputs, during one forward + backward.
 
     python benchmarks/bench_replay.py [--shapes 2048x32768,4096x151936] [--s 64] [--repeats 7] [--device cpu]
-        [--json benchmarks/results/replay.json]
+        [--json replay.json]
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
     ratio = torch.where(impossible, 0.0, torch.exp((out.logp - rollout_logprobs).clamp(max=LOG_RATIO_CLAMP)))
     delta = torch.where(impossible, 0.0, (out.logp - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     r = torch.exp(delta)
-    r_valid = r * v
+    r_valid = torch.where(valid, r, 0.0)  # never a padding row's NaN times 0
     r_sq = (r_valid * r_valid).sum()
     ess = torch.where(r_sq > 0, r_valid.sum() ** 2 / (n * r_sq), torch.zeros_like(r_sq))
 
