@@ -210,21 +210,7 @@ def staleness_main(args: argparse.Namespace) -> int:
         staleness.measure_rare_token_mu(args.seeds or [staleness.PILOT_SEED], work, Path(staleness.RARE_TOKEN_MU))
     elif not args.report_only:
         runs = staleness.pilot_runs() if args.pilot else staleness.planned_runs(args.phases or ["A"], args.seeds)
-        overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
-        configs = {run: run_config(run, work, overrides) for run in runs}
-        todo = [
-            run
-            for run in runs
-            if not staleness.data_file_complete(
-                data / run.condition / run.method / f"seed{run.seed}.jsonl", configs[run].steps
-            )
-        ]
-        logger.info("%d of %d runs to train (%d have complete data files)", len(todo), len(runs), len(runs) - len(todo))
-        start = time.perf_counter()
-        results = launch_workers(todo, work, overrides, args.jobs, data=data, nice=args.nice) if todo else []
-        counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
-        logger.info("staleness sweep: %d runs in %.0f s wall (%s)", len(todo), time.perf_counter() - start, counts)
-        failed = [r["run"] for r in results if r["status"] == "failed"]
+        failed = _train_incomplete("staleness", runs, data, work, args)
     for path in staleness.report(
         Path(staleness.DATA) if args.pilot else data, pilot_data, Path(staleness.EVAL_NOISE), report_dir
     ):
@@ -233,6 +219,26 @@ def staleness_main(args: argparse.Namespace) -> int:
         print(f"sanity: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _train_incomplete(name: str, runs: list, data: Path, work: Path, args: argparse.Namespace) -> list[str]:
+    """Train the ``runs`` whose data file under ``data`` is not complete (each collected as it finishes); the names
+    of the runs that failed."""
+    overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
+    configs = {run: run_config(run, work, overrides) for run in runs}
+    todo = [
+        run
+        for run in runs
+        if not staleness.data_file_complete(
+            data / run.condition / run.method / f"seed{run.seed}.jsonl", configs[run].steps
+        )
+    ]
+    logger.info("%d of %d runs to train (%d have complete data files)", len(todo), len(runs), len(runs) - len(todo))
+    start = time.perf_counter()
+    results = launch_workers(todo, work, overrides, args.jobs, data=data, nice=args.nice) if todo else []
+    counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
+    logger.info("%s sweep: %d runs in %.0f s wall (%s)", name, len(todo), time.perf_counter() - start, counts)
+    return [r["run"] for r in results if r["status"] == "failed"]
 
 
 def collapse_main(args: argparse.Namespace) -> int:
@@ -247,21 +253,7 @@ def collapse_main(args: argparse.Namespace) -> int:
             return 2
         work = Path(args.work)
         runs = collapse.planned_runs(args.seeds)
-        overrides: dict[str, Any] = {} if args.steps is None else {"steps": args.steps}
-        configs = {run: run_config(run, work, overrides) for run in runs}
-        todo = [
-            run
-            for run in runs
-            if not staleness.data_file_complete(
-                data / run.condition / run.method / f"seed{run.seed}.jsonl", configs[run].steps
-            )
-        ]
-        logger.info("%d of %d runs to train (%d have complete data files)", len(todo), len(runs), len(runs) - len(todo))
-        start = time.perf_counter()
-        results = launch_workers(todo, work, overrides, args.jobs, data=data, nice=args.nice) if todo else []
-        counts = {s: sum(r["status"] == s for r in results) for s in ("fresh", "resumed", "skipped", "failed")}
-        logger.info("collapse sweep: %d runs in %.0f s wall (%s)", len(todo), time.perf_counter() - start, counts)
-        failed = [r["run"] for r in results if r["status"] == "failed"]
+        failed = _train_incomplete("collapse", runs, data, work, args)
     for path in collapse.report(data, report_dir, Path(staleness.DATA)):
         print(f"wrote {path}")
     if failed:
