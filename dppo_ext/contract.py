@@ -186,9 +186,9 @@ def check_token_ids(name: str, ids: Optional[torch.Tensor]) -> None:
 # Sampling truncation (docs/contract.md, "Truncated sampling"). vLLM's SamplingParams sample from the whole
 # distribution at top_k -1 or 0 (None in TRL's min_p), top_p 1 and min_p 0; any other value samples from the
 # distribution truncated to a kept set and renormalised, and vLLM's processed log-probs mu are then those of the
-# truncated distribution. The loss scores pi over the whole vocabulary until the op takes the kept set (``kept_ids``),
-# so every entry point that samples refuses truncation, with the fix (refuse_truncated_sampling). When the op takes
-# ``kept_ids``, these refusals give way to passing the rollout's kept set (dppo_ext.rollout.vllm_rollout_tensors).
+# truncated distribution. The loss replays it given each position's kept set (``kept_ids``): the reference trainer
+# and dppo_ext.rollout.vllm_rollout_tensors return them; an integration whose rollout cannot return them refuses
+# truncation at config time, with the fix (refuse_truncated_sampling).
 
 
 def sampling_truncation(
@@ -232,6 +232,7 @@ def refuse_truncated_sampling(
     raise ValueError(
         f"{settings} truncates the sampling distribution: vLLM's log-probs mu are then those of the truncated, "
         "renormalised distribution while the DPPO loss scores pi over the whole vocabulary, so every ratio pi/mu is "
-        "off by the kept set's mass and DPPO masks tokens the policy never moved. The loss cannot replay the kept set "
-        f"yet (docs/contract.md, 'Truncated sampling'): sample from the whole distribution with {fix}"
+        "off by the kept set's mass and DPPO masks tokens the policy never moved. This rollout does not return the "
+        "kept sets the loss would replay (docs/contract.md, 'Truncated sampling'): sample from the whole distribution "
+        f"with {fix}"
     )

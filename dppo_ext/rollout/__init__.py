@@ -1,7 +1,7 @@
 """Rollout engines (vLLM when installed, transformers ``generate`` otherwise) and the helpers that
 turn vLLM's outputs into the DPPO op's tensors."""
 
-from dppo_ext.rollout.base import RolloutEngine, RolloutSample, force_sampled_into_topk
+from dppo_ext.rollout.base import RolloutEngine, RolloutSample, Truncation, force_sampled_into_topk
 from dppo_ext.rollout.factory import make_engine, vllm_available
 from dppo_ext.rollout.truncation import kept_ids_by_rule
 from dppo_ext.rollout.vllm_outputs import (
@@ -18,6 +18,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutSample",
     "RolloutTensors",
+    "Truncation",
     "extract_token_logprobs",
     "force_sampled_into_topk",
     "kept_ids_by_rule",

@@ -9,6 +9,9 @@ log-probabilities the trainer needs for DPPO:
 * with ``logit_noise = sigma > 0`` the engine samples from, and reports, ``mu = softmax((z +
   sigma * eps) / T)`` instead (``dppo_ext.rollout.noise``: a training-inference mismatch of a
   chosen size).
+* with a :class:`Truncation` (top-k / top-p / min-p sampling) the engine samples from the truncated,
+  renormalised distribution, reports its log-probs, and returns each position's kept set as ``kept_ids[t]``
+  (the loss's sampling replay; vLLM only).
 * ``topk_ids[t]`` / ``topk_logprobs[t]`` are the K highest-ranked tokens of that
   distribution, ordered by rank (highest log-prob first), with the sampled token
   forced in (it replaces the lowest-ranked entry when the engine did not rank it
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dppo_ext.contract import sampling_truncation
 from dppo_ext.rollout.noise import check_logit_noise
 from dppo_ext.rollout.weight_sync import SyncCheck
 
@@ -94,6 +98,28 @@ def force_sampled_into_topk(
     return ids, lps
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """Truncated sampling, by vLLM's ``SamplingParams`` names: ``top_k`` (-1 or 0: off), ``top_p`` (1: off),
+    ``min_p`` (0: off), and ``logprobs``, the log-probs returned per position so that each kept set comes back whole
+    (:func:`dppo_ext.rollout.kept_sets` raises, naming the position, where it may not)."""
+
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        sampling_truncation(self.top_k, self.top_p, self.min_p)  # the ranges, each named
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 1:
+            raise ValueError(f"Truncation.logprobs must be an int >= 1, got {self.logprobs!r}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether these settings truncate the distribution at all."""
+        return bool(sampling_truncation(self.top_k, self.top_p, self.min_p))
+
+
 def check_generate_args(
     prompts: list[list[int]],
     n: int,
@@ -139,6 +165,7 @@ class RolloutEngine(abc.ABC):
         top_k: int = 0,
         seed: int | None = None,
         logit_noise: float = 0.0,
+        truncation: Truncation | None = None,
     ) -> list[list[RolloutSample]]:
         """Sample ``n`` responses per prompt.
 
@@ -153,6 +180,8 @@ class RolloutEngine(abc.ABC):
             logit_noise: sigma of the Gaussian noise added to the logits before the temperature
                 (``dppo_ext.rollout.noise``; needs ``seed``); the samples and their log-probs are of
                 ``softmax((z + sigma * eps) / T)``. 0 = none.
+            truncation: top-k / top-p / min-p sampling; every sample then carries its ``kept_ids``. Engines that
+                cannot return the kept sets raise ``ValueError``. None: the whole distribution.
 
         Returns:
             ``[len(prompts)][n]`` samples.

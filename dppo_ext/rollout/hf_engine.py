@@ -22,6 +22,7 @@ from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout.base import (
     RolloutEngine,
     RolloutSample,
+    Truncation,
     check_generate_args,
     force_sampled_into_topk,
 )
@@ -125,11 +126,18 @@ class HFEngine(RolloutEngine):
         top_k: int = 0,
         seed: int | None = None,
         logit_noise: float = 0.0,
+        truncation: Truncation | None = None,
     ) -> list[list[RolloutSample]]:
-        """See :meth:`RolloutEngine.generate`. Prompts are left-padded into one batch."""
+        """See :meth:`RolloutEngine.generate`. Prompts are left-padded into one batch. Samples from the whole
+        distribution only: a truncating ``truncation`` raises ``ValueError`` (the vLLM engine replays it)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         check_generate_args(prompts, n, temperature, max_tokens, top_k, logit_noise=logit_noise, seed=seed)
+        if truncation is not None and truncation.truncates:
+            raise ValueError(
+                f"the transformers engine samples from the whole distribution and cannot return kept sets, got "
+                f"{truncation}; use the vLLM engine for truncated sampling"
+            )
         vocab = self.model.config.vocab_size
         if top_k > vocab:
             raise ValueError(f"top_k={top_k} exceeds the vocabulary size {vocab}")

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from dppo_ext.contract import MODEL_DTYPES
-from dppo_ext.rollout.base import RolloutEngine, RolloutSample, check_generate_args
+from dppo_ext.rollout.base import RolloutEngine, RolloutSample, Truncation, check_generate_args
 from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
 from dppo_ext.rollout.vllm_parity import attention_hint, engine_private_model_classes
 from dppo_ext.rollout.weight_sync import (
@@ -205,9 +205,11 @@ class VLLMEngine(RolloutEngine):
         top_k: int = 0,
         seed: int | None = None,
         logit_noise: float = 0.0,
+        truncation: Truncation | None = None,
     ) -> list[list[RolloutSample]]:
         """See :meth:`RolloutEngine.generate`. With a seed, prompt i samples with seeds
-        ``seed + i * n + j`` for j < n, so equal prompts still get distinct samples."""
+        ``seed + i * n + j`` for j < n, so equal prompts still get distinct samples. A truncating ``truncation``
+        asks for ``max(top_k, truncation.logprobs)`` log-probs per position and returns each kept set."""
         from vllm import SamplingParams
 
         from dppo_ext.rollout.vllm_noise import NOISE_ARG
@@ -218,12 +220,24 @@ class VLLMEngine(RolloutEngine):
                 f"top_k={top_k} exceeds this engine's limit min(max_logprobs={self.max_logprobs}, "
                 f"vocab_size={self.vocab_size}); create the engine with a larger max_logprobs"
             )
+        truncation = truncation if truncation is not None and truncation.truncates else None
+        logprobs = max(top_k, 1, min(truncation.logprobs, self.vocab_size) if truncation is not None else 0)
+        if logprobs > self.max_logprobs:
+            raise ValueError(
+                f"truncation.logprobs={logprobs} exceeds this engine's max_logprobs={self.max_logprobs}; create the "
+                "engine with a larger max_logprobs"
+            )
+        sampling = {}  # only the truncating settings: vLLM's defaults stand for the rest
+        if truncation is not None:
+            on = {"top_k": truncation.top_k > 0, "top_p": truncation.top_p < 1, "min_p": truncation.min_p > 0}
+            sampling = {name: getattr(truncation, name) for name, used in on.items() if used}
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 max_tokens=max_tokens,
-                logprobs=max(top_k, 1),
+                logprobs=logprobs,
+                **sampling,
                 seed=None if seed is None else seed + i * n,
                 extra_args={NOISE_ARG: float(logit_noise)} if logit_noise else None,
             )
@@ -232,7 +246,9 @@ class VLLMEngine(RolloutEngine):
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         if self.guard is not None and outputs and outputs[0].outputs:
             self.guard.remember(list(outputs[0].prompt_token_ids) + list(outputs[0].outputs[0].token_ids))
-        return rollout_samples_from_vllm(outputs, top_k)
+        return rollout_samples_from_vllm(
+            outputs, top_k, sampling_params=params[0] if truncation else None, vocab_size=self.vocab_size
+        )
 
     def sync_plan(self, model: torch.nn.Module) -> SyncPlan:
         """What a sync of ``model`` sends (decided from the engine's model on first use; raises

@@ -151,7 +151,12 @@ def extract_token_logprobs(
 
 
 def kept_sets(
-    token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, Any]], *, logprobs: int, top_k: int
+    token_ids: Sequence[int],
+    position_logprobs: Sequence[Mapping[int, Any]],
+    *,
+    logprobs: int,
+    top_k: int,
+    vocab_size: Optional[int] = None,
 ) -> list[list[int]]:
     """The kept set of every position of one completion generated with truncated sampling.
 
@@ -161,6 +166,7 @@ def kept_sets(
             ``LLM(..., logprobs_mode="processed_logprobs")``: ``-inf`` marks a token the truncation removed.
         logprobs: L, ``SamplingParams.logprobs`` (vLLM returns the L best ranks plus the sampled token).
         top_k: ``SamplingParams.top_k`` (<= 0: no top-k truncation).
+        vocab_size: V of the model, when known: ``logprobs >= V`` returns every token, so every set is exact.
 
     Returns:
         [T] lists of the kept token ids (the finite entries), by rank.
@@ -174,7 +180,7 @@ def kept_sets(
             f"token_ids and position_logprobs must have the same length, got "
             f"{len(token_ids)} and {len(position_logprobs)}"
         )
-    exact_by_top_k = 0 < top_k <= logprobs
+    exact_by_top_k = 0 < top_k <= logprobs or (vocab_size is not None and logprobs >= vocab_size)
     sets = []
     for pos, (tok, entries) in enumerate(zip(token_ids, position_logprobs)):
         ranked = sorted(entries.items(), key=lambda item: item[1].rank)
@@ -209,7 +215,7 @@ def _sampling_settings(sampling_params: Any) -> tuple[bool, int, int]:
 
 
 def rollout_samples_from_vllm(
-    outputs: Sequence[Any], top_k: int, *, sampling_params: Any = None
+    outputs: Sequence[Any], top_k: int, *, sampling_params: Any = None, vocab_size: Optional[int] = None
 ) -> list[list[RolloutSample]]:
     """One :class:`RolloutSample` per completion of each ``RequestOutput``.
 
@@ -220,6 +226,7 @@ def rollout_samples_from_vllm(
         sampling_params: the ``SamplingParams`` they were generated with; when they truncate (``top_k`` > 0,
             ``top_p`` < 1 or ``min_p`` > 0) every sample carries its ``kept_ids`` (:func:`kept_sets`). None: no
             truncation; a returned ``-inf`` log-prob beside the sampled token then raises (it shows truncation).
+        vocab_size: the model's V, when known (see :func:`kept_sets`).
 
     Returns:
         ``[len(outputs)][n]`` samples, in vLLM's order.
@@ -238,7 +245,9 @@ def rollout_samples_from_vllm(
             try:
                 token_logprobs, topk_ids, topk_logprobs = extract_token_logprobs(response, completion.logprobs, top_k)
                 if truncates:
-                    kept = kept_sets(response, completion.logprobs, logprobs=logprobs, top_k=sampling_top_k)
+                    kept = kept_sets(
+                        response, completion.logprobs, logprobs=logprobs, top_k=sampling_top_k, vocab_size=vocab_size
+                    )
                 else:
                     _refuse_unannounced_truncation(response, completion.logprobs)
             except ValueError as exc:  # name the sequence: the position alone does not find it in a batch

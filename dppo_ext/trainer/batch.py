@@ -35,6 +35,8 @@ class RolloutBatch:
         topk_ids: [B, T, K] int64 or None; topk_logprobs: [B, T, K] float32 or None.
         anchor_logprobs: [B, T] float32 or None: the trainer's own log-probs of the tokens,
             recomputed before the batch's first update (the mask anchor of the MiniRL losses).
+        kept_ids: [B, T, S] int64 or None: under truncated sampling, each position's kept set (-1 padding), which
+            the loss renormalises pi over (sampling replay).
     """
 
     input_ids: torch.Tensor
@@ -47,6 +49,7 @@ class RolloutBatch:
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
     anchor_logprobs: torch.Tensor | None = None
+    kept_ids: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -68,7 +71,8 @@ class RolloutBatch:
         if cut > 0:
             for name in ("input_ids", "attention_mask", "position_ids"):
                 picked[name] = picked[name][:, : picked[name].shape[1] - cut]
-            for name in ("tokens", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs", "anchor_logprobs"):
+            per_position = ("tokens", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs")
+            for name in (*per_position, "anchor_logprobs", "kept_ids"):
                 if picked[name] is not None:
                     picked[name] = picked[name][:, :longest]
         return RolloutBatch(**picked)
@@ -122,6 +126,7 @@ def collate_rollouts(
         advantages=torch.tensor(advantages, dtype=torch.float32),
         topk_ids=response.topk_ids,
         topk_logprobs=response.topk_logprobs,
+        kept_ids=response.kept_ids,
     )
 
 

@@ -15,8 +15,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, refuse_truncated_sampling
+from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
+from dppo_ext.rollout.base import Truncation
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.losses import LOSSES, canonical_loss
@@ -84,13 +85,19 @@ class TrainConfig:
     top_k: int = _opt(0, "rollout top-K log-probs per token (>= 1 for the top-K losses)")
     top_p: float = _opt(
         1.0,
-        "rollout top-p (nucleus) sampling; 1 = off. Truncated sampling (< 1, or --sample-top-k > 0, --min-p > 0) is "
-        "refused: the rollout's mu is then of the truncated distribution, which the loss cannot replay yet",
+        "rollout top-p (nucleus) sampling; 1 = off. Truncated sampling (< 1, or --sample-top-k > 0, --min-p > 0) "
+        "runs with sampling replay: vLLM returns each position's kept set and the loss renormalises pi over it "
+        "(docs/contract.md, 'Truncated sampling'; --engine vllm only)",
     )
     sample_top_k: int = _opt(
         -1, "rollout top-k sampling (vLLM's SamplingParams.top_k; --top-k is the top-K log-probs); -1 or 0 = off"
     )
     min_p: float = _opt(0.0, "rollout min-p sampling; 0 = off")
+    sample_logprobs: int = _opt(
+        20,
+        "truncated sampling: log-probs vLLM returns per position, so that the kept set comes back whole (a position "
+        "whose kept set may be larger raises, naming it; top-k sampling with k <= this is always exact)",
+    )
     adv_std: bool = _opt(True, "divide group advantages by the group std (GRPO); --no-adv-std keeps reward - mean")
     delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the loss's)")
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the loss's)")
@@ -192,6 +199,16 @@ class TrainConfig:
         return self.loss in TOPK_LOSSES
 
     @property
+    def truncates_sampling(self) -> bool:
+        """True when --top-p, --sample-top-k or --min-p truncate the rollout's sampling (the loss replays the kept
+        sets)."""
+        return bool(sampling_truncation(self.sample_top_k, self.top_p, self.min_p))
+
+    def truncation(self) -> Truncation:
+        """The rollout's sampling truncation (--sample-top-k, --top-p, --min-p, --sample-logprobs)."""
+        return Truncation(top_k=self.sample_top_k, top_p=self.top_p, min_p=self.min_p, logprobs=self.sample_logprobs)
+
+    @property
     def uses_recompute_anchor(self) -> bool:
         """True when the loss needs log-probs recomputed by the trainer (MiniRL's mask, ``pg_pi_old``'s weight)."""
         return LOSSES[self.loss].recomputes
@@ -250,6 +267,7 @@ class TrainConfig:
             "threads",
             "top_k",
             "rollout_lag",
+            "sample_logprobs",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -306,12 +324,19 @@ class TrainConfig:
                 "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
                 f"got {self.group_size}"
             )
-        refuse_truncated_sampling(
+        truncating = sampling_truncation(
             self.sample_top_k,
             self.top_p,
             self.min_p,
             names={"top_k": "--sample-top-k", "top_p": "--top-p", "min_p": "--min-p"},
         )
+        if truncating and self.engine == "hf":
+            settings = ", ".join(f"{name}={value!r}" for name, value in truncating.items())
+            raise ValueError(
+                f"{settings} truncates the sampling, which only --engine vllm replays (it returns each position's "
+                "kept set); use --engine vllm, or sample from the whole distribution with --top-p 1 "
+                "--sample-top-k -1 --min-p 0"
+            )
         if self.uses_topk and self.top_k < 1:
             raise ValueError(
                 f"--loss {self.loss} needs the rollout's top-K log-probs: --top-k must be >= 1, got {self.top_k}"

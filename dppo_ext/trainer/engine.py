@@ -26,8 +26,8 @@ def make_rollout_engine(config: TrainConfig, model_path: str, device: torch.devi
     if kind == "vllm":
         kwargs["gpu_memory_utilization"] = config.vllm_gpu_memory_utilization
         kwargs["sync_check"] = config.sync_check
-        if config.uses_topk:
-            kwargs["max_logprobs"] = max(20, config.top_k)
+        if config.uses_topk or config.truncates_sampling:
+            kwargs["max_logprobs"] = max(20, config.top_k, config.sample_logprobs if config.truncates_sampling else 0)
         if not config.verbose:
             kwargs["use_tqdm_on_load"] = False
     else:

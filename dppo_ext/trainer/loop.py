@@ -194,6 +194,7 @@ class Trainer:
             top_k=cfg.top_k if cfg.uses_topk else 0,
             seed=cfg.seed * STEP_SEED_STRIDE + (self.step + 1) * cfg.prompts_per_step * cfg.group_size,
             **({"logit_noise": cfg.rollout_logit_noise} if cfg.rollout_logit_noise else {}),
+            **({"truncation": cfg.truncation()} if cfg.truncates_sampling else {}),
         )
         samples = [s for group in groups for s in group]
         rewards = torch.tensor([[self.score(s, p) for s in group] for p, group in zip(problems, groups)])
@@ -247,6 +248,7 @@ class Trainer:
                         topk_ids=micro.topk_ids,
                         topk_logprobs=micro.topk_logprobs,
                         anchor_logprobs=None if on_old else micro.anchor_logprobs,
+                        kept_ids=micro.kept_ids,
                         temperature=cfg.temperature,
                         loss_agg_mode=cfg.loss_agg_mode,
                         loss_scale_factor=cfg.max_new_tokens if cfg.loss_agg_mode in NORM_AGG_MODES else None,
@@ -333,8 +335,12 @@ class Trainer:
         size = cfg.micro_batch_size or batch.size
         for part in torch.arange(batch.size).split(size):
             micro = batch.select(part).to(self.device)
-            logits = response_logits(self.model, micro).float() / cfg.temperature
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
+            if micro.kept_ids is None:
+                logits = response_logits(self.model, micro).float() / cfg.temperature
+                logp = torch.log_softmax(logits, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
+            else:  # pi renormalised over each position's kept set, as the loss scores it
+                rows, _, _, _ = op_rows(response_logits(self.model, micro), micro, "none", cfg.temperature, {})
+                logp = rows.logp.reshape(micro.tokens.shape)
             logp = torch.where(micro.response_mask, logp, torch.zeros_like(logp)).cpu()
             out[part, : logp.shape[1]] = logp
         return out

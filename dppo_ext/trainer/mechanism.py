@@ -80,6 +80,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
             topk_ids=flat(micro.topk_ids),
             topk_logprobs=None if micro.topk_logprobs is None else flat(micro.topk_logprobs).float(),
             anchor_logprobs=None if micro.anchor_logprobs is None else flat(micro.anchor_logprobs).float(),
+            kept_ids=flat(micro.kept_ids),
             mode=mode,
             temperature=temperature,
             compute_entropy=False,

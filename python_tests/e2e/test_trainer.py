@@ -76,6 +76,49 @@ def test_vllm_training_steps_change_weights_and_stay_in_sync(
         assert record["mismatch_max"] < SYNC_TOL, record
 
 
+def test_truncated_sampling_trains_with_replay(tmp_path, tiny_model, tiny_model_dir, restore_engine):
+    """--top-p 0.7: vLLM's mu is the truncated distribution's; with each position's kept set the loss scores pi
+    renormalised over it, so the same weights give |pi - mu| at float32 rounding, where the whole-vocabulary pi of
+    the same batch (the negative control: no kept_ids) is off by the kept set's mass."""
+    from transformers import AutoTokenizer
+
+    from dppo_ext import dppo_loss
+
+    config = _config(tmp_path, top_p=0.7, temperature=0.7, steps=2)
+    trainer = Trainer(
+        config,
+        tiny_model,
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        leading_digit_task(),
+        restore_engine,
+        tmp_path,
+    )
+    samples, _, _ = trainer.rollout()
+    assert all(s.kept_ids is not None and len(s.kept_ids) == len(s.response_ids) for s in samples)
+    batch = collate_rollouts(samples, [1.0] * len(samples), pad_id=0, with_topk=False)
+    truncated = (batch.kept_ids >= 0).sum(-1)[batch.response_mask]
+    assert bool((truncated < tiny_model.config.vocab_size).all()), "top_p 0.7 kept the whole vocabulary somewhere"
+    with torch.no_grad():
+        logits = response_logits(tiny_model, batch)
+    scored = {
+        kept: dppo_loss(
+            logits,
+            batch.tokens,
+            batch.rollout_logprobs,
+            batch.advantages,
+            response_mask=batch.response_mask,
+            kept_ids=batch.kept_ids if kept else None,
+            temperature=0.7,
+        )[1]
+        for kept in (True, False)
+    }
+    assert float(scored[True]["mismatch_max"]) < SYNC_TOL, scored[True]
+    assert float(scored[False]["mismatch_max"]) > 1e-2, scored[False]
+    records = [trainer.train_step() for _ in range(config.steps)]
+    for record in records:
+        assert math.isfinite(record["loss"]) and record["mismatch_max"] < SYNC_TOL, record
+
+
 def _trainer_logprobs(model, samples, temperature: float) -> torch.Tensor:
     """[B, T] the trainer's log-probs of the sampled tokens (independent full log-softmax oracle)."""
     batch = collate_rollouts(samples, [0.0] * len(samples), pad_id=0, with_topk=False)

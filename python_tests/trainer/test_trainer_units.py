@@ -161,23 +161,30 @@ def test_config_validation_messages(overrides, match):
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (["--top-p", "0.9"], r"--top-p=0.9 truncates the sampling distribution"),
-        (["--sample-top-k", "5"], r"--sample-top-k=5 truncates the sampling distribution"),
-        (["--min-p", "0.05"], r"--min-p=0.05 truncates the sampling distribution"),
-        (["--top-p", "0.7", "--sample-top-k", "2"], r"--sample-top-k=2, --top-p=0.7 truncates"),
         (["--top-p", "0"], r"--top-p must be a number in \(0, 1\]"),
         (["--sample-top-k", "-2"], r"--sample-top-k must be an int >= -1"),
         (["--min-p", "1.5"], r"--min-p must be a number in \[0, 1\]"),
+        (["--sample-logprobs", "-1"], r"--sample-logprobs must be >= 0"),
+        (["--engine", "hf", "--top-p", "0.9"], r"--top-p=0.9 truncates the sampling, which only --engine vllm"),
+        (["--engine", "hf", "--top-p", "0.7", "--sample-top-k", "2"], r"--sample-top-k=2, --top-p=0.7 truncates"),
     ],
 )
-def test_truncated_sampling_refused_with_the_fix(flags, match):
-    """The trainer samples with vLLM; a truncating flag would make mu the truncated distribution's while the loss
-    scores pi over the vocabulary: refused before anything starts, naming the flag, its value and the fix."""
+def test_sampling_flags_checked_and_truncation_refused_where_it_cannot_be_replayed(flags, match):
+    """Each sampling flag's range is checked, naming the flag; truncated sampling runs with replay on the vLLM
+    engine and is refused, with the fix, on the transformers engine (which cannot return the kept sets)."""
     with pytest.raises(ValueError, match=match) as caught:
         parse_config(flags)
     if "truncates" in match:
-        assert str(caught.value).endswith("--top-p=1, --sample-top-k=-1 (or 0) and --min-p=0"), str(caught.value)
-    assert parse_config(["--top-p", "1", "--sample-top-k", "0", "--min-p", "0"]).top_p == 1.0
+        assert str(caught.value).endswith("--top-p 1 --sample-top-k -1 --min-p 0"), str(caught.value)
+
+
+def test_truncated_sampling_config_carries_the_replay_settings():
+    config = parse_config(["--engine", "vllm", "--top-p", "0.7", "--sample-top-k", "5", "--sample-logprobs", "8"])
+    assert config.truncates_sampling
+    truncation = config.truncation()
+    assert (truncation.top_k, truncation.top_p, truncation.min_p, truncation.logprobs) == (5, 0.7, 0.0, 8)
+    plain = parse_config(["--top-p", "1", "--sample-top-k", "0", "--min-p", "0"])
+    assert not plain.truncates_sampling and not plain.truncation().truncates
 
 
 def test_cli_parses_every_field_and_rejects_bad_values(capsys):

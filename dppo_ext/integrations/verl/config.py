@@ -14,9 +14,10 @@ What the rollout must report for the DPPO modes (:func:`check_rollout_distributi
 whole vocabulary. ``rollout.logprobs_mode`` must be ``processed_logprobs`` (``raw_logprobs`` is the same thing at
 temperature 1 only; logits modes are never log-probs), and where the loss's mu is the rollout's log-probs (the top-K
 modes, and any mode under ``algorithm.rollout_correction.bypass_mode``) ``rollout.top_p`` / ``rollout.top_k`` (and a
-``min_p``) must not truncate: vLLM's mu is then of the truncated distribution, and the loss cannot replay the kept
-set yet. (The binary modes outside bypass mode anchor on the actor's recomputed ``old_log_probs``, a full-vocabulary
-distribution like pi: truncated sampling leaves their trust region exact.)
+``min_p``) must not truncate: vLLM's mu is then of the truncated distribution, and verl's rollout does not return
+the kept sets the loss would replay (``kept_ids``). (The binary modes outside bypass mode anchor on the actor's
+recomputed ``old_log_probs``, a full-vocabulary distribution like pi: truncated sampling leaves their trust region
+exact.)
 """
 
 from __future__ import annotations
