@@ -19,7 +19,14 @@ from torch import Tensor
 from ._rows import DPPOOutputs, LossSettings
 from .contract import DEFAULT_AGG_MODE, LOG_RATIO_CLAMP, SUM_AGG_MODES, check_aggregation
 
-__all__ = ["aggregate_loss", "aggregate_with", "dppo_metrics", "micro_batch_scale"]
+__all__ = [
+    "MISMATCH_EXTRA",
+    "aggregate_loss",
+    "aggregate_with",
+    "dppo_metrics",
+    "micro_batch_scale",
+    "mismatch_metrics",
+]
 
 
 def aggregate_loss(
@@ -80,59 +87,82 @@ def _aggregate(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str, loss_scale_fa
     return seq_mean / horizon if loss_agg_mode == "seq-mean-token-sum-norm" else seq_mean
 
 
-@torch.no_grad()
-def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """The op's per-row outputs summarised over valid rows, as 0-d tensors (no host sync).
+# The mismatch metrics beyond |pi - mu| (docs/contract.md, "Mismatch metrics"), in every entry point's dict and in
+# the trainer's, TRL's and verl's logs.
+MISMATCH_EXTRA = ("mismatch_k3", "log_ratio_min", "log_ratio_max", "log_ratio_outlier_frac", "ess")
 
-    Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``mismatch_mean`` and
-    ``mismatch_max`` (|pi - mu|, the paper's training-inference mismatch), ``divergence_mean``,
-    ``entropy_mean``, ``ratio_max`` (pi / mu, log-ratio clamped at 20), ``num_tokens``, and the mismatch metrics of
-    docs/contract.md over ``delta = clamp(log pi - log mu, -20, 20)`` (0 where both are -inf), ``r = exp(delta)``:
+
+@torch.no_grad()
+def mismatch_metrics(logp: Tensor, rollout_logprobs: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The training-inference mismatch between ``logp`` (log pi) and ``rollout_logprobs`` (log mu) over the valid
+    rows (any shape, all three alike), as 0-d tensors (no host sync).
+
+    Keys: ``mismatch_mean`` / ``mismatch_max`` (|pi - mu|, the paper's mismatch), ``ratio_max`` (pi / mu, log-ratio
+    clamped at 20), and over ``delta = clamp(log pi - log mu, -20, 20)`` (0 where both are -inf), ``r = exp(delta)``:
     ``mismatch_k3`` (mean of ``r - 1 - delta``, the k3 estimate of KL(mu || pi)), ``log_ratio_min`` /
     ``log_ratio_max``, ``log_ratio_outlier_frac`` (share with ``|delta| > ln 2``) and ``ess`` (``(sum r)^2 /
-    (n sum r^2)``, the normalised effective sample size of the importance weights). Per-row work only.
+    (n sum r^2)``, the normalised effective sample size of the importance weights). docs/contract.md, "Mismatch
+    metrics".
     """
-    v = valid.to(out.loss.dtype)
+    v = valid.to(logp.dtype)
     n = v.sum()
 
     def mean(x: Tensor, w: Tensor) -> Tensor:  # a padding row's inputs hold anything (a NaN): never multiplied in
         return (torch.where(valid, x, 0.0) * w).sum() / w.sum().clamp(min=1)
-
-    def vmax(x: Tensor) -> Tensor:
-        return torch.where(valid, x, torch.zeros_like(x)).amax() if x.numel() else x.new_zeros(())
-
-    masked = 1.0 - out.mask
-    mismatch = (out.logp.exp() - rollout_logprobs.exp()).abs()
-    # A token impossible under both policies (both log-probs -inf) has ratio 0, as its weight (docs/contract.md);
-    # a row without a distribution keeps its NaN, so the metric shows it.
-    impossible = torch.isneginf(out.logp) & torch.isneginf(rollout_logprobs)
-    ratio = torch.where(impossible, 0.0, torch.exp((out.logp - rollout_logprobs).clamp(max=LOG_RATIO_CLAMP)))
-    delta = torch.where(impossible, 0.0, (out.logp - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    r = torch.exp(delta)
-    r_valid = torch.where(valid, r, 0.0)  # never a padding row's NaN times 0
-    r_sq = (r_valid * r_valid).sum()
-    ess = torch.where(r_sq > 0, r_valid.sum() ** 2 / (n * r_sq), torch.zeros_like(r_sq))
 
     def vextreme(x: Tensor, reduce, fill: float) -> Tensor:
         if x.numel() == 0:
             return x.new_zeros(())
         return torch.where(valid.any(), reduce(torch.where(valid, x, torch.full_like(x, fill))), 0.0)
 
+    mismatch = (logp.exp() - rollout_logprobs.exp()).abs()
+    # A token impossible under both policies (both log-probs -inf) has ratio 0, as its weight (docs/contract.md);
+    # a row without a distribution keeps its NaN, so the metric shows it.
+    impossible = torch.isneginf(logp) & torch.isneginf(rollout_logprobs)
+    ratio = torch.where(impossible, 0.0, torch.exp((logp - rollout_logprobs).clamp(max=LOG_RATIO_CLAMP)))
+    delta = torch.where(impossible, 0.0, (logp - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    r = torch.exp(delta)
+    r_valid = torch.where(valid, r, 0.0)  # never a padding row's NaN times 0
+    r_sq = (r_valid * r_valid).sum()
     return {
-        "masked_frac": mean(masked, v),
-        "masked_frac_pos": mean(masked, v * (advantages > 0)),
-        "masked_frac_neg": mean(masked, v * (advantages < 0)),
         "mismatch_mean": mean(mismatch, v),
-        "mismatch_max": vmax(mismatch),
-        "divergence_mean": mean(out.divergence, v),
-        "entropy_mean": mean(out.entropy, v),
-        "ratio_max": vmax(ratio),
-        "num_tokens": n,
+        "mismatch_max": vextreme(mismatch, torch.amax, 0.0),
+        "ratio_max": vextreme(ratio, torch.amax, 0.0),
         "mismatch_k3": mean(r - 1 - delta, v),
         "log_ratio_min": vextreme(delta, torch.amin, math.inf),
         "log_ratio_max": vextreme(delta, torch.amax, -math.inf),
         "log_ratio_outlier_frac": mean((delta.abs() > math.log(2.0)).to(delta.dtype), v),
-        "ess": ess,
+        "ess": torch.where(r_sq > 0, r_valid.sum() ** 2 / (n * r_sq), torch.zeros_like(r_sq)),
+    }
+
+
+@torch.no_grad()
+def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The op's per-row outputs summarised over valid rows, as 0-d tensors (no host sync).
+
+    Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``divergence_mean``, ``entropy_mean``,
+    ``num_tokens``, and the mismatch metrics of :func:`mismatch_metrics` (``mismatch_mean``, ``mismatch_max``,
+    ``ratio_max``, ``mismatch_k3``, ``log_ratio_min`` / ``log_ratio_max``, ``log_ratio_outlier_frac``, ``ess``).
+    Per-row work only.
+    """
+    v = valid.to(out.loss.dtype)
+
+    def mean(x: Tensor, w: Tensor) -> Tensor:  # a padding row's inputs hold anything (a NaN): never multiplied in
+        return (torch.where(valid, x, 0.0) * w).sum() / w.sum().clamp(min=1)
+
+    masked = 1.0 - out.mask
+    mismatch = mismatch_metrics(out.logp, rollout_logprobs, valid)
+    return {
+        "masked_frac": mean(masked, v),
+        "masked_frac_pos": mean(masked, v * (advantages > 0)),
+        "masked_frac_neg": mean(masked, v * (advantages < 0)),
+        "mismatch_mean": mismatch["mismatch_mean"],
+        "mismatch_max": mismatch["mismatch_max"],
+        "divergence_mean": mean(out.divergence, v),
+        "entropy_mean": mean(out.entropy, v),
+        "ratio_max": mismatch["ratio_max"],
+        "num_tokens": v.sum(),
+        **{name: mismatch[name] for name in MISMATCH_EXTRA},
     }
 
 

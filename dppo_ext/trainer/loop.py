@@ -203,7 +203,8 @@ class Trainer:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_minibatches`` AdamW steps on ``batch``; return averaged metrics.
 
-        ``mismatch_mean`` / ``mismatch_max`` come from the first mini-batch only, which is scored
+        ``mismatch_mean`` / ``mismatch_max`` and the other mismatch metrics (``mismatch_k3``, ``log_ratio_min`` /
+        ``log_ratio_max``, ``log_ratio_outlier_frac``, ``ess``) come from the first mini-batch only, which is scored
         before this step's first optimizer step (the engine's and the trainer's weights agree).
         """
         cfg = self.config
@@ -217,7 +218,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
         sums: dict[str, float] = {}
         tokens_seen = 0.0
-        mismatch_sum, mismatch_max, mismatch_tokens = 0.0, 0.0, 0.0
+        first_batch: list[tuple[float, dict[str, float]]] = []  # (tokens, mismatch metrics) of each micro-batch
         losses, grad_norms = [], []
         skipped_steps = 0
         first = True
@@ -268,9 +269,7 @@ class Trainer:
                         sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
                     sums["ratio_max"] = _nan_max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
                     if first:
-                        mismatch_sum += float(metrics["mismatch_mean"]) * n_tok
-                        mismatch_max = _nan_max(mismatch_max, float(metrics["mismatch_max"]))
-                        mismatch_tokens += n_tok
+                        first_batch.append((n_tok, {key: float(metrics[key]) for key in _FIRST_BATCH_REDUCE}))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
@@ -297,8 +296,7 @@ class Trainer:
         out.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(grad_norms) / len(grad_norms),
-            mismatch_mean=mismatch_sum / max(mismatch_tokens, 1.0),
-            mismatch_max=mismatch_max,
+            **_first_batch_record(first_batch),
             optimizer_steps=len(losses) - skipped_steps,
             skipped_optimizer_steps=skipped_steps,
             lr=lr,
@@ -486,6 +484,35 @@ def _sync_check_record(engine: RolloutEngine) -> dict[str, float]:
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+
+
+# The first mini-batch's mismatch metrics (scored before the step's first update) and how its micro-batches combine:
+# a token-weighted mean, or the extreme (a NaN kept).
+_FIRST_BATCH_REDUCE = {
+    "mismatch_mean": "mean",
+    "mismatch_max": "max",
+    "mismatch_k3": "mean",
+    "log_ratio_min": "min",
+    "log_ratio_max": "max",
+    "log_ratio_outlier_frac": "mean",
+    "ess": "mean",
+}
+
+
+def _first_batch_record(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """The first mini-batch's metrics from its micro-batches' ``(tokens, metrics)`` (:data:`_FIRST_BATCH_REDUCE`;
+    the ESS is the token-weighted mean of the micro-batches')."""
+    tokens = max(sum(n for n, _ in parts), 1.0)
+    record = {}
+    for key, how in _FIRST_BATCH_REDUCE.items():
+        values = [m[key] for _, m in parts]
+        if how == "mean":
+            record[key] = sum(n * m[key] for n, m in parts) / tokens
+        elif any(math.isnan(v) for v in values):
+            record[key] = math.nan
+        else:
+            record[key] = (max if how == "max" else min)(values, default=0.0)
+    return record
 
 
 def _nan_max(a: float, b: float) -> float:

@@ -117,6 +117,11 @@ def test_truncated_sampling_trains_with_replay(tmp_path, tiny_model, tiny_model_
     records = [trainer.train_step() for _ in range(config.steps)]
     for record in records:
         assert math.isfinite(record["loss"]) and record["mismatch_max"] < SYNC_TOL, record
+        # the mismatch metrics of the same first mini-batch: pi = mu up to float32 rounding
+        assert abs(record["mismatch_k3"]) < 1e-8 and record["ess"] > 1 - 1e-6, record
+        assert (
+            record["log_ratio_outlier_frac"] == 0 and -1e-4 < record["log_ratio_min"] <= record["log_ratio_max"] < 1e-4
+        )
 
 
 def _trainer_logprobs(model, samples, temperature: float) -> torch.Tensor:

@@ -197,12 +197,19 @@ def test_dppo_diagnostics_reach_verls_metrics(mode):
     mask = data.select("response_mask").to_padded_tensor()["response_mask"].bool()
     pos, neg = mask & (t["advantages"] > 0), mask & (t["advantages"] < 0)
     mismatch = (t["logp"].exp() - t["mu_log"].exp()).abs()
+    delta = (t["logp"] - t["mu_log"])[mask].double()  # finite here: no -inf log-prob, |delta| far below 20
+    r = delta.exp()
     expected = {
         "actor/dppo_masked_frac": t["masked"][mask].float().mean(),
         "actor/dppo_masked_frac_pos": t["masked"][pos].float().mean(),
         "actor/dppo_masked_frac_neg": t["masked"][neg].float().mean(),
         "actor/dppo_mismatch_mean": mismatch[mask].mean(),
         "actor/dppo_mismatch_max": mismatch[mask].max(),
+        "actor/dppo_mismatch_k3": (r - 1 - delta).mean(),
+        "actor/dppo_log_ratio_min": delta.min(),
+        "actor/dppo_log_ratio_max": delta.max(),
+        "actor/dppo_log_ratio_outlier_frac": (delta.abs() > math.log(2)).double().mean(),
+        "actor/dppo_ess": r.sum() ** 2 / (r.numel() * (r * r).sum()),
         "actor/dppo_divergence_mean": t["divergence"][mask].mean(),
         "actor/dppo_entropy_mean": t["entropy"][mask].mean(),
     }
@@ -211,6 +218,7 @@ def test_dppo_diagnostics_reach_verls_metrics(mode):
         assert metric_value(metrics[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
     assert 0 < float(expected["actor/dppo_masked_frac_pos"]) and 0 < float(expected["actor/dppo_masked_frac_neg"])
     assert metrics["actor/dppo_mismatch_max"].aggregation.value == "max"
+    assert metrics["actor/dppo_log_ratio_min"].aggregation.value == "min"
 
 
 @pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])

@@ -37,6 +37,7 @@ from torch import Tensor
 
 import dppo_ext
 from dppo_ext._autograd import check_inplace_backward
+from dppo_ext.aggregation import MISMATCH_EXTRA, mismatch_metrics
 from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 from ._status import check_installed
@@ -289,6 +290,11 @@ DIAGNOSTICS = {
     "actor/dppo_masked_frac_neg": "mean",
     "actor/dppo_mismatch_mean": "mean",
     "actor/dppo_mismatch_max": "max",
+    "actor/dppo_mismatch_k3": "mean",
+    "actor/dppo_log_ratio_min": "min",
+    "actor/dppo_log_ratio_max": "max",
+    "actor/dppo_log_ratio_outlier_frac": "mean",
+    "actor/dppo_ess": "mean",
     "actor/dppo_divergence_mean": "mean",
     "actor/dppo_entropy_mean": "mean",
 }
@@ -301,7 +307,9 @@ def diagnostics(per_token: dict[str, Tensor], padded: TensorDict, response_mask:
     ``masked_frac``: share of response tokens the trust region masks (all, advantage > 0, advantage < 0; a
     micro-batch without tokens of that sign counts 0); ``mismatch``: ``|pi - mu|`` against the rollout's
     ``rollout_log_probs`` (only when the batch carries them), its mean and max; ``divergence_mean``: the mode's
-    divergence (TV or KL; top-K or binary) against its anchor; ``entropy``: the policy's token entropy.
+    divergence (TV or KL; top-K or binary) against its anchor; ``entropy``: the policy's token entropy; with the
+    rollout's log-probs also the mismatch metrics of :func:`dppo_ext.aggregation.mismatch_metrics` (k3, log-ratio
+    min / max, the share beyond ln 2, the ESS; per micro-batch, averaged over them as verl does).
     """
     from verl.utils.metric import AggregationType, Metric
     from verl.utils.torch_functional import masked_mean
@@ -316,12 +324,10 @@ def diagnostics(per_token: dict[str, Tensor], padded: TensorDict, response_mask:
         "actor/dppo_entropy_mean": masked_mean(per_token["dppo_entropy"], response_mask),
     }
     if "rollout_log_probs" in padded.keys():
-        mismatch = (per_token["dppo_logp"].detach().exp() - padded["rollout_log_probs"].exp()).abs()
-        values["actor/dppo_mismatch_mean"] = masked_mean(mismatch, response_mask)
-        values["actor/dppo_mismatch_max"] = (
-            torch.where(response_mask, mismatch, 0.0).amax() if mismatch.numel() else mismatch.new_zeros(())
-        )
-    reduce = {"mean": AggregationType.MEAN, "max": AggregationType.MAX}
+        mismatch = mismatch_metrics(per_token["dppo_logp"].detach(), padded["rollout_log_probs"], response_mask)
+        values.update({f"actor/dppo_{name}": mismatch[name] for name in ("mismatch_mean", "mismatch_max")})
+        values.update({f"actor/dppo_{name}": mismatch[name] for name in MISMATCH_EXTRA})
+    reduce = {"mean": AggregationType.MEAN, "max": AggregationType.MAX, "min": AggregationType.MIN}
     return {name: Metric(value=value.item(), aggregation=reduce[DIAGNOSTICS[name]]) for name, value in values.items()}
 
 
