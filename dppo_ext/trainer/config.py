@@ -98,6 +98,12 @@ class TrainConfig:
         "truncated sampling: log-probs vLLM returns per position, so that the kept set comes back whole (a position "
         "whose kept set may be larger raises, naming it; top-k sampling with k <= this is always exact)",
     )
+    sampling_replay: bool = _opt(
+        True,
+        "under truncated sampling, score pi renormalised over each position's kept set (docs/contract.md); "
+        "--no-sampling-replay scores it over the whole vocabulary, so every ratio carries the kept set's mass: only "
+        "to measure that bias (a warning says so each step)",
+    )
     adv_std: bool = _opt(True, "divide group advantages by the group std (GRPO); --no-adv-std keeps reward - mean")
     delta_low: typing.Optional[float] = _opt(None, "trust-region threshold for A <= 0 (default: the loss's)")
     delta_high: typing.Optional[float] = _opt(None, "trust-region threshold for A > 0 (default: the loss's)")

@@ -377,6 +377,13 @@ class Trainer:
                 pad_id=self.pad_id,
                 with_topk=cfg.uses_topk,
             )
+            if batch.kept_ids is not None and not cfg.sampling_replay:
+                logger.warning(
+                    "step %d: --no-sampling-replay: the loss scores pi over the whole vocabulary while mu is the "
+                    "truncated distribution's, so every ratio is off by the kept set's mass",
+                    self.step,
+                )
+                batch = replace(batch, kept_ids=None)
             record.update(self.update(batch))
             record["update_s"] = time.perf_counter() - update_start
             record["sync_s"] = self.sync_engine()

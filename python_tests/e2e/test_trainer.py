@@ -122,6 +122,12 @@ def test_truncated_sampling_trains_with_replay(tmp_path, tiny_model, tiny_model_
         assert (
             record["log_ratio_outlier_frac"] == 0 and -1e-4 < record["log_ratio_min"] <= record["log_ratio_max"] < 1e-4
         )
+    # --no-sampling-replay (only to measure the bias): the same setting scores pi over the vocabulary again
+    off = _config(tmp_path / "off", top_p=0.7, temperature=0.7, steps=1, sampling_replay=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    record = Trainer(off, tiny_model, tokenizer, leading_digit_task(), restore_engine, tmp_path / "off").train_step()
+    # pi over the vocabulary is pi over the kept set times its mass S < 1: every log-ratio sits below 0
+    assert record["mismatch_max"] > 1e-2 and record["log_ratio_min"] < -1e-2 and record["log_ratio_max"] < 1e-5, record
 
 
 def _trainer_logprobs(model, samples, temperature: float) -> torch.Tensor:

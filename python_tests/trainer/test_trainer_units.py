@@ -183,6 +183,7 @@ def test_truncated_sampling_config_carries_the_replay_settings():
     assert config.truncates_sampling
     truncation = config.truncation()
     assert (truncation.top_k, truncation.top_p, truncation.min_p, truncation.logprobs) == (5, 0.7, 0.0, 8)
+    assert config.sampling_replay and not parse_config(["--top-p", "0.7", "--no-sampling-replay"]).sampling_replay
     plain = parse_config(["--top-p", "1", "--sample-top-k", "0", "--min-p", "0"])
     assert not plain.truncates_sampling and not plain.truncation().truncates
 
