@@ -8,9 +8,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "dppo_math.h"
 #include "ops.h"
@@ -299,34 +301,82 @@ inline std::pair<int64_t, int64_t> first_true(const at::Tensor& bad) {
   return {row, bad.dim() == 2 ? where[0][1].item<int64_t>() : -1};
 }
 
+// The messages of check_kept_values (one text for the CPU loop and the device reductions).
+inline void fail_kept_range(int64_t id, int64_t vocab, int64_t r, int64_t c) {
+  TORCH_CHECK_INDEX(false, "kept_ids must hold token ids in [0, V=", vocab, ") or the padding -1, got ", id, " at row ",
+                    r, ", column ", c);
+}
+inline void fail_kept_duplicate(int64_t id, int64_t r) {
+  TORCH_CHECK_VALUE(false, "kept_ids must hold each id at most once per row, got id ", id, " twice in row ", r);
+}
+inline void fail_kept_empty(int64_t token, int64_t r) {
+  TORCH_CHECK_VALUE(false, "kept_ids row ", r, " is empty (every entry -1), but its token ", token,
+                    " was sampled: an empty kept set cannot have produced a sample; pass the ids the rollout's "
+                    "truncation kept at that position (or mask the row out)");
+}
+inline void fail_kept_missing(int64_t token, int64_t r) {
+  TORCH_CHECK_VALUE(false, "tokens[", r, "] = ", token, " is not in its kept set kept_ids[", r,
+                    "]: a rollout cannot sample a token its truncation removed; kept_ids must be the kept set of "
+                    "the same position (aligned with tokens)");
+}
+
+// check_kept_values on the CPU: plain loops over the [N, S] ids (a dozen ATen reductions cost more than the op's
+// replay kernels at S = 64), each rule its own pass so that the first failing rule is reported, as on a device.
+inline void check_kept_values_cpu(const at::Tensor& kept_in, const at::Tensor& tokens_in, int64_t vocab) {
+  const at::Tensor kept = kept_in.contiguous();
+  const at::Tensor tokens = tokens_in.contiguous();
+  const int64_t n = kept.size(0), s = kept.size(1);
+  const int64_t* ids = kept.const_data_ptr<int64_t>();
+  const int64_t* tok = tokens.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    if (tok[r] == kIgnoreIndex) continue;
+    for (int64_t c = 0; c < s; ++c) {
+      if (ids[r * s + c] < -1 || ids[r * s + c] >= vocab) fail_kept_range(ids[r * s + c], vocab, r, c);
+    }
+  }
+  std::vector<int64_t> row(static_cast<size_t>(s));
+  for (int64_t r = 0; r < n && s > 1; ++r) {
+    if (tok[r] == kIgnoreIndex) continue;
+    row.assign(ids + r * s, ids + (r + 1) * s);
+    std::sort(row.begin(), row.end());
+    for (int64_t c = 1; c < s; ++c) {
+      if (row[c] >= 0 && row[c] == row[c - 1]) fail_kept_duplicate(row[c], r);
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    if (tok[r] == kIgnoreIndex) continue;
+    if (std::none_of(ids + r * s, ids + (r + 1) * s, [](int64_t id) { return id >= 0; })) fail_kept_empty(tok[r], r);
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    if (tok[r] == kIgnoreIndex) continue;
+    if (std::find(ids + r * s, ids + (r + 1) * s, tok[r]) == ids + (r + 1) * s) fail_kept_missing(tok[r], r);
+  }
+}
+
 // The kept sets' values at the rows that are not padding (token != -100): ids in [-1, V), no id twice, the
-// sampled token among them. One small set of [N, S] reductions (a host sync on CUDA, like the other value
-// checks): O(N * S), never O(N * V).
+// sampled token among them. On the CPU one loop per rule; on a device one small set of [N, S] reductions (a host
+// sync, like the other value checks): O(N * S), never O(N * V).
 inline void check_kept_values(const at::Tensor& kept, const at::Tensor& tokens, int64_t vocab) {
   if (kept.numel() == 0) return;
+  if (kept.is_cpu()) {
+    check_kept_values_cpu(kept, tokens, vocab);
+    return;
+  }
   const at::Tensor live = tokens.ne(kIgnoreIndex).unsqueeze(1);  // [N, 1]
   auto [r, c] = first_true(kept.lt(-1).logical_or(kept.ge(vocab)).logical_and(live));
-  TORCH_CHECK_INDEX(r < 0, "kept_ids must hold token ids in [0, V=", vocab, ") or the padding -1, got ",
-                    r < 0 ? 0 : kept[r][c].item<int64_t>(), " at row ", r, ", column ", c);
+  if (r >= 0) fail_kept_range(kept[r][c].item<int64_t>(), vocab, r, c);
   const at::Tensor sorted = std::get<0>(kept.sort(1));
   if (kept.size(1) > 1) {
     const at::Tensor hi = sorted.narrow(1, 1, kept.size(1) - 1);
     const at::Tensor dup = hi.eq(sorted.narrow(1, 0, kept.size(1) - 1)).logical_and(hi.ge(0)).logical_and(live);
     std::tie(r, c) = first_true(dup);
-    TORCH_CHECK_VALUE(r < 0, "kept_ids must hold each id at most once per row, got id ",
-                      r < 0 ? 0 : sorted[r][c + 1].item<int64_t>(), " twice in row ", r);
+    if (r >= 0) fail_kept_duplicate(sorted[r][c + 1].item<int64_t>(), r);
   }
   const at::Tensor live_row = live.squeeze(1);
   std::tie(r, c) = first_true(kept.ge(0).any(1).logical_not().logical_and(live_row));
-  TORCH_CHECK_VALUE(r < 0, "kept_ids row ", r, " is empty (every entry -1), but its token ",
-                    r < 0 ? 0 : tokens[r].item<int64_t>(),
-                    " was sampled: an empty kept set cannot have produced a sample; pass the ids the rollout's "
-                    "truncation kept at that position (or mask the row out)");
+  if (r >= 0) fail_kept_empty(tokens[r].item<int64_t>(), r);
   std::tie(r, c) = first_true(kept.eq(tokens.unsqueeze(1)).any(1).logical_not().logical_and(live_row));
-  TORCH_CHECK_VALUE(r < 0, "tokens[", r, "] = ", r < 0 ? 0 : tokens[r].item<int64_t>(),
-                    " is not in its kept set kept_ids[", r,
-                    "]: a rollout cannot sample a token its truncation removed; kept_ids must be the kept set of "
-                    "the same position (aligned with tokens)");
+  if (r >= 0) fail_kept_missing(tokens[r].item<int64_t>(), r);
 }
 
 // Everything the forward entry point validates, for both backends (the mode was parsed by loss_settings).

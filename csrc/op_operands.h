@@ -81,8 +81,9 @@ struct BackwardOperands {
   int64_t n, v, ld_in, ld_out;                      // rows, vocab, row strides of logits and grad
   at::Tensor tokens, lse, grad_target;              // [N] contiguous
   c10::optional<at::Tensor> grad_entropy, entropy;  // [N] contiguous, given together
-  // Sampling replay: the kept ids [N, S] and their logits [N, S] (logits dtype), gathered before any kernel
-  // writes, so the in-place backward reads them intact. Undefined without kept_ids.
+  // Sampling replay: the kept ids [N, S] and (gather_kept_logits: the device kernels) their logits [N, S] (logits
+  // dtype), gathered before any kernel writes, so the in-place backward reads them intact; the CPU kernel reads each
+  // row's S logits itself before writing that row. Undefined without kept_ids.
   int64_t s = 0;
   at::Tensor kept, kept_logits;
 
@@ -94,7 +95,7 @@ struct BackwardOperands {
 inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                          const at::Tensor& logits, const at::Tensor& grad, const at::Tensor& tokens,
                                          const at::Tensor& lse, const c10::optional<at::Tensor>& entropy,
-                                         const c10::optional<at::Tensor>& kept_ids) {
+                                         const c10::optional<at::Tensor>& kept_ids, bool gather_kept_logits) {
   BackwardOperands in;
   in.n = logits.size(0);
   in.v = logits.size(1);
@@ -111,7 +112,7 @@ inline BackwardOperands prepare_backward(const at::Tensor& grad_target, const c1
     in.kept = kept_ids->contiguous();
     in.s = in.kept.size(1);
     // O(N * S): padding (-1) gathers column 0, which the kernels never use.
-    in.kept_logits = logits.gather(1, in.kept.clamp_min(0).clamp_max(in.v - 1)).contiguous();
+    if (gather_kept_logits) in.kept_logits = logits.gather(1, in.kept.clamp_min(0).clamp_max(in.v - 1)).contiguous();
   }
   return in;
 }

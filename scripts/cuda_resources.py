@@ -31,6 +31,7 @@ BLOCK_THREADS = {
     "dppo_loss_forward_partial_kernel": 256,
     "dppo_loss_forward_finish_kernel": 128,
     "dppo_loss_backward_kernel": 256,
+    "dppo_loss_backward_kept_kernel": 256,
     "vp_stats_kernel": 256,
     "vp_epilogue_kernel": 128,
 }

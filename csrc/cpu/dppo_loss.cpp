@@ -17,6 +17,8 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "../dppo_math.h"
 #include "../op_operands.h"
 #include "buffer_cache.h"
@@ -158,18 +160,24 @@ void backward_row(const double* z, double* g, int64_t v, double inv_t, double ls
 }
 
 // Sampling replay: the row is 0 outside its kept set, and the kept set's softmax gradient inside (dppo_math.h's
-// kept_grad), from the kept logits gathered before the row is written (the in-place backward overwrites it).
+// kept_grad), from the row's S kept logits read into `zk` before the row is written (the in-place backward
+// overwrites it; g may be z).
 template <typename scalar_t>
-void backward_kept_row(scalar_t* g, int64_t v, const int64_t* kept, const scalar_t* zk, int64_t s, int64_t a,
+void backward_kept_row(const scalar_t* z, scalar_t* g, int64_t v, const int64_t* kept, int64_t s, int64_t a,
                        at::opmath_type<scalar_t> inv_t, at::opmath_type<scalar_t> lse, at::opmath_type<scalar_t> gt,
-                       at::opmath_type<scalar_t> gh, at::opmath_type<scalar_t> ent) {
+                       at::opmath_type<scalar_t> gh, at::opmath_type<scalar_t> ent,
+                       std::vector<at::opmath_type<scalar_t>>& zk) {
   using acc_t = at::opmath_type<scalar_t>;
+  zk.resize(static_cast<size_t>(s));
+  for (int64_t c = 0; c < s; ++c) {
+    const int64_t id = kept[c];
+    zk[c] = id >= 0 && id < v ? static_cast<acc_t>(z[id]) : acc_t(0);  // padding: never used
+  }
   std::fill(g, g + v, scalar_t(0));
   for (int64_t c = 0; c < s; ++c) {
     const int64_t id = kept[c];
     if (id < 0 || id >= v) continue;  // padding
-    g[id] =
-        static_cast<scalar_t>(kept_grad<acc_t>(static_cast<acc_t>(zk[c]) * inv_t, id == a, lse, gt, gh, ent, inv_t));
+    g[id] = static_cast<scalar_t>(kept_grad<acc_t>(zk[c] * inv_t, id == a, lse, gt, gh, ent, inv_t));
   }
 }
 
@@ -183,11 +191,11 @@ void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stri
                      const at::opmath_type<scalar_t>* g_h,  // [N] or null
                      const at::opmath_type<scalar_t>* ent,  // [N] or null
                      const int64_t* kept,                   // [N, S] or null (sampling replay)
-                     const scalar_t* kept_logits,           // [N, S] or null, gathered before any write
                      int64_t s, double temperature) {
   using acc_t = at::opmath_type<scalar_t>;
   const acc_t inv_t = acc_t(1.0 / temperature);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> zk;  // a kept row's S logits (sampling replay)
     for (int64_t i = begin; i < end; ++i) {
       const scalar_t* z = logits + i * ld_in;
       scalar_t* g = grad + i * ld_out;
@@ -201,7 +209,7 @@ void backward_kernel(const scalar_t* logits, int64_t ld_in,  // [N, V], row stri
       const acc_t gh = g_h ? g_h[i] : acc_t(0);
       const acc_t h = ent ? ent[i] : acc_t(0);
       if (kept) {
-        backward_kept_row(g, v, kept + i * s, kept_logits + i * s, s, a, inv_t, lse[i], g_t[i], gh, h);
+        backward_kept_row(z, g, v, kept + i * s, s, a, inv_t, lse[i], g_t[i], gh, h, zk);
         continue;
       }
       // Read the target logit before the row is overwritten (in-place backward).
@@ -238,14 +246,14 @@ void run_backward(const at::Tensor& grad_target, const c10::optional<at::Tensor>
                   const c10::optional<at::Tensor>& entropy, double temperature,
                   const c10::optional<at::Tensor>& kept_ids) {
   if (logits.size(0) == 0) return;
-  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids,
+                                               /*gather_kept_logits=*/false);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    backward_kernel<scalar_t>(
-        logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n, in.v,
-        in.tokens.data_ptr<int64_t>(), in.lse.data_ptr<acc_t>(), in.grad_target.data_ptr<acc_t>(),
-        opt_ptr<acc_t>(in.grad_entropy), opt_ptr<acc_t>(in.entropy), in.kept_ptr(),
-        in.kept_logits.defined() ? in.kept_logits.const_data_ptr<scalar_t>() : nullptr, in.s, temperature);
+    backward_kernel<scalar_t>(logits.const_data_ptr<scalar_t>(), in.ld_in, grad.data_ptr<scalar_t>(), in.ld_out, in.n,
+                              in.v, in.tokens.data_ptr<int64_t>(), in.lse.data_ptr<acc_t>(),
+                              in.grad_target.data_ptr<acc_t>(), opt_ptr<acc_t>(in.grad_entropy),
+                              opt_ptr<acc_t>(in.entropy), in.kept_ptr(), in.s, temperature);
   });
 }
 

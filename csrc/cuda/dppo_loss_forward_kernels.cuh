@@ -146,8 +146,9 @@ struct KeptScaled {
 // thread 0 runs the per-row formulas of dppo_math.h and writes the seven outputs. These per-row
 // formulas run in double: once per row they cost nothing, and under --use_fast_math the float
 // log/exp are approximations (log has ~4e-7 absolute error near 1, i.e. a 0.4% relative error in
-// logp = -1e-4 as pi -> 1), while double math is exact to rounding.
-template <bool kEntropy, int kBlock, typename scalar_t, typename acc_t>
+// logp = -1e-4 as pi -> 1), while double math is exact to rounding. kKept: whether the kernel may be given a
+// kept set (sampling replay); false compiles the kept set's statistics out (the one-block-per-row kernel).
+template <bool kEntropy, bool kKept, int kBlock, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, acc_t>& p, int64_t i,
                                                  const scalar_t* row, EntState<acc_t> other_acc, acc_t s_a_acc) {
   using ep_t = double;
@@ -160,9 +161,9 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   ep_t lse = full.mx + log_sum;
   // Sampling replay: the kept set's statistics (dppo_math.h's kept_row, S gathers; every thread forms them, so
   // the top-K loop below needs no broadcast). The whole row's pass above decided whether it has a distribution.
-  const int64_t* kept = p.kept != nullptr ? p.kept + i * p.s : nullptr;
+  const int64_t* kept = kKept && p.kept != nullptr ? p.kept + i * p.s : nullptr;
   KeptRow<ep_t> kr{};
-  if (kept != nullptr) {
+  if (kKept && kept != nullptr) {
     // s = z / T in the accumulation dtype with one rounding (scale_logit), as the whole-row pass forms s_a
     const KeptScaled<scalar_t, acc_t> scaled{row, kept, p.inv_t};
     kr = kept_row_from<ep_t>(scaled, kept, p.s, p.tokens[i], s_a, lse, p.settings.compute_entropy);
@@ -175,7 +176,7 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
       ep_t lq = static_cast<ep_t>(-INFINITY);
       if (id >= 0 && id < p.v) {
         const ep_t s_id = scale_logit(static_cast<acc_t>(row[id]), p.inv_t);
-        lq = kept != nullptr ? kept_logq(kept, p.s, id, s_id, kr) : (s_id - full.mx) - log_sum;
+        lq = kKept && kept != nullptr ? kept_logq(kept, p.s, id, s_id, kr) : (s_id - full.mx) - log_sum;
       }
       topk_add(acc, ep_t(p.topk_lp[i * p.k + c]), lq);
     }
@@ -186,7 +187,7 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   ep_t l1p = other.mx == static_cast<ep_t>(-INFINITY) ? static_cast<ep_t>(-INFINITY)
                                                       : (other.mx - full.mx) + std::log(other.sum) - log_sum;
   ep_t ent = kEntropy ? entropy_from_state(full.sum, full.wsum) : ep_t(0);
-  if (kept != nullptr) {
+  if (kKept && kept != nullptr) {
     lse = kr.lse;
     lp = kr.lp;
     l1p = kr.l1p;
@@ -199,7 +200,9 @@ __device__ __forceinline__ void forward_epilogue(const ForwardParams<scalar_t, a
   p.out.store(i, finish_row(p.settings, adv, lp, la, m, div, ent, lse));
 }
 
-// One block per row: grid (N).
+// One block per row: grid (N). Never given a kept set: launch_forward sends sampling replay through the split
+// path, whose finishing kernel has no register cap (the kept set's statistics, inlined here, spilled under this
+// kernel's 64- and 80-register caps on sm_90).
 template <typename scalar_t, typename acc_t, bool kEntropy>
 __global__ void __launch_bounds__(kThreads, (kForwardMinBlocks<scalar_t, kEntropy>))
     dppo_loss_forward_kernel(const ForwardParams<scalar_t, acc_t> p) {
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, (kForwardMinBlocks<scalar_t, kEntrop
   add_scalars<kEntropy>(st, row, 0, head, a, p.inv_t);
   add_scalars<kEntropy>(st, row, head + nvec * kVec, p.v, a, p.inv_t);
   st = block_reduce_state<kEntropy, kThreads>(st);
-  forward_epilogue<kEntropy, kThreads>(p, i, row, st, s_a);
+  forward_epilogue<kEntropy, false, kThreads>(p, i, row, st, s_a);
 }
 
 // Split vocabulary, step 1: grid (N, S); block (i, s) reduces its share of row i's body vectors
@@ -272,7 +275,7 @@ __global__ void __launch_bounds__(kFinishThreads, 1)
     st = merge_state<kEntropy>(st, EntState<acc_t>{w[0], w[1], w[2]});
   }
   st = block_reduce_state<kEntropy, kFinishThreads>(st);
-  forward_epilogue<kEntropy, kFinishThreads>(p, i, row, st, s_a);
+  forward_epilogue<kEntropy, true, kFinishThreads>(p, i, row, st, s_a);
 }
 
 }  // namespace

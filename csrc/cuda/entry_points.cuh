@@ -57,12 +57,14 @@ ForwardParams<scalar_t, acc_type_t<scalar_t>> forward_params(const ForwardOperan
 }
 
 // One block per row, or (n_split > 1) the split vocabulary: partial states into a workspace [N, S, 3], then
-// the finishing kernel.
+// the finishing kernel. A kept set (sampling replay) always takes the split path, with n_split >= 1: only the
+// finishing kernel compiles the kept set's epilogue (see dppo_loss_forward_kernel).
 template <typename scalar_t, bool kEntropy>
 void launch_forward(const ForwardParams<scalar_t, acc_type_t<scalar_t>>& p, int64_t n_split, const at::Tensor& logits,
                     cudaStream_t stream) {
   using acc_t = acc_type_t<scalar_t>;
-  if (n_split <= 1) {
+  if (n_split < 1) n_split = 1;
+  if (n_split == 1 && p.kept == nullptr) {
     launch_kernel(dppo_loss_forward_kernel<scalar_t, acc_t, kEntropy>, dim3(static_cast<unsigned>(p.n)), dim3(kThreads),
                   stream, p);
     return;
@@ -116,7 +118,8 @@ void dppo_loss_backward_run(const at::Tensor& grad_target, const c10::optional<a
   const int64_t n = logits.size(0);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", n);
-  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids);
+  const BackwardOperands in = prepare_backward(grad_target, grad_entropy, logits, grad, tokens, lse, entropy, kept_ids,
+                                               /*gather_kept_logits=*/true);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "dppo_loss_backward_cuda", [&] {
     using acc_t = acc_type_t<scalar_t>;
     BackwardParams<scalar_t, acc_t> p;

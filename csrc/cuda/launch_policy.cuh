@@ -5,20 +5,23 @@
 // (entry_points.cuh) and so by the CPU emulator of the test suite, which compiles all of them unchanged.
 //
 //   kernel                               block                 grid
-//   dppo_loss_forward_kernel             kThreads              (N)                 splits == 1
+//   dppo_loss_forward_kernel             kThreads              (N)                 splits == 1, no kept set
 //   dppo_loss_forward_partial_kernel     kThreads              (N, S)              splits S > 1
 //   dppo_loss_forward_finish_kernel      kFinishThreads        (N)                 after the partial kernel
 //   dppo_loss_backward_kernel            kThreads              (N, S)
+//   dppo_loss_backward_kept_kernel       kThreads              (N)                 sampling replay
 //   vp_stats_kernel                      kVpThreads            (N)
 //   vp_epilogue_kernel                   kVpEpilogueThreads    (ceil(N / kVpEpilogueThreads))
 // S = forward_splits() / backward_splits(): 1 once N fills the GPU (4 / 8 blocks per SM), else enough
-// blocks per row to get there, each with at least two vectors per thread.
+// blocks per row to get there, each with at least two vectors per thread. With a kept set (sampling replay) the
+// forward takes the partial and finishing kernels even at S = 1.
 //
 //   kernel                               __launch_bounds__ (threads, blocks per SM)
 //   dppo_loss_forward_kernel             kThreads, (kForwardMinBlocks<scalar_t, kEntropy>)
 //   dppo_loss_forward_partial_kernel     kThreads, kStreamMinBlocks<scalar_t>
 //   dppo_loss_forward_finish_kernel      kFinishThreads, 1
 //   dppo_loss_backward_kernel            kThreads, kStreamMinBlocks<scalar_t>
+//   dppo_loss_backward_kept_kernel       kThreads
 //   vp_stats_kernel                      kVpThreads
 //   vp_epilogue_kernel                   kVpEpilogueThreads, 1
 // (python_tests/cuda_emu/test_cuda_emu.py holds each kernel's __launch_bounds__ to this table and the blocks per SM

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dppo_testing import DEVICES
 
 from dppo_ext import DPPOLoss, FusedLinearDPPOLoss, dppo_loss, dppo_loss_per_row, fused_linear_dppo_loss
 from dppo_ext._autograd import grad_args
@@ -299,8 +300,10 @@ def _set(kept: torch.Tensor, row: int, col: int, value: int) -> torch.Tensor:
     return kept
 
 
-def test_kept_ids_value_errors():
-    inputs = replay_inputs(torch.float32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_ids_value_errors(device):
+    """The same rules and messages on the CPU (a loop per rule) and on a device (ATen reductions)."""
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in replay_inputs(torch.float32).items()}
     kept, tokens = inputs["kept_ids"], inputs["tokens"]
     pad = int((kept[5] == -1).nonzero()[0])
     with pytest.raises(
