@@ -40,7 +40,6 @@ for key, value in dict(
 import torch  # noqa: E402
 
 import dppo_ext.rollout.weight_sync as weight_sync  # noqa: E402
-from dppo_ext.rollout.vllm_engine import _model_logprobs  # noqa: E402
 
 
 class Recorder:
@@ -73,12 +72,12 @@ class Recorder:
     def explain(self, guard, llm, score, kwargs, max_diff: float) -> None:
         ids = guard.probe
         mu = weight_sync.engine_logprobs(llm, ids)
-        model = score.args[0]  # functools.partial(_model_logprobs, model)
-        pi32 = _model_logprobs(model, ids).double()
-        pi64 = _model_logprobs(copy.deepcopy(model).double(), ids).double()
+        model = score.args[0]  # functools.partial(model_logprobs, model)
+        pi32 = weight_sync.model_logprobs(model, ids).double()
+        pi64 = weight_sync.model_logprobs(copy.deepcopy(model).double(), ids).double()
         worst = int((mu - pi32).abs().argmax())
         plan, tensors = kwargs.get("plan"), kwargs.get("trainer_tensors")
-        stale = weight_sync._stale_parameters(llm, plan, tensors) if plan is not None and tensors else None
+        stale = weight_sync.stale_parameters(llm, plan, tensors) if plan is not None and tensors else None
         self.outliers.append(
             {
                 "check": len(self.checks),

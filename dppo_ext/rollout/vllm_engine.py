@@ -61,6 +61,7 @@ from dppo_ext.rollout.weight_sync import (
     SyncGuard,
     SyncPlan,
     load_weights_into_vllm,
+    model_logprobs,
     trainer_aliases,
     vllm_sync_plan,
 )
@@ -90,19 +91,6 @@ def _checkpoint_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
     for name, tensor in _unwrap(model).state_dict().items():
         tensor = tensor.detach()
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-
-def _model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """[len(ids) - 1] log-probs of ``ids[1:]`` under ``model`` (raw logits, eval mode, no gradient)."""
-    device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
-    finally:
-        model.train(training)
-    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
 
 
 class VLLMEngine(RolloutEngine):
@@ -261,7 +249,7 @@ class VLLMEngine(RolloutEngine):
         if self.guard is not None:
             self.last_sync_check = self.guard.check(
                 self.llm,
-                functools.partial(_model_logprobs, _unwrap(model)),
+                functools.partial(model_logprobs, _unwrap(model)),
                 trainer_dtype=next(model.parameters()).dtype,
                 plan=plan,
                 trainer_tensors=_unwrap(model).state_dict,

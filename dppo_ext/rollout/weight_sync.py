@@ -51,7 +51,9 @@ __all__ = [
     "WeightSyncError",
     "engine_logprobs",
     "load_weights_into_vllm",
+    "model_logprobs",
     "plan_weight_sync",
+    "stale_parameters",
     "sync_tolerance",
     "trainer_aliases",
     "vllm_sync_plan",
@@ -364,6 +366,20 @@ def engine_logprobs(llm: Any, ids: Sequence[int]) -> torch.Tensor:
     )
 
 
+def model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1] log-probs of ``ids[1:]`` under a transformers ``model`` (raw logits, eval mode, no gradient):
+    the trainer's side of what the sync guard compares (:func:`engine_logprobs` the engine's)."""
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+
+
 @dataclass(frozen=True)
 class SyncCheck:
     """One guard check: the largest ``|log pi - log mu|`` over the probe, what was accepted, its cost."""
@@ -428,7 +444,7 @@ class SyncGuard:
         what = "the engine"
         if plan is not None:
             what = f"vLLM's {plan.architecture}"
-        stale = _stale_parameters(llm, plan, trainer_tensors) if plan is not None and trainer_tensors else None
+        stale = stale_parameters(llm, plan, trainer_tensors) if plan is not None and trainer_tensors else None
         if stale:
             cause = f"these engine parameters hold other values than the trainer's: {stale}"
         elif stale is not None:
@@ -447,7 +463,7 @@ class SyncGuard:
         )
 
 
-def _stale_parameters(llm: Any, plan: SyncPlan, tensors: Callable[[], Mapping[str, torch.Tensor]]) -> list[str]:
+def stale_parameters(llm: Any, plan: SyncPlan, tensors: Callable[[], Mapping[str, torch.Tensor]]) -> list[str]:
     """The vLLM parameters of ``plan.comparable`` whose values differ from the trainer's (in-process engines)."""
     trainer = tensors()
 
