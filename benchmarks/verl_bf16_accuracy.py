@@ -111,7 +111,7 @@ def plugin_path(config, data, logits):
     # the op's mask is 1 where the gradient is kept (docs/contract.md): masked = not kept, on response tokens
     mask = (
         ~no_padding_2_padding(outputs["dppo_mask"].squeeze(0), data).bool()
-        & vloss._padded(data, "response_mask")["response_mask"].bool()
+        & data.select("response_mask").to_padded_tensor()["response_mask"].bool()
     )
     return loss.detach().double(), leaf.grad.double(), mask
 
@@ -131,7 +131,7 @@ def masked_tokens_verl(config, data, log_probs) -> torch.Tensor:
     """[B, R] bool: the response tokens verl's formula masks, given the packed log-probs its loss read (its
     formula recomputed, in their dtype)."""
     lp = no_padding_2_padding(log_probs, data)
-    padded = vloss._padded(data, "old_log_probs", "advantages", "response_mask")
+    padded = data.select("old_log_probs", "advantages", "response_mask").to_padded_tensor()
     old, adv = padded["old_log_probs"].to(lp.dtype), padded["advantages"]
     prob, old_prob = lp.exp(), old.exp()
     delta = MODES[vloss.loss_mode(config)]
@@ -171,7 +171,7 @@ def run(vocabs: list[int], seeds: int) -> list[dict]:
                     loss, grad, log_probs = verl_path(config, data, logits, labels, upcast=upcast)
                     flips = int((masked_tokens_verl(config, data, log_probs) != mask64).sum())
                     results[name] = {**errors(loss, grad, loss64, grad64), "mask_flips": flips}
-                tokens = int(vloss._padded(data, "response_mask")["response_mask"].sum())
+                tokens = int(data.select("response_mask").to_padded_tensor()["response_mask"].sum())
                 masked = int(mask64.sum())
                 rows.append(
                     {"vocab": vocab, "mode": mode, "seed": seed, "tokens": tokens, "masked64": masked, **results}
