@@ -12,7 +12,7 @@ One step:
    full-vocabulary log-softmax is ever built in the training step;
 4. the new weights are pushed into the rollout engine (``engine.sync_weights``); with
    ``rollout_lag = k`` the engine gets the trainer's weights of k steps ago instead
-   (asynchronous RL: rollouts ``k + 1`` updates behind the trainer).
+   (asynchronous RL: rollouts ``k + 1`` updates behind the trainer; ``dppo_ext.trainer.lag``).
 
 Losses anchored on a recomputed policy (``minirl``, ``minirl_tis``; ``dppo_ext.trainer.losses``)
 score the whole rollout batch once with the trainer's pre-update weights before the batch's first
@@ -38,11 +38,9 @@ metrics' ``pre_mismatch_mean`` is against mu for every loss.)
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +55,7 @@ from dppo_ext.trainer.advantages import group_advantages
 from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
+from dppo_ext.trainer.lag import RolloutLag
 from dppo_ext.trainer.mechanism import MechanismStats, op_rows
 from dppo_ext.trainer.metrics import MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
@@ -118,13 +117,7 @@ class Trainer:
         self.use_chat = _use_chat_template(config.prompt_format, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._prompt_cache: dict[str, list[int]] = {}
-        # rollout_lag = k: the weights after each of the last k + 1 steps (oldest first), and a
-        # model copy that carries the oldest into the engine.
-        self._lag_history: deque[dict[str, torch.Tensor]] = deque(maxlen=config.rollout_lag + 1)
-        self._lag_model: torch.nn.Module | None = None
-        if config.rollout_lag:
-            self._lag_model = copy.deepcopy(model).eval()
-            self._lag_history.append(_cpu_state(model))
+        self.lag = RolloutLag(model, engine, config.rollout_lag)
 
     # ------------------------------------------------------------------ prompts and rewards
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -156,20 +149,14 @@ class Trainer:
         """
         start = time.perf_counter()
         problems = self.task.eval
-        checks = []
-        if self._lag_model is not None:
-            self.engine.sync_weights(self.model)
-            checks.append(self.engine.last_sync_check)
-        groups = self.engine.generate(
-            [self.encode_prompt(p.prompt) for p in problems],
-            n=self.config.eval_samples,
-            temperature=self.config.eval_temperature,
-            max_tokens=self.config.max_new_tokens,
-            seed=self.config.seed + EVAL_SEED_OFFSET,
-        )
-        if self._lag_model is not None:
-            self.engine.sync_weights(self._lag_model)
-            checks.append(self.engine.last_sync_check)
+        with self.lag.evaluation() as checks:
+            groups = self.engine.generate(
+                [self.encode_prompt(p.prompt) for p in problems],
+                n=self.config.eval_samples,
+                temperature=self.config.eval_temperature,
+                max_tokens=self.config.max_new_tokens,
+                seed=self.config.seed + EVAL_SEED_OFFSET,
+            )
         measured = [c.max_diff for c in checks if c is not None]
         rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
         lengths = [len(s.response_ids) for group in groups for s in group]
@@ -339,18 +326,6 @@ class Trainer:
             out[part, : logp.shape[1]] = logp
         return out
 
-    def sync_engine(self) -> float:
-        """Push the weights the next rollout should use into the engine; return seconds.
-
-        With ``rollout_lag = k`` those are the weights after step ``step - k`` (the initial
-        weights while ``step < k``), else the current ones.
-        """
-        if self._lag_model is None:
-            return self.engine.sync_weights(self.model)
-        self._lag_history.append(_cpu_state(self.model))
-        self._lag_model.load_state_dict(self._lag_history[0])
-        return self.engine.sync_weights(self._lag_model)
-
     def train_step(self) -> dict[str, Any]:
         """One RL step (rollout, advantages, update, weight sync); return its metrics record."""
         cfg = self.config
@@ -375,14 +350,12 @@ class Trainer:
             )
             record.update(self.update(batch))
             record["update_s"] = time.perf_counter() - update_start
-            record["sync_s"] = self.sync_engine()
+            record["sync_s"] = self.lag.sync()
             record.update(_sync_check_record(self.engine))
         else:
             # no update, but a lagged engine still moves one step along the trainer's history
-            record.update(
-                update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0
-            )
-            if self._lag_model is not None:
+            record.update(update_s=0.0, sync_s=self.lag.sync() if self.lag.steps else 0.0, optimizer_steps=0)
+            if self.lag.steps:
                 record.update(_sync_check_record(self.engine))
         record["trained_seqs"] = len(keep)
         self.step += 1
@@ -476,10 +449,6 @@ def _sync_check_record(engine: RolloutEngine) -> dict[str, float]:
     the stored sequence; ``sync_check_s``: its part of ``sync_s``), or nothing when the engine has no guard."""
     check = getattr(engine, "last_sync_check", None)
     return {} if check is None else {"sync_check_max": check.max_diff, "sync_check_s": check.seconds}
-
-
-def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
 
 
 def _nan_max(a: float, b: float) -> float:
