@@ -60,6 +60,7 @@ from dppo_ext.trainer.mechanism import MechanismStats, op_rows
 from dppo_ext.trainer.metrics import MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
 from dppo_ext.trainer.sampler import PromptSampler
+from dppo_ext.trainer.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +202,7 @@ class Trainer:
             batch = replace(batch, anchor_logprobs=self.recompute_logprobs(batch))
         settings = cfg.loss_settings()
         generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
-        sums: dict[str, float] = {}
-        tokens_seen = 0.0
-        mismatch_sum, mismatch_max, mismatch_tokens = 0.0, 0.0, 0.0
-        losses, grad_norms = [], []
-        skipped_steps = 0
+        stats = StepStats()
         first = True
         mechanism = MechanismStats() if cfg.mechanism_metrics else None
         for _ in range(cfg.ppo_epochs):
@@ -247,47 +244,27 @@ class Trainer:
                         before.append(rows.logp)
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
-                    n_tok = float(metrics["num_tokens"])
-                    tokens_seen += n_tok
-                    for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean"):
-                        sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
-                    sums["ratio_max"] = _nan_max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
-                    if first:
-                        mismatch_sum += float(metrics["mismatch_mean"]) * n_tok
-                        mismatch_max = _nan_max(mismatch_max, float(metrics["mismatch_max"]))
-                        mismatch_tokens += n_tok
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                if math.isfinite(float(grad_norm)):
+                    stats.add_micro_batch(metrics, first=first)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+                if math.isfinite(grad_norm):
                     self.optimizer.step()
                     if mechanism is not None:
-                        mechanism.clipped_updates += int(float(grad_norm) > cfg.max_grad_norm)
+                        mechanism.clipped_updates += int(grad_norm > cfg.max_grad_norm)
                         self._post_update_pass(batch, micro_parts, before, mechanism, settings)
                 else:
                     # A NaN/inf gradient would poison the weights (and AdamW's moments) for good:
                     # skip this optimizer step and say so; the record keeps the non-finite loss.
-                    skipped_steps += 1
                     logger.warning(
                         "step %d: non-finite gradient norm (%s, mini-batch loss %s); optimizer step skipped",
                         self.step,
-                        float(grad_norm),
+                        grad_norm,
                         mb_loss,
                     )
-                losses.append(mb_loss)
-                grad_norms.append(float(grad_norm))
+                stats.add_optimizer_step(mb_loss, grad_norm, skipped=not math.isfinite(grad_norm))
                 first = False
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        out = {key: value / max(tokens_seen, 1.0) for key, value in sums.items() if key != "ratio_max"}
-        out["ratio_max"] = sums.get("ratio_max", 0.0)
-        out.update(
-            loss=sum(losses) / len(losses),
-            grad_norm=sum(grad_norms) / len(grad_norms),
-            mismatch_mean=mismatch_sum / max(mismatch_tokens, 1.0),
-            mismatch_max=mismatch_max,
-            optimizer_steps=len(losses) - skipped_steps,
-            skipped_optimizer_steps=skipped_steps,
-            lr=lr,
-        )
+        out = stats.record(lr)
         if mechanism is not None:
             out.update(mechanism.record())
         return out
@@ -449,11 +426,6 @@ def _sync_check_record(engine: RolloutEngine) -> dict[str, float]:
     the stored sequence; ``sync_check_s``: its part of ``sync_s``), or nothing when the engine has no guard."""
     check = getattr(engine, "last_sync_check", None)
     return {} if check is None else {"sync_check_max": check.max_diff, "sync_check_s": check.seconds}
-
-
-def _nan_max(a: float, b: float) -> float:
-    """max() that keeps a NaN (Python's max(0.0, nan) is 0.0, which would hide a NaN step)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:
