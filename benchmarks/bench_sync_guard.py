@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))  #
 
 from dppo_testing.architectures import ARCHITECTURES, build_architecture  # noqa: E402
 
+from dppo_ext.rollout.sync_guard import engine_logprobs, model_logprobs  # noqa: E402
 from dppo_ext.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from dppo_ext.rollout.vllm_parity import policy_load_kwargs  # noqa: E402
-from dppo_ext.rollout.weight_sync import engine_logprobs, model_logprobs  # noqa: E402
 
 PROMPTS = [[1, 5, 16, 7, 15], [1, 9, 14, 4, 15], [1, 6, 14, 12, 15], [1, 8, 16, 10, 15]]
 

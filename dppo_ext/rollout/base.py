@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dppo_ext.rollout.noise import check_logit_noise
-from dppo_ext.rollout.weight_sync import SyncCheck
+from dppo_ext.rollout.sync_guard import SyncCheck
 
 
 @dataclass

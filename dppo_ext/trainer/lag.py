@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from dppo_ext.rollout.base import RolloutEngine
-from dppo_ext.rollout.weight_sync import SyncCheck
+from dppo_ext.rollout.sync_guard import SyncCheck
 
 __all__ = ["RolloutLag"]
 

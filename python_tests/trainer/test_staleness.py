@@ -279,7 +279,7 @@ def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_re
 def test_the_guards_checks_around_a_lagged_evaluation_are_recorded(tiny_model_dir, tmp_path):
     """The two syncs of a lagged run's evaluation (current weights in, lagged ones back) are checked by the guard
     like the step's sync; their largest difference goes into the evaluation's record as ``eval_sync_check_max``."""
-    from dppo_ext.rollout.weight_sync import SyncCheck
+    from dppo_ext.rollout.sync_guard import SyncCheck
 
     trainer = _trainer(tiny_model_dir, tmp_path / "lag", loss="dppo_binary_tv", rollout_lag=2, steps=2, eval_every=1)
     measured = iter([3e-6, 7e-6, 2e-6, 5e-6, 4e-6, 1e-6, 6e-6, 8e-6, 9e-6, 2e-6, 3e-6, 1e-6])
