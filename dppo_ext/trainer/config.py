@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, refuse_truncated_sampling
-from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
+from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS, tiny_heads
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
-from dppo_ext.trainer.losses import LOSSES, canonical_loss
+from dppo_ext.trainer.losses import LOSSES
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
@@ -220,7 +220,7 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:
                 raise ValueError(
-                    f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
+                    f"--{flag_name(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
                 )
         positive = (
             "num_eval",
@@ -240,7 +240,7 @@ class TrainConfig:
         )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         for name in (
             "warm_start_steps",
             "warmup_steps",
@@ -252,16 +252,16 @@ class TrainConfig:
             "rollout_lag",
         ):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be > 0, got {getattr(self, name)}")
         if self.ratio_cap is not None and not self.ratio_cap > 0:
             raise ValueError(f"--ratio-cap must be > 0, got {self.ratio_cap}")
         for name in ("delta_low", "delta_high", "weight_decay", "rollout_logit_noise"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
+                raise ValueError(f"--{flag_name(name)} must be >= 0, got {value}")
         if not self.rollout_logit_noise <= MAX_LOGIT_NOISE:
             raise ValueError(
                 f"--rollout-logit-noise must be in [0, {MAX_LOGIT_NOISE:g}] (sigma of the rollout logit noise; more "
@@ -332,7 +332,7 @@ class TrainConfig:
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
-                raise ValueError(f"--{_flag(name)} {path!r}: no such file (expected a JSONL file)")
+                raise ValueError(f"--{flag_name(name)} {path!r}: no such file (expected a JSONL file)")
         if self.eval_data and not self.data:
             raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
         if self.model and not self.data:
@@ -355,7 +355,7 @@ class TrainConfig:
         """One ``name = value`` line per setting that applies to this run (printed at the start of a run): with
         ``--model`` the embedded model's and task's settings (``EMBEDDED_ONLY``) are left out."""
         shown = {name: value for name, value in self.to_dict().items() if not (self.model and name in EMBEDDED_ONLY)}
-        lines = [f"  {_flag(name):<28} {value!r}" for name, value in shown.items()]
+        lines = [f"  {flag_name(name):<28} {value!r}" for name, value in shown.items()]
         if self.model:
             lines.append(f"  ({len(EMBEDDED_ONLY)} settings of the embedded model and task do not apply to --model)")
         return "\n".join(lines)
@@ -369,58 +369,11 @@ EMBEDDED_ONLY = tuple(
 )
 
 
-# Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
-RESUME_MAY_CHANGE = (
-    "steps",
-    "save_every",
-    "save_total_limit",
-    "threads",
-    "device",
-    "vllm_gpu_memory_utilization",
-    "out",
-    "resume",
-    "overwrite",
-    "report_to",
-    "log_level",
-    "verbose",
-    "mechanism_metrics",
-    "sync_check",
-)
-
-
-def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
-    """``--flag old -> new`` for every setting of ``config`` that differs from the run's saved
-    ``config.json`` (``saved``) and may not change on resume (see ``RESUME_MAY_CHANGE``).
-
-    Keys that the saved config lacks (settings added since) or that this version does not know
-    are not compared.
-    """
-    current = config.to_dict()
-
-    def same(name: str) -> bool:
-        if name == "loss" and isinstance(saved[name], str):  # an alias names the same loss (dppo_tv = dppo_binary_tv)
-            return canonical_loss(saved[name]) == canonical_loss(current[name])
-        return saved[name] == current[name]
-
-    return [
-        f"--{_flag(name)} {saved[name]!r} -> {current[name]!r}"
-        for name in current
-        if name in saved and name not in RESUME_MAY_CHANGE and not same(name)
-    ]
-
-
-def tiny_heads(hidden: int) -> int:
-    """Attention heads of the embedded tiny model of width ``hidden`` (64-dim heads, at least one)."""
-    return max(1, hidden // 64)
-
-
 def _check_type(name: str, kind, value) -> None:
     """Raise ``ValueError`` unless ``value`` fits the field's type (numbers: finite)."""
-    optional = typing.get_origin(kind) is typing.Union
-    if optional:
-        if value is None:
-            return
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    kind, optional = _inner_type(kind)
+    if optional and value is None:
+        return
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -428,12 +381,19 @@ def _check_type(name: str, kind, value) -> None:
     elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and not math.isfinite(value):
-            raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
+            raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
     else:
         ok = isinstance(value, kind)
     if not ok:
         expected = kind.__name__ + (" or None" if optional else "")
-        raise ValueError(f"--{_flag(name)} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"--{flag_name(name)} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _inner_type(kind) -> tuple[type, bool]:
+    """``(T, True)`` for a field typed ``Optional[T]``, else ``(kind, False)``."""
+    if typing.get_origin(kind) is typing.Union:
+        return next(a for a in typing.get_args(kind) if a is not type(None)), True
+    return kind, False
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -445,7 +405,8 @@ def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A setting's command-line spelling, without the dashes: ``rollout_lag`` -> ``rollout-lag``."""
     return name.replace("_", "-")
 
 
@@ -463,14 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            if typing.get_origin(kind) is typing.Union:
-                inner = next(a for a in typing.get_args(kind) if a is not type(None))
-                kwargs["type"] = inner
-            else:
-                kwargs["type"] = kind
+            kwargs["type"] = _inner_type(kind)[0]
             if f.metadata.get("choices"):
                 kwargs["choices"] = list(f.metadata["choices"])
-        parser.add_argument(f"--{_flag(name)}", **kwargs)
+        parser.add_argument(f"--{flag_name(name)}", **kwargs)
     return parser
 
 

@@ -21,8 +21,9 @@ from dppo_ext.trainer.checkpoint import (
     has_checkpoint,
 )
 from dppo_ext.trainer.checkpoint import MANIFEST_FILE as CHECKPOINT_MANIFEST
-from dppo_ext.trainer.config import TrainConfig, resume_config_changes
+from dppo_ext.trainer.config import TrainConfig, flag_name
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER
+from dppo_ext.trainer.losses import canonical_loss
 from dppo_ext.trainer.metrics import DROPPED_FILE, MetricsFormatError, read_metrics
 from dppo_ext.trainer.reporting import TENSORBOARD_DIR
 from dppo_ext.trainer.run_folder.files import (
@@ -38,6 +39,46 @@ from dppo_ext.trainer.run_folder.files import (
 from dppo_ext.trainer.run_folder.manifest import MANIFEST_FILE, read_manifest
 
 logger = logging.getLogger(__name__)
+
+
+# Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
+RESUME_MAY_CHANGE = (
+    "steps",
+    "save_every",
+    "save_total_limit",
+    "threads",
+    "device",
+    "vllm_gpu_memory_utilization",
+    "out",
+    "resume",
+    "overwrite",
+    "report_to",
+    "log_level",
+    "verbose",
+    "mechanism_metrics",
+    "sync_check",
+)
+
+
+def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """``--flag old -> new`` for every setting of ``config`` that differs from the run's saved
+    ``config.json`` (``saved``) and may not change on resume (see ``RESUME_MAY_CHANGE``).
+
+    Keys that the saved config lacks (settings added since) or that this version does not know
+    are not compared.
+    """
+    current = config.to_dict()
+
+    def same(name: str) -> bool:
+        if name == "loss" and isinstance(saved[name], str):  # an alias names the same loss (dppo_tv = dppo_binary_tv)
+            return canonical_loss(saved[name]) == canonical_loss(current[name])
+        return saved[name] == current[name]
+
+    return [
+        f"--{flag_name(name)} {saved[name]!r} -> {current[name]!r}"
+        for name in current
+        if name in saved and name not in RESUME_MAY_CHANGE and not same(name)
+    ]
 
 
 def check_resume_config(out_dir: Path, config: TrainConfig) -> None:

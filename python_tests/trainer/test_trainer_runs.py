@@ -508,7 +508,7 @@ def test_a_setting_the_run_cannot_use_is_one_error_line_not_a_traceback(tmp_path
 def test_resume_treats_a_verl_alias_as_the_same_loss():
     """``--loss dppo_tv`` is verl's name of ``dppo_binary_tv``: resuming with the other name is
     not a changed setting, while another loss still is."""
-    from dppo_ext.trainer.config import resume_config_changes
+    from dppo_ext.trainer.resume import resume_config_changes
 
     saved = _tiny_run_config("/tmp/unused", loss="dppo_tv").to_dict()
     assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_tv")) == []
