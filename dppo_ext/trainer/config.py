@@ -33,6 +33,38 @@ def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: ``low`` to ``high`` (None: no upper bound), each end included unless
+    ``*_open``; ``why`` is said with it in the error."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        else:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{_number(self.low)}, {_number(self.high)}{right}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _number(value: float) -> str:
+    """``2**32`` for a large power of two (a seed's bound), else the number as ``:g`` writes it."""
+    if isinstance(value, int) and value > 2**16 and not value & (value - 1):
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}"
+
+
 @dataclass
 class TrainConfig:
     """All settings of a training run (defaults: the embedded arithmetic run)."""
@@ -222,55 +254,11 @@ class TrainConfig:
                 raise ValueError(
                     f"--{flag_name(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
                 )
-        positive = (
-            "num_eval",
-            "max_operand",
-            "max_second_operand",
-            "tiny_layers",
-            "tiny_hidden",
-            "warm_start_problems",
-            "steps",
-            "prompts_per_step",
-            "max_new_tokens",
-            "num_minibatches",
-            "ppo_epochs",
-            "eval_every",
-            "eval_samples",
-            "max_model_len",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
-        for name in (
-            "warm_start_steps",
-            "warmup_steps",
-            "micro_batch_size",
-            "save_every",
-            "save_total_limit",
-            "threads",
-            "top_k",
-            "rollout_lag",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{flag_name(name)} must be > 0, got {getattr(self, name)}")
-        if self.ratio_cap is not None and not self.ratio_cap > 0:
-            raise ValueError(f"--ratio-cap must be > 0, got {self.ratio_cap}")
-        for name in ("delta_low", "delta_high", "weight_decay", "rollout_logit_noise"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"--{flag_name(name)} must be >= 0, got {value}")
-        if not self.rollout_logit_noise <= MAX_LOGIT_NOISE:
-            raise ValueError(
-                f"--rollout-logit-noise must be in [0, {MAX_LOGIT_NOISE:g}] (sigma of the rollout logit noise; more "
-                f"would overflow the engine's logits), got {self.rollout_logit_noise}"
-            )
-        if not 0 <= self.warm_start_label_smoothing < 1:
-            raise ValueError(f"--warm-start-label-smoothing must be in [0, 1), got {self.warm_start_label_smoothing}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"--seed must be in [0, 2**32) (NumPy's seed range), got {self.seed}")
+        for bound, names in RANGES:
+            for name in names.split():
+                value = getattr(self, name)
+                if value is not None and value not in bound:  # None: the loss's default
+                    raise ValueError(f"--{flag_name(name)} must be {bound}, got {value}")
         if self.max_new_tokens >= self.max_model_len:
             raise ValueError(
                 f"--max-new-tokens={self.max_new_tokens} leaves no room for the prompt in --max-model-len="
@@ -301,11 +289,6 @@ class TrainConfig:
                 "--resume and --overwrite contradict each other: --resume continues the run in --out, "
                 "--overwrite deletes it; pass one"
             )
-        if self.group_size < 2:
-            raise ValueError(
-                "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
-                f"got {self.group_size}"
-            )
         refuse_truncated_sampling(
             self.sample_top_k,
             self.top_p,
@@ -322,8 +305,6 @@ class TrainConfig:
                 f"--num-minibatches={self.num_minibatches} exceeds the rollout batch of "
                 f"prompts_per_step * group_size = {batch} sequences"
             )
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"--vllm-gpu-memory-utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.model and not _looks_like_hub_id(self.model) and not Path(self.model).is_dir():
             raise ValueError(
                 f"--model {self.model!r}: no such folder, and not a hub id of the form 'org/name'; "
@@ -359,6 +340,28 @@ class TrainConfig:
         if self.model:
             lines.append(f"  ({len(EMBEDDED_ONLY)} settings of the embedded model and task do not apply to --model)")
         return "\n".join(lines)
+
+
+# The ranges of the numeric settings, checked in this order by TrainConfig.validate (the first range a value
+# leaves names the error: --rollout-logit-noise=-1 must be >= 0, =2000 in [0, MAX_LOGIT_NOISE]).
+RANGES: tuple[tuple[Range, str], ...] = (
+    (
+        Range(1),
+        "num_eval max_operand max_second_operand tiny_layers tiny_hidden warm_start_problems steps prompts_per_step "
+        "max_new_tokens num_minibatches ppo_epochs eval_every eval_samples max_model_len",
+    ),
+    (Range(0), "warm_start_steps warmup_steps micro_batch_size save_every save_total_limit threads top_k rollout_lag"),
+    (Range(0, low_open=True), "temperature eval_temperature lr warm_start_lr max_grad_norm ratio_cap"),
+    (Range(0), "delta_low delta_high weight_decay rollout_logit_noise"),
+    (
+        Range(0, MAX_LOGIT_NOISE, why="sigma of the rollout logit noise; more would overflow the engine's logits"),
+        "rollout_logit_noise",
+    ),
+    (Range(0, 1, high_open=True), "warm_start_label_smoothing"),
+    (Range(0, 2**32, high_open=True, why="NumPy's seed range"), "seed"),
+    (Range(2, why="group advantages compare samples of the same prompt"), "group_size"),
+    (Range(0, 1, low_open=True), "vllm_gpu_memory_utilization"),
+)
 
 
 # Settings only the embedded tiny model and its arithmetic task read (their help says so); --model runs ignore them.

@@ -158,6 +158,32 @@ def test_config_validation_messages(overrides, match):
         TrainConfig(**overrides).validate()
 
 
+def test_every_range_names_numeric_settings_whose_defaults_it_holds():
+    import dataclasses
+    import typing
+
+    from dppo_ext.trainer.config import RANGES, Range
+
+    hints = typing.get_type_hints(TrainConfig)
+    numeric = {int, float, typing.Optional[float]}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for bound, names in RANGES:
+        for name in names.split():
+            assert hints[name] in numeric, name
+            assert defaults[name] is None or defaults[name] in bound, (name, str(bound))
+    # the ends, open or closed, as the messages write them
+    assert (0.5 in Range(0, 1, high_open=True), 1 in Range(0, 1, high_open=True), 0 in Range(0, low_open=True)) == (
+        True,
+        False,
+        False,
+    )
+    assert [str(r) for r in (Range(1), Range(0, low_open=True), Range(0, 2**32, high_open=True, why="w"))] == [
+        ">= 1",
+        "> 0",
+        "in [0, 2**32) (w)",
+    ]
+
+
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
