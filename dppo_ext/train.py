@@ -35,8 +35,9 @@ from dppo_ext.trainer.metrics import MetricsFormatError
 from dppo_ext.trainer.process import resolve_device, restart_with_passive_omp_waits, set_library_verbosity
 from dppo_ext.trainer.reporting import check_report_to
 from dppo_ext.trainer.resume import legacy_run_outputs
-from dppo_ext.trainer.run_folder import check_out_apart, open_run_folder
+from dppo_ext.trainer.run_folder import open_run_folder
 from dppo_ext.trainer.run_folder.files import RunError
+from dppo_ext.trainer.run_folder.plan import check_out_apart
 from dppo_ext.trainer.task import build_task
 
 __all__ = ["main", "run"]
