@@ -20,13 +20,13 @@ from dppo_ext.trainer.checkpoint import (
     find_resume_checkpoint,
     has_checkpoint,
 )
-from dppo_ext.trainer.checkpoint import MANIFEST_FILE as CHECKPOINT_MANIFEST
 from dppo_ext.trainer.config import TrainConfig, flag_name
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER
 from dppo_ext.trainer.losses import canonical_loss
 from dppo_ext.trainer.metrics import DROPPED_FILE, MetricsFormatError, read_metrics
 from dppo_ext.trainer.reporting import TENSORBOARD_DIR
 from dppo_ext.trainer.run_folder.files import (
+    CHECKPOINT_RECORD,
     CONFIG_FILE,
     EMBEDDED_MODEL_DIR,
     INPUTS_FILE,
@@ -144,14 +144,14 @@ def check_written_by_this_run(out_dir: Path, checkpoint_dir: Path) -> None:
     if manifest is None:
         return
     listed = manifest["outputs"].get(checkpoint_dir.name) == "dir"
-    record = json_object_or_none(checkpoint_dir / CHECKPOINT_MANIFEST) or {}
+    record = json_object_or_none(checkpoint_dir / CHECKPOINT_RECORD) or {}
     written_by = record.get("run_id")
     if listed and (written_by is None or manifest.get("run_id") in (None, written_by)):
         return
     why = (
         f"it is not in the run's {MANIFEST_FILE}"
         if not listed
-        else f"its {CHECKPOINT_MANIFEST} names run {written_by}, and this folder holds run {manifest.get('run_id')}"
+        else f"its {CHECKPOINT_RECORD} names run {written_by}, and this folder holds run {manifest.get('run_id')}"
     )
     raise RunError(
         f"--resume: the newest checkpoint {str(checkpoint_dir)!r} was not written by the run in {str(out_dir)!r} "
@@ -197,7 +197,7 @@ def _is_metrics_file(path: Path) -> bool:
 def _is_checkpoint_of_its_step(path: Path) -> bool:
     try:
         step = int(path.name[len(CHECKPOINT_PREFIX) :])
-        return (path / CHECKPOINT_MANIFEST).is_file() and checkpoint_step(path) == step
+        return (path / CHECKPOINT_RECORD).is_file() and checkpoint_step(path) == step
     except (RunError, ValueError):
         return False
 
