@@ -42,6 +42,7 @@ from dppo_ext.trainer.run_folder.files import (
     CHECKPOINT_RECORD,
     RunError,
     fsync_dir,
+    read_json_object,
     remove_checkpoint_files,
     strays,
     temporary_sibling,
@@ -242,7 +243,7 @@ def verify_checkpoint(path: str | Path, *, legacy: bool = False) -> None:
         load_trainer_state(path)
         return
     try:
-        files = json.loads(record_path.read_text(encoding="utf-8"))["files"]
+        files = read_json_object(record_path)["files"]
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{str(record_path)!r} is corrupt ({err}); the checkpoint cannot be verified") from None
     for name, expected in files.items():
@@ -315,7 +316,7 @@ def checkpoint_step(path: str | Path) -> int:
     record = path / CHECKPOINT_RECORD
     if record.is_file():
         try:
-            return int(json.loads(record.read_text(encoding="utf-8"))["step"])
+            return int(read_json_object(record)["step"])
         except (ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"{str(record)!r} is corrupt ({err}); the checkpoint cannot be used") from None
     return int(load_trainer_state(path)["step"])

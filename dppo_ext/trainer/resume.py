@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from dppo_ext.trainer.run_folder.files import (
     SUMMARY_FILE,
     RunError,
     json_object_or_none,
+    read_json_object,
 )
 from dppo_ext.trainer.run_folder.manifest import MANIFEST_FILE, read_manifest
 
@@ -118,12 +118,9 @@ def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        return read_json_object(path)
     except ValueError as err:
         raise RunError(f"{path}: unreadable ({err}); the resumed run cannot be checked against it") from None
-    return data
 
 
 def data_fingerprints(config: TrainConfig) -> dict[str, dict[str, str]]:

@@ -427,3 +427,19 @@ def test_micro_batches_add_up_to_the_mini_batch(agg):
         loss = aggregate_loss(per_token[part, : micro.response_len], micro.response_mask, agg, horizon)
         total += loss * micro_batch_scale(agg, micro.response_mask, float(mb_mask.sum()), float(mb_mask.any(-1).sum()))
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_run_folders_json_reader_takes_an_object_only(tmp_path: Path):
+    from dppo_ext.trainer.run_folder.files import json_object_or_none, read_json_object
+
+    (tmp_path / "object.json").write_text('{"step": 3}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "cut.json").write_text('{"step": ')
+    assert read_json_object(tmp_path / "object.json") == {"step": 3}
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
+        read_json_object(tmp_path / "list.json")
+    with pytest.raises(ValueError):
+        read_json_object(tmp_path / "cut.json")
+    with pytest.raises(OSError):
+        read_json_object(tmp_path / "missing.json")
+    assert [json_object_or_none(tmp_path / n) for n in ("list.json", "cut.json", "missing.json")] == [None] * 3
