@@ -42,8 +42,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_tests", "integrations"))
+sys.path.insert(0, os.path.join(ROOT, "python_tests"))
 
 import verl_cpu  # noqa: E402  (the test helpers that build verl's own micro-batches)
+from dppo_testing import bf16_ulp  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.torch_functional import logprobs_from_logits  # noqa: E402
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss  # noqa: E402
@@ -54,12 +56,6 @@ from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
 
 MODES = {"dppo_tv": 0.05, "dppo_kl": 0.01}  # threshold per mode (verl's clip_ratio_low = clip_ratio_high)
 PATHS = ("plugin", "verl", "verl_fp32_logprobs")
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bfloat16 numbers at |x| (8 significant bits), float64."""
-    mag = x.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
-    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
 
 
 def make_case(vocab: int, seed: int, mode: str):
