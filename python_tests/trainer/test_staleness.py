@@ -396,7 +396,7 @@ def test_the_rare_token_run_trains_on_the_run_s_own_problems_with_the_rare_rewar
     from experiments.sanity import rare_token
 
     seen = {}
-    monkeypatch.setattr(train_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
+    monkeypatch.setattr(train_module, "train_in_folder", lambda config, task, *a, **k: seen.update(task=task) or {})
     config = TrainConfig(
         out=str(tmp_path / "run"), tiny_vocab_size=rare_token.RARE_VOCAB, num_eval=20, warm_start_problems=30
     ).validate()
