@@ -25,16 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))  #
 
 from dppo_testing.architectures import ARCHITECTURES, build_architecture  # noqa: E402
 
-from dppo_ext.rollout.vllm_engine import VLLMEngine, _model_logprobs  # noqa: E402
+from dppo_ext.rollout.sync_guard import engine_logprobs, model_logprobs  # noqa: E402
+from dppo_ext.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from dppo_ext.rollout.vllm_parity import policy_load_kwargs  # noqa: E402
-from dppo_ext.rollout.weight_sync import engine_logprobs  # noqa: E402
 
 PROMPTS = [[1, 5, 16, 7, 15], [1, 9, 14, 4, 15], [1, 6, 14, 12, 15], [1, 8, 16, 10, 15]]
 
 
 def guard_diff(engine: VLLMEngine, model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """What the sync guard computes: the trainer's and vLLM's log-probs of ``ids[1:]`` (float64)."""
-    return _model_logprobs(model, ids).double(), engine_logprobs(engine.llm, ids)
+    return model_logprobs(model, ids).double(), engine_logprobs(engine.llm, ids)
 
 
 def measure(arch: str, folder: Path, engine_dtype: str, rounds: int) -> dict:

@@ -39,8 +39,7 @@ for key, value in dict(
 
 import torch  # noqa: E402
 
-import dppo_ext.rollout.weight_sync as weight_sync  # noqa: E402
-from dppo_ext.rollout.vllm_engine import _model_logprobs  # noqa: E402
+import dppo_ext.rollout.sync_guard as sync_guard  # noqa: E402
 
 
 class Recorder:
@@ -50,35 +49,35 @@ class Recorder:
         self.outlier = outlier
         self.checks: list[float] = []
         self.outliers: list[dict] = []
-        self.original = weight_sync.SyncGuard.check
+        self.original = sync_guard.SyncGuard.check
 
     def install(self) -> None:
         recorder = self
 
         def check(guard, llm, score, **kwargs):
-            tolerances = dict(weight_sync.SYNC_TOLERANCES)
-            weight_sync.SYNC_TOLERANCES.update({d: (float("inf"), 0.0) for d in tolerances})
+            tolerances = dict(sync_guard.SYNC_TOLERANCES)
+            sync_guard.SYNC_TOLERANCES.update({d: (float("inf"), 0.0) for d in tolerances})
             try:
                 result = recorder.original(guard, llm, score, **kwargs)
             finally:
-                weight_sync.SYNC_TOLERANCES.update(tolerances)
+                sync_guard.SYNC_TOLERANCES.update(tolerances)
             if result is not None:
                 recorder.checks.append(result.max_diff)
                 if result.max_diff > recorder.outlier:
                     recorder.explain(guard, llm, score, kwargs, result.max_diff)
             return result
 
-        weight_sync.SyncGuard.check = check
+        sync_guard.SyncGuard.check = check
 
     def explain(self, guard, llm, score, kwargs, max_diff: float) -> None:
         ids = guard.probe
-        mu = weight_sync.engine_logprobs(llm, ids)
-        model = score.args[0]  # functools.partial(_model_logprobs, model)
-        pi32 = _model_logprobs(model, ids).double()
-        pi64 = _model_logprobs(copy.deepcopy(model).double(), ids).double()
+        mu = sync_guard.engine_logprobs(llm, ids)
+        model = score.args[0]  # functools.partial(model_logprobs, model)
+        pi32 = sync_guard.model_logprobs(model, ids).double()
+        pi64 = sync_guard.model_logprobs(copy.deepcopy(model).double(), ids).double()
         worst = int((mu - pi32).abs().argmax())
         plan, tensors = kwargs.get("plan"), kwargs.get("trainer_tensors")
-        stale = weight_sync._stale_parameters(llm, plan, tensors) if plan is not None and tensors else None
+        stale = sync_guard.stale_parameters(llm, plan, tensors) if plan is not None and tensors else None
         self.outliers.append(
             {
                 "check": len(self.checks),
@@ -130,7 +129,7 @@ def main() -> None:
             "p99": checks[min(len(checks) - 1, int(0.99 * len(checks)))],
             "max": checks[-1],
         },
-        "float32_tolerance": weight_sync.SYNC_TOLERANCES[torch.float32],
+        "float32_tolerance": sync_guard.SYNC_TOLERANCES[torch.float32],
         "outliers": recorder.outliers,
         "drift_mean_per_step": {"min": min(drift), "median": statistics.median(drift), "max": max(drift)},
     }

@@ -5,8 +5,9 @@ Times, side by side in one process (each round runs every case once; medians of 
   bf16 product          torch.mm(h, W^T) in bfloat16 (the default fused path's product)
   fp32 product          torch.mm(h32, W32^T) with a float32 copy of the whole weight made beforehand (the bound)
   widen whole           W.float() then the product (what a whole-weight copy per chunk costs)
-  blocks of R rows      the product a block of R weight rows at a time, each widened on the way
-                        (dppo_ext._lm_head_tiles.head_logits_ with UPCAST_BLOCK_BYTES = R * H * 4)
+  blocks of R rows      h widened once, then the product a block of R weight rows at a time, each widened on the
+                        way: the loop of the fused path's float32 logits (``logits_dtype=torch.float32``) with its
+                        UPCAST_BLOCK_BYTES = R * H * 4, written out here so that R can vary
 
     python benchmarks/bench_upcast_blocks.py                     # 256 rows, H=512, V=32768
     python benchmarks/bench_upcast_blocks.py --blocks 1024 4096 8192 16384
@@ -26,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchlib.machine import machine_info  # noqa: E402  (benchmarks/ on the path first)
 
-from dppo_ext import _lm_head_tiles  # noqa: E402
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,12 +45,10 @@ def main() -> None:
 
     def blocked(rows: int):
         def run() -> None:
-            saved = _lm_head_tiles.UPCAST_BLOCK_BYTES
-            _lm_head_tiles.UPCAST_BLOCK_BYTES = rows * args.hidden * 4
-            try:
-                _lm_head_tiles.head_logits_(out, h, w, None)
-            finally:
-                _lm_head_tiles.UPCAST_BLOCK_BYTES = saved
+            wide = h.float()
+            for start in range(0, args.vocab, rows):
+                stop = min(start + rows, args.vocab)
+                torch.mm(wide, w[start:stop].float().t(), out=out[:, start:stop])
 
         return run
 

@@ -18,10 +18,10 @@ from benchlib.machine import cpu_simd  # noqa: E402
 def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
     import torch
 
-    from dppo_ext import _native
+    import dppo_ext
 
     machine_info["cpu_simd"] = cpu_simd()
-    machine_info["dppo_ext_cpu_capability"] = _native.library.cpu_capability
+    machine_info["dppo_ext_cpu_capability"] = dppo_ext.cpu_capability
     machine_info["torch"] = torch.__version__
     machine_info["torch_threads"] = torch.get_num_threads()
     machine_info["loadavg"] = os.getloadavg()

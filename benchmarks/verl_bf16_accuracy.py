@@ -42,8 +42,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_tests", "integrations"))
+sys.path.insert(0, os.path.join(ROOT, "python_tests"))
 
 import verl_cpu  # noqa: E402  (the test helpers that build verl's own micro-batches)
+from dppo_testing import bf16_ulp  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.torch_functional import logprobs_from_logits  # noqa: E402
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss  # noqa: E402
@@ -54,12 +56,6 @@ from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
 
 MODES = {"dppo_tv": 0.05, "dppo_kl": 0.01}  # threshold per mode (verl's clip_ratio_low = clip_ratio_high)
 PATHS = ("plugin", "verl", "verl_fp32_logprobs")
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bfloat16 numbers at |x| (8 significant bits), float64."""
-    mag = x.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
-    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
 
 
 def make_case(vocab: int, seed: int, mode: str):
@@ -111,7 +107,7 @@ def plugin_path(config, data, logits):
     # the op's mask is 1 where the gradient is kept (docs/contract.md): masked = not kept, on response tokens
     mask = (
         ~no_padding_2_padding(outputs["dppo_mask"].squeeze(0), data).bool()
-        & vloss._padded(data, "response_mask")["response_mask"].bool()
+        & data.select("response_mask").to_padded_tensor()["response_mask"].bool()
     )
     return loss.detach().double(), leaf.grad.double(), mask
 
@@ -131,7 +127,7 @@ def masked_tokens_verl(config, data, log_probs) -> torch.Tensor:
     """[B, R] bool: the response tokens verl's formula masks, given the packed log-probs its loss read (its
     formula recomputed, in their dtype)."""
     lp = no_padding_2_padding(log_probs, data)
-    padded = vloss._padded(data, "old_log_probs", "advantages", "response_mask")
+    padded = data.select("old_log_probs", "advantages", "response_mask").to_padded_tensor()
     old, adv = padded["old_log_probs"].to(lp.dtype), padded["advantages"]
     prob, old_prob = lp.exp(), old.exp()
     delta = MODES[vloss.loss_mode(config)]
@@ -171,7 +167,7 @@ def run(vocabs: list[int], seeds: int) -> list[dict]:
                     loss, grad, log_probs = verl_path(config, data, logits, labels, upcast=upcast)
                     flips = int((masked_tokens_verl(config, data, log_probs) != mask64).sum())
                     results[name] = {**errors(loss, grad, loss64, grad64), "mask_flips": flips}
-                tokens = int(vloss._padded(data, "response_mask")["response_mask"].sum())
+                tokens = int(data.select("response_mask").to_padded_tensor()["response_mask"].sum())
                 masked = int(mask64.sum())
                 rows.append(
                     {"vocab": vocab, "mode": mode, "seed": seed, "tokens": tokens, "masked64": masked, **results}

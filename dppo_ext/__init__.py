@@ -31,6 +31,8 @@ from .contract import AGG_MODES, DEFAULT_DELTAS, MODE_ALIASES, MODES
 # (``__getattr__``). Type checkers read the same names from the ``if TYPE_CHECKING:`` block below;
 # python_tests/repo/test_public_api.py checks that the two agree.
 _LAZY = {
+    "cpu_cached_bytes": "_native",
+    "cpu_capability": "_native",
     "cuda_compiled": "_native",
     "empty_cpu_cache": "_native",
     "DPPOLoss": "loss",
@@ -41,7 +43,7 @@ _LAZY = {
     "fused_linear_dppo_loss_per_row": "fused_linear",
 }
 if TYPE_CHECKING:
-    from ._native import cuda_compiled, empty_cpu_cache
+    from ._native import cpu_cached_bytes, cpu_capability, cuda_compiled, empty_cpu_cache
     from .fused_linear import FusedLinearDPPOLoss, fused_linear_dppo_loss, fused_linear_dppo_loss_per_row
     from .loss import DPPOLoss, dppo_loss, dppo_loss_per_row
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUILD_COMMAND", "cuda_compiled", "empty_cpu_cache", "library"]
+__all__ = ["BUILD_COMMAND", "cpu_cached_bytes", "cpu_capability", "cuda_compiled", "empty_cpu_cache", "library"]
 
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
 _MARKER = re.compile(rb"dppo_ext-built-with-torch=([^\x00]+)\x00")
@@ -73,6 +73,9 @@ def _load():
 
 library = _load()
 cuda_compiled: bool = library.cuda_compiled
+# The instruction set the CPU kernels run with ("default", "avx2" or "avx512"), chosen when the library loads
+# (DPPO_CPU_CAPABILITY, else the widest this CPU and torch's dispatch allow; docs/development.md).
+cpu_capability: str = library.cpu_capability
 
 
 def empty_cpu_cache() -> int:
@@ -85,3 +88,9 @@ def empty_cpu_cache() -> int:
     (docs/development.md). Gradients still alive are not touched; the block of one freed later is cached again.
     """
     return int(library.cpu_empty_cache())
+
+
+def cpu_cached_bytes() -> int:
+    """The bytes of idle gradient blocks the CPU backward's buffer cache holds now (what :func:`empty_cpu_cache`
+    would release)."""
+    return int(library.cpu_cached_bytes())

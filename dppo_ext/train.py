@@ -12,8 +12,8 @@ Outputs in ``--out`` and the rules of that folder (what a run writes, deletes an
 This module is the entry point (``run``: check the inputs, open ``--out``; ``main``: the CLI); the work is in
 ``dppo_ext.trainer``, one job per module: ``process`` (seeds, device, threads, library verbosity), ``task``,
 ``embedded_model`` (the warm start), ``engine`` (the rollout engine), ``resume`` (what ``--resume`` checks and
-adopts), ``locked_run`` (a run in its locked folder), ``summary``, ``loop`` (the RL steps) and the run folder
-(``run_folder``).
+adopts), ``training_run`` (the run in its opened folder: set-up, start, training), ``summary``, ``loop`` (the RL
+steps) and the run folder (``run_folder``).
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from typing import Any
 from dppo_ext.rollout import RolloutEngine
 from dppo_ext.tasks import DataFormatError, Task
 from dppo_ext.trainer.checkpoint import NoCheckpointError, check_model_folder
-from dppo_ext.trainer.config import TrainConfig, parse_config
+from dppo_ext.trainer.cli import parse_config
+from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER, warm_start_matches
-from dppo_ext.trainer.locked_run import run_locked
 from dppo_ext.trainer.metrics import MetricsFormatError
 from dppo_ext.trainer.process import resolve_device, restart_with_passive_omp_waits, set_library_verbosity
 from dppo_ext.trainer.reporting import check_report_to
 from dppo_ext.trainer.resume import legacy_run_outputs
-from dppo_ext.trainer.run_folder import check_out_apart, open_run_folder
+from dppo_ext.trainer.run_folder import open_run_folder
 from dppo_ext.trainer.run_folder.files import RunError
+from dppo_ext.trainer.run_folder.plan import check_out_apart
 from dppo_ext.trainer.task import build_task
+from dppo_ext.trainer.training_run import train_in_folder
 
 __all__ = ["main", "run"]
 
@@ -104,7 +106,7 @@ def run(
             raise TypeError(f"run(task=...) must return a dppo_ext.tasks.Task, got {type(task).__name__}")
     logger.info("task %s: %d training / %d held-out problems", task.name, len(task.train), len(task.eval))
     with open_run_folder(out_dir, resume=config.resume, overwrite=config.overwrite, adopt=legacy_run_outputs) as folder:
-        return run_locked(
+        return train_in_folder(
             config, task, device, folder, wall_start, progress=progress, engine=engine, base_model=base_model
         )
 

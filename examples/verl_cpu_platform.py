@@ -52,7 +52,7 @@ import torch
 import verl.utils.distributed
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from dppo_ext.integrations.verl._import_hooks import when_imported
+from dppo_ext.integrations.verl.import_hooks import when_imported
 
 __all__ = ["CPUPlatform"]
 

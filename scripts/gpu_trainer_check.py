@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from dppo_ext.trainer.config import parse_config
+from dppo_ext.trainer.cli import parse_config
 
 
 def trainer_argv(out: Path, steps: int) -> list[str]:

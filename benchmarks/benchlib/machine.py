@@ -59,10 +59,8 @@ def machine_info(device: str) -> dict:
 
         info["dppo_ext"] = dppo_ext.__version__
         info["dppo_ext_cuda_compiled"] = bool(dppo_ext.cuda_compiled)
-        from dppo_ext import _native
-
         # The instruction set the CPU kernels ran with (chosen at import, see csrc/cpu/dispatch.h).
-        info["dppo_ext_cpu_capability"] = _native.library.cpu_capability
+        info["dppo_ext_cpu_capability"] = dppo_ext.cpu_capability
     except ImportError as exc:
         info["dppo_ext"] = f"unavailable ({exc})"
     try:

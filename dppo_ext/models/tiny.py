@@ -37,6 +37,11 @@ RARE_TOKEN = "<r{}>"  # the padding tokens of a padded vocabulary
 MIN_HEAD_DIM = 32
 
 
+def tiny_heads(hidden: int) -> int:
+    """Attention heads of the embedded tiny model of width ``hidden`` (64-dim heads, at least one)."""
+    return max(1, hidden // 64)
+
+
 @dataclass(frozen=True)
 class TinyModelConfig:
     """Shape of the tiny Llama model.

@@ -32,7 +32,7 @@ import torch
 
 from dppo_ext.contract import sampling_truncation
 from dppo_ext.rollout.noise import check_logit_noise
-from dppo_ext.rollout.weight_sync import SyncCheck
+from dppo_ext.rollout.sync_guard import SyncCheck
 
 
 @dataclass

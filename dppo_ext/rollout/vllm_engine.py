@@ -20,10 +20,11 @@ model's own ``load_weights`` (vLLM's in-place reload path), then the prefix cach
 with the old weights is reused. What is sent under which name (tied heads, stacked shards, renamed modules) is
 decided once from the loaded vLLM model and checked before anything is loaded
 (:mod:`dppo_ext.rollout.weight_sync`, shared with the TRL integration). After every sync the sync guard
-(``sync_check=True``, the default) scores the first sequence of the latest rollout in vLLM and with the trainer's
-model and raises :class:`~dppo_ext.rollout.weight_sync.WeightSyncError` when they differ by more than the dtypes
-explain; :attr:`VLLMEngine.last_sync_check` holds what it measured. vLLM's per-sync ``Failed to load weights``
-warnings for layers that hold only buffers are filtered (``dppo_ext.rollout.vllm_logging``).
+(``sync_check=True``, the default; :mod:`dppo_ext.rollout.sync_guard`) scores the first sequence of the latest
+rollout in vLLM and with the trainer's model and raises :class:`~dppo_ext.rollout.weight_sync.WeightSyncError` when
+they differ by more than the dtypes explain; :attr:`VLLMEngine.last_sync_check` holds what it measured. vLLM's
+per-sync ``Failed to load weights`` warnings for layers that hold only buffers are filtered
+(``dppo_ext.rollout.vllm_logging``).
 
 The engine starts inside :func:`dppo_ext.rollout.vllm_parity.engine_private_model_classes`, so that vLLM's
 Transformers backend (OLMo2 and other architectures vLLM has no implementation of) leaves the process's
@@ -54,16 +55,10 @@ import torch
 
 from dppo_ext.contract import MODEL_DTYPES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample, Truncation, check_generate_args
+from dppo_ext.rollout.sync_guard import SyncCheck, SyncGuard, model_logprobs, push_and_check
 from dppo_ext.rollout.vllm_outputs import rollout_samples_from_vllm
-from dppo_ext.rollout.vllm_parity import attention_hint, engine_private_model_classes
-from dppo_ext.rollout.weight_sync import (
-    SyncCheck,
-    SyncGuard,
-    SyncPlan,
-    load_weights_into_vllm,
-    trainer_aliases,
-    vllm_sync_plan,
-)
+from dppo_ext.rollout.vllm_parity import engine_private_model_classes
+from dppo_ext.rollout.weight_sync import SyncPlan, trainer_aliases, vllm_sync_plan
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +87,6 @@ def _checkpoint_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[
         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _model_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """[len(ids) - 1] log-probs of ``ids[1:]`` under ``model`` (raw logits, eval mode, no gradient)."""
-    device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
-    finally:
-        model.train(training)
-    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
-
-
 class VLLMEngine(RolloutEngine):
     """Rollouts from an in-process ``vllm.LLM`` with processed (temperature-scaled) log-probs.
 
@@ -119,7 +101,7 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: fraction of GPU memory vLLM may take (CUDA only; leave room for
             the trainer in the same process).
         sync_check: after every ``sync_weights``, check that vLLM's log-probs of the first sequence of the
-            latest rollout equal the model's (:class:`~dppo_ext.rollout.weight_sync.SyncGuard`).
+            latest rollout equal the model's (:class:`~dppo_ext.rollout.sync_guard.SyncGuard`).
         **llm_kwargs: extra keyword arguments for ``vllm.LLM``.
     """
 
@@ -272,17 +254,17 @@ class VLLMEngine(RolloutEngine):
         the latest rollout's first sequence; return seconds (the check included, see ``last_sync_check``)."""
         start = time.perf_counter()
         plan = self.sync_plan(model)
-        load_weights_into_vllm(self.llm, plan, _checkpoint_weights(model, getattr(torch, self.dtype)), None)
         self.last_sync_check = None
-        if self.guard is not None:
-            self.last_sync_check = self.guard.check(
-                self.llm,
-                functools.partial(_model_logprobs, _unwrap(model)),
-                trainer_dtype=next(model.parameters()).dtype,
-                plan=plan,
-                trainer_tensors=_unwrap(model).state_dict,
-                hint=attention_hint(_unwrap(model)),
-            )
+        trainer = _unwrap(model)
+        self.last_sync_check = push_and_check(
+            self.llm,
+            plan,
+            _checkpoint_weights(model, getattr(torch, self.dtype)),
+            None,
+            self.guard,
+            trainer,
+            functools.partial(model_logprobs, trainer),
+        )
         return time.perf_counter() - start
 
     def close(self) -> None:

@@ -3,7 +3,8 @@ checkpoints, metrics and plots. The CLI lives in ``dppo_ext.train``."""
 
 from dppo_ext.trainer.advantages import group_advantages
 from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
-from dppo_ext.trainer.config import LOSS_MODES, TrainConfig, build_parser, parse_config
+from dppo_ext.trainer.cli import build_parser, parse_config
+from dppo_ext.trainer.config import LOSS_MODES, TrainConfig
 from dppo_ext.trainer.loop import Trainer
 from dppo_ext.trainer.sampler import PromptSampler
 

@@ -88,7 +88,7 @@ class RolloutBatch:
 
 
 def collate_rollouts(
-    samples: list[RolloutSample], advantages: list[float], *, pad_id: int, with_topk: bool
+    samples: list[RolloutSample], advantages: list[float], *, pad_id: int, with_topk: bool, with_kept: bool = True
 ) -> RolloutBatch:
     """Pack ``samples`` (with one advantage each) into a ``RolloutBatch`` on the CPU.
 
@@ -97,6 +97,8 @@ def collate_rollouts(
         advantages: B advantages.
         pad_id: token id used for padding (never attended to, never trained on).
         with_topk: also pack ``topk_ids`` / ``topk_logprobs`` (all samples must carry them).
+        with_kept: pack the samples' ``kept_ids`` when they carry them (False: drop them; the loss then scores pi over
+            the vocabulary, --no-sampling-replay).
     """
     if len(samples) != len(advantages):
         raise ValueError(f"got {len(samples)} samples but {len(advantages)} advantages")
@@ -126,7 +128,7 @@ def collate_rollouts(
         advantages=torch.tensor(advantages, dtype=torch.float32),
         topk_ids=response.topk_ids,
         topk_logprobs=response.topk_logprobs,
-        kept_ids=response.kept_ids,
+        kept_ids=response.kept_ids if with_kept else None,
     )
 
 

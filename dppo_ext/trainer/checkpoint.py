@@ -42,6 +42,7 @@ from dppo_ext.trainer.run_folder.files import (
     CHECKPOINT_RECORD,
     RunError,
     fsync_dir,
+    read_json_object,
     remove_checkpoint_files,
     strays,
     temporary_sibling,
@@ -52,9 +53,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
-MANIFEST_FILE = CHECKPOINT_RECORD
 CHECKPOINT_PREFIX = "checkpoint-"
-MANIFEST_FORMAT = 1
+CHECKPOINT_RECORD_FORMAT = 1  # of CHECKPOINT_RECORD (the run folder's manifest has its own)
 LEGACY_DIRS = ("checkpoint", "checkpoint.tmp", "checkpoint.old")
 STATE_KEYS = ("step", "optimizer", "rng", "sampler", "elapsed_s")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -130,8 +130,8 @@ def save_checkpoint(
     if os.path.lexists(final) and not _is_ours(final, run):
         raise RunError(
             f"{str(final)!r} is in the way of the checkpoint of step {step}: it is not a checkpoint this run wrote "
-            f"(not in {out_dir.name}'s dppo-run.json, or not only the files of its {MANIFEST_FILE}), so it is not the "
-            "trainer's to replace; nothing of it was changed. Move it out of the folder, then --resume"
+            f"(not in {out_dir.name}'s dppo-run.json, or not only the files of its {CHECKPOINT_RECORD}), so it is not "
+            "the trainer's to replace; nothing of it was changed. Move it out of the folder, then --resume"
         )
     tmp = temporary_sibling(final)
     if tmp.exists():
@@ -152,9 +152,9 @@ def save_checkpoint(
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
-    manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": (run or {}).get("run_id"), "files": files}
-    with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=1)
+    record = {"format": CHECKPOINT_RECORD_FORMAT, "step": step, "run_id": (run or {}).get("run_id"), "files": files}
+    with open(tmp / CHECKPOINT_RECORD, "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     for folder in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
@@ -190,7 +190,7 @@ def _is_ours(path: Path, run: dict[str, Any] | None, *, warn: bool = False) -> b
         found = strays(path)
         if not found:
             return True
-        why = f"it holds what its {MANIFEST_FILE} does not list: {', '.join(found[:6])}"
+        why = f"it holds what its {CHECKPOINT_RECORD} does not list: {', '.join(found[:6])}"
     if warn:
         logger.warning("--save-total-limit: kept %s, which the rotation does not delete: %s", path, why)
     return False
@@ -218,9 +218,9 @@ def _sha256(path: Path, *, fsync: bool = False) -> str:
 
 
 def has_checkpoint(path: str | Path) -> bool:
-    """True when ``path`` looks like a complete checkpoint (manifest, or the earlier layout's files)."""
+    """True when ``path`` looks like a complete checkpoint (its checkpoint.json, or the earlier layout's files)."""
     path = Path(path)
-    if (path / MANIFEST_FILE).is_file():
+    if (path / CHECKPOINT_RECORD).is_file():
         return True
     return (path / STATE_FILE).is_file() and (path / MODEL_DIR / "config.json").is_file()
 
@@ -229,28 +229,27 @@ def verify_checkpoint(path: str | Path, *, legacy: bool = False) -> None:
     """Check a checkpoint folder's files; raise ``CheckpointError`` naming the first bad file.
 
     Every file listed in ``checkpoint.json`` must exist with the recorded size and SHA-256. A
-    folder of the earlier layout (``legacy=True``) has no manifest: its model's safetensors files
+    folder of the earlier layout (``legacy=True``) has no such record: its model's safetensors files
     must be readable and ``trainer_state.pt`` must load.
     """
     path = Path(path)
-    manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
+    record_path = path / CHECKPOINT_RECORD
+    if not record_path.is_file():
         if not legacy or not has_checkpoint(path):
             raise CheckpointError(
-                f"{str(path)!r} is not a complete checkpoint: it has no {MANIFEST_FILE} (its save did not finish)"
+                f"{str(path)!r} is not a complete checkpoint: it has no {CHECKPOINT_RECORD} (its save did not finish)"
             )
         check_model_folder(path / MODEL_DIR)
         load_trainer_state(path)
         return
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
+        files = read_json_object(record_path)["files"]
     except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{str(manifest_path)!r} is corrupt ({err}); the checkpoint cannot be verified") from None
+        raise CheckpointError(f"{str(record_path)!r} is corrupt ({err}); the checkpoint cannot be verified") from None
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"{str(file)!r} is missing from the checkpoint (listed in {MANIFEST_FILE})")
+            raise CheckpointError(f"{str(file)!r} is missing from the checkpoint (listed in {CHECKPOINT_RECORD})")
         size = file.stat().st_size
         if size != expected["bytes"]:
             problem = "truncated" if size < expected["bytes"] else "longer than saved"
@@ -314,12 +313,12 @@ def check_model_folder(folder: str | Path, *, what: str = "model folder") -> Non
 def checkpoint_step(path: str | Path) -> int:
     """The step a complete checkpoint folder was saved at (its ``checkpoint.json``, else its trainer state)."""
     path = Path(path)
-    manifest = path / MANIFEST_FILE
-    if manifest.is_file():
+    record = path / CHECKPOINT_RECORD
+    if record.is_file():
         try:
-            return int(json.loads(manifest.read_text(encoding="utf-8"))["step"])
+            return int(read_json_object(record)["step"])
         except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{str(manifest)!r} is corrupt ({err}); the checkpoint cannot be used") from None
+            raise CheckpointError(f"{str(record)!r} is corrupt ({err}); the checkpoint cannot be used") from None
     return int(load_trainer_state(path)["step"])
 
 

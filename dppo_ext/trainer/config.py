@@ -1,4 +1,4 @@
-"""Typed training configuration; the command-line parser is generated from it.
+"""Typed training configuration; the command-line parser (dppo_ext.trainer.cli) is generated from it.
 
 Every field of ``TrainConfig`` becomes a ``--flag`` (underscores -> dashes) with the field's
 type, default and help text, so the dataclass is the single place that defines the CLI.
@@ -8,7 +8,6 @@ expected.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import typing
@@ -16,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
-from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS
+from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS, tiny_heads
 from dppo_ext.rollout.base import Truncation
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
-from dppo_ext.trainer.losses import LOSSES, canonical_loss
+from dppo_ext.trainer.losses import LOSSES
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
@@ -32,6 +31,38 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: ``low`` to ``high`` (None: no upper bound), each end included unless
+    ``*_open``; ``why`` is said with it in the error."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        else:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{_number(self.low)}, {_number(self.high)}{right}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _number(value: float) -> str:
+    """``2**32`` for a large power of two (a seed's bound), else the number as ``:g`` writes it."""
+    if isinstance(value, int) and value > 2**16 and not value & (value - 1):
+        return f"2**{value.bit_length() - 1}"
+    return f"{value:g}"
 
 
 @dataclass
@@ -237,64 +268,19 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Check every setting; raise ``ValueError`` naming the flag, its value and what is expected."""
         hints = typing.get_type_hints(TrainConfig)
-        for name in _fields():
+        for name in config_fields():
             _check_type(name, hints[name], getattr(self, name))
-        for name, f in _fields().items():
+        for name, f in config_fields().items():
             choices = f.metadata.get("choices")
             if choices and getattr(self, name) not in choices:
                 raise ValueError(
-                    f"--{_flag(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
+                    f"--{flag_name(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
                 )
-        positive = (
-            "num_eval",
-            "max_operand",
-            "max_second_operand",
-            "tiny_layers",
-            "tiny_hidden",
-            "warm_start_problems",
-            "steps",
-            "prompts_per_step",
-            "max_new_tokens",
-            "num_minibatches",
-            "ppo_epochs",
-            "eval_every",
-            "eval_samples",
-            "max_model_len",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in (
-            "warm_start_steps",
-            "warmup_steps",
-            "micro_batch_size",
-            "save_every",
-            "save_total_limit",
-            "threads",
-            "top_k",
-            "rollout_lag",
-            "sample_logprobs",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("temperature", "eval_temperature", "lr", "warm_start_lr", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
-        if self.ratio_cap is not None and not self.ratio_cap > 0:
-            raise ValueError(f"--ratio-cap must be > 0, got {self.ratio_cap}")
-        for name in ("delta_low", "delta_high", "weight_decay", "rollout_logit_noise"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {value}")
-        if not self.rollout_logit_noise <= MAX_LOGIT_NOISE:
-            raise ValueError(
-                f"--rollout-logit-noise must be in [0, {MAX_LOGIT_NOISE:g}] (sigma of the rollout logit noise; more "
-                f"would overflow the engine's logits), got {self.rollout_logit_noise}"
-            )
-        if not 0 <= self.warm_start_label_smoothing < 1:
-            raise ValueError(f"--warm-start-label-smoothing must be in [0, 1), got {self.warm_start_label_smoothing}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"--seed must be in [0, 2**32) (NumPy's seed range), got {self.seed}")
+        for bound, names in RANGES:
+            for name in names.split():
+                value = getattr(self, name)
+                if value is not None and value not in bound:  # None: the loss's default
+                    raise ValueError(f"--{flag_name(name)} must be {bound}, got {value}")
         if self.max_new_tokens >= self.max_model_len:
             raise ValueError(
                 f"--max-new-tokens={self.max_new_tokens} leaves no room for the prompt in --max-model-len="
@@ -325,11 +311,6 @@ class TrainConfig:
                 "--resume and --overwrite contradict each other: --resume continues the run in --out, "
                 "--overwrite deletes it; pass one"
             )
-        if self.group_size < 2:
-            raise ValueError(
-                "--group-size must be >= 2 (group advantages compare samples of the same prompt), "
-                f"got {self.group_size}"
-            )
         truncating = sampling_truncation(
             self.sample_top_k,
             self.top_p,
@@ -353,8 +334,6 @@ class TrainConfig:
                 f"--num-minibatches={self.num_minibatches} exceeds the rollout batch of "
                 f"prompts_per_step * group_size = {batch} sequences"
             )
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"--vllm-gpu-memory-utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.model and not _looks_like_hub_id(self.model) and not Path(self.model).is_dir():
             raise ValueError(
                 f"--model {self.model!r}: no such folder, and not a hub id of the form 'org/name'; "
@@ -363,7 +342,7 @@ class TrainConfig:
         for name in ("data", "eval_data"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
-                raise ValueError(f"--{_flag(name)} {path!r}: no such file (expected a JSONL file)")
+                raise ValueError(f"--{flag_name(name)} {path!r}: no such file (expected a JSONL file)")
         if self.eval_data and not self.data:
             raise ValueError("--eval-data needs --data (the embedded task has its own held-out set)")
         if self.model and not self.data:
@@ -386,10 +365,36 @@ class TrainConfig:
         """One ``name = value`` line per setting that applies to this run (printed at the start of a run): with
         ``--model`` the embedded model's and task's settings (``EMBEDDED_ONLY``) are left out."""
         shown = {name: value for name, value in self.to_dict().items() if not (self.model and name in EMBEDDED_ONLY)}
-        lines = [f"  {_flag(name):<28} {value!r}" for name, value in shown.items()]
+        lines = [f"  {flag_name(name):<28} {value!r}" for name, value in shown.items()]
         if self.model:
             lines.append(f"  ({len(EMBEDDED_ONLY)} settings of the embedded model and task do not apply to --model)")
         return "\n".join(lines)
+
+
+# The ranges of the numeric settings, checked in this order by TrainConfig.validate (the first range a value
+# leaves names the error: --rollout-logit-noise=-1 must be >= 0, =2000 in [0, MAX_LOGIT_NOISE]).
+RANGES: tuple[tuple[Range, str], ...] = (
+    (
+        Range(1),
+        "num_eval max_operand max_second_operand tiny_layers tiny_hidden warm_start_problems steps prompts_per_step "
+        "max_new_tokens num_minibatches ppo_epochs eval_every eval_samples max_model_len",
+    ),
+    (
+        Range(0),
+        "warm_start_steps warmup_steps micro_batch_size save_every save_total_limit threads top_k rollout_lag "
+        "sample_logprobs",
+    ),
+    (Range(0, low_open=True), "temperature eval_temperature lr warm_start_lr max_grad_norm ratio_cap"),
+    (Range(0), "delta_low delta_high weight_decay rollout_logit_noise"),
+    (
+        Range(0, MAX_LOGIT_NOISE, why="sigma of the rollout logit noise; more would overflow the engine's logits"),
+        "rollout_logit_noise",
+    ),
+    (Range(0, 1, high_open=True), "warm_start_label_smoothing"),
+    (Range(0, 2**32, high_open=True, why="NumPy's seed range"), "seed"),
+    (Range(2, why="group advantages compare samples of the same prompt"), "group_size"),
+    (Range(0, 1, low_open=True), "vllm_gpu_memory_utilization"),
+)
 
 
 # Settings only the embedded tiny model and its arithmetic task read (their help says so); --model runs ignore them.
@@ -400,58 +405,11 @@ EMBEDDED_ONLY = tuple(
 )
 
 
-# Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
-RESUME_MAY_CHANGE = (
-    "steps",
-    "save_every",
-    "save_total_limit",
-    "threads",
-    "device",
-    "vllm_gpu_memory_utilization",
-    "out",
-    "resume",
-    "overwrite",
-    "report_to",
-    "log_level",
-    "verbose",
-    "mechanism_metrics",
-    "sync_check",
-)
-
-
-def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
-    """``--flag old -> new`` for every setting of ``config`` that differs from the run's saved
-    ``config.json`` (``saved``) and may not change on resume (see ``RESUME_MAY_CHANGE``).
-
-    Keys that the saved config lacks (settings added since) or that this version does not know
-    are not compared.
-    """
-    current = config.to_dict()
-
-    def same(name: str) -> bool:
-        if name == "loss" and isinstance(saved[name], str):  # an alias names the same loss (dppo_tv = dppo_binary_tv)
-            return canonical_loss(saved[name]) == canonical_loss(current[name])
-        return saved[name] == current[name]
-
-    return [
-        f"--{_flag(name)} {saved[name]!r} -> {current[name]!r}"
-        for name in current
-        if name in saved and name not in RESUME_MAY_CHANGE and not same(name)
-    ]
-
-
-def tiny_heads(hidden: int) -> int:
-    """Attention heads of the embedded tiny model of width ``hidden`` (64-dim heads, at least one)."""
-    return max(1, hidden // 64)
-
-
 def _check_type(name: str, kind, value) -> None:
     """Raise ``ValueError`` unless ``value`` fits the field's type (numbers: finite)."""
-    optional = typing.get_origin(kind) is typing.Union
-    if optional:
-        if value is None:
-            return
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    kind, optional = inner_type(kind)
+    if optional and value is None:
+        return
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -459,12 +417,19 @@ def _check_type(name: str, kind, value) -> None:
     elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and not math.isfinite(value):
-            raise ValueError(f"--{_flag(name)} must be a finite number, got {value}")
+            raise ValueError(f"--{flag_name(name)} must be a finite number, got {value}")
     else:
         ok = isinstance(value, kind)
     if not ok:
         expected = kind.__name__ + (" or None" if optional else "")
-        raise ValueError(f"--{_flag(name)} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"--{flag_name(name)} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def inner_type(kind) -> tuple[type, bool]:
+    """``(T, True)`` for a field typed ``Optional[T]``, else ``(kind, False)``."""
+    if typing.get_origin(kind) is typing.Union:
+        return next(a for a in typing.get_args(kind) if a is not type(None)), True
+    return kind, False
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -472,40 +437,11 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
-def _fields() -> dict[str, dataclasses.Field]:
+def config_fields() -> dict[str, dataclasses.Field]:
+    """``TrainConfig``'s fields by name (the CLI's flags, in order)."""
     return {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A setting's command-line spelling, without the dashes: ``rollout_lag`` -> ``rollout-lag``."""
     return name.replace("_", "-")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """An ``argparse`` parser with one flag per ``TrainConfig`` field."""
-    parser = argparse.ArgumentParser(
-        prog="dppo-train",
-        description="Reference RL trainer: vLLM (or transformers) rollouts, GRPO group advantages, DPPO loss.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    hints = typing.get_type_hints(TrainConfig)
-    for name, f in _fields().items():
-        kind = hints[name]
-        kwargs: dict = {"default": f.default, "help": f.metadata["help"], "dest": name}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            if typing.get_origin(kind) is typing.Union:
-                inner = next(a for a in typing.get_args(kind) if a is not type(None))
-                kwargs["type"] = inner
-            else:
-                kwargs["type"] = kind
-            if f.metadata.get("choices"):
-                kwargs["choices"] = list(f.metadata["choices"])
-        parser.add_argument(f"--{_flag(name)}", **kwargs)
-    return parser
-
-
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """Parse command-line flags into a validated ``TrainConfig``."""
-    args = build_parser().parse_args(argv)
-    return TrainConfig(**vars(args)).validate()

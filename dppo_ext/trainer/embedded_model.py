@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from dppo_ext.models.sft import WarmStartConfig, supervised_warm_start
-from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model
+from dppo_ext.models.tiny import TinyModelConfig, build_tiny_model, tiny_heads
 from dppo_ext.tasks import Task
-from dppo_ext.trainer.config import TrainConfig, tiny_heads
+from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.run_folder.files import atomic_write_text, fsync_dir, install_folder, temporary_sibling
 
 logger = logging.getLogger(__name__)

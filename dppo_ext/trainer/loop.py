@@ -12,7 +12,7 @@ One step:
    full-vocabulary log-softmax is ever built in the training step;
 4. the new weights are pushed into the rollout engine (``engine.sync_weights``); with
    ``rollout_lag = k`` the engine gets the trainer's weights of k steps ago instead
-   (asynchronous RL: rollouts ``k + 1`` updates behind the trainer).
+   (asynchronous RL: rollouts ``k + 1`` updates behind the trainer; ``dppo_ext.trainer.lag``).
 
 Losses anchored on a recomputed policy (``minirl``, ``minirl_tis``; ``dppo_ext.trainer.losses``)
 score the whole rollout batch once with the trainer's pre-update weights before the batch's first
@@ -38,11 +38,9 @@ metrics' ``pre_mismatch_mean`` is against mu for every loss.)
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -57,10 +55,12 @@ from dppo_ext.trainer.advantages import group_advantages
 from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
-from dppo_ext.trainer.mechanism import MechanismStats, op_rows
+from dppo_ext.trainer.lag import RolloutLag
+from dppo_ext.trainer.mechanism import MechanismStats, op_rows, token_logprobs
 from dppo_ext.trainer.metrics import MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
 from dppo_ext.trainer.sampler import PromptSampler
+from dppo_ext.trainer.step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +118,9 @@ class Trainer:
         self.use_chat = _use_chat_template(config.prompt_format, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._prompt_cache: dict[str, list[int]] = {}
-        # rollout_lag = k: the weights after each of the last k + 1 steps (oldest first), and a
-        # model copy that carries the oldest into the engine.
-        self._lag_history: deque[dict[str, torch.Tensor]] = deque(maxlen=config.rollout_lag + 1)
-        self._lag_model: torch.nn.Module | None = None
-        if config.rollout_lag:
-            self._lag_model = copy.deepcopy(model).eval()
-            self._lag_history.append(_cpu_state(model))
+        self.lag = RolloutLag(model, engine, config.rollout_lag)
+        if config.truncates_sampling and not config.sampling_replay:
+            logger.warning("--no-sampling-replay: pi over the vocabulary, mu over the kept set: biased ratios")
 
     # ------------------------------------------------------------------ prompts and rewards
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -156,20 +152,14 @@ class Trainer:
         """
         start = time.perf_counter()
         problems = self.task.eval
-        checks = []
-        if self._lag_model is not None:
-            self.engine.sync_weights(self.model)
-            checks.append(self.engine.last_sync_check)
-        groups = self.engine.generate(
-            [self.encode_prompt(p.prompt) for p in problems],
-            n=self.config.eval_samples,
-            temperature=self.config.eval_temperature,
-            max_tokens=self.config.max_new_tokens,
-            seed=self.config.seed + EVAL_SEED_OFFSET,
-        )
-        if self._lag_model is not None:
-            self.engine.sync_weights(self._lag_model)
-            checks.append(self.engine.last_sync_check)
+        with self.lag.evaluation() as checks:
+            groups = self.engine.generate(
+                [self.encode_prompt(p.prompt) for p in problems],
+                n=self.config.eval_samples,
+                temperature=self.config.eval_temperature,
+                max_tokens=self.config.max_new_tokens,
+                seed=self.config.seed + EVAL_SEED_OFFSET,
+            )
         measured = [c.max_diff for c in checks if c is not None]
         rewards = [self.score(s, p) for p, group in zip(problems, groups) for s in group]
         lengths = [len(s.response_ids) for group in groups for s in group]
@@ -203,9 +193,8 @@ class Trainer:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``num_minibatches`` AdamW steps on ``batch``; return averaged metrics.
 
-        ``mismatch_mean`` / ``mismatch_max`` and the other mismatch metrics (``mismatch_k3``, ``log_ratio_min`` /
-        ``log_ratio_max``, ``log_ratio_outlier_frac``, ``ess``) come from the first mini-batch only, which is scored
-        before this step's first optimizer step (the engine's and the trainer's weights agree).
+        The mismatch metrics (``mismatch_mean``, ``mismatch_max``, ...: ``step_stats.FIRST_BATCH``) come from the first
+        mini-batch only, scored before this step's first optimizer step (the engine's and the trainer's weights agree).
         """
         cfg = self.config
         lr = cfg.lr * min(1.0, (self.step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
@@ -216,11 +205,7 @@ class Trainer:
             batch = replace(batch, anchor_logprobs=self.recompute_logprobs(batch))
         settings = cfg.loss_settings()
         generator = torch.Generator().manual_seed(cfg.seed * STEP_SEED_STRIDE + self.step)
-        sums: dict[str, float] = {}
-        tokens_seen = 0.0
-        first_batch: list[tuple[float, dict[str, float]]] = []  # (tokens, mismatch metrics) of each micro-batch
-        losses, grad_norms = [], []
-        skipped_steps = 0
+        stats = StepStats()
         first = True
         mechanism = MechanismStats() if cfg.mechanism_metrics else None
         for _ in range(cfg.ppo_epochs):
@@ -263,44 +248,27 @@ class Trainer:
                         before.append(rows.logp)
                     (loss * share).backward()
                     mb_loss += float(loss.detach()) * share
-                    n_tok = float(metrics["num_tokens"])
-                    tokens_seen += n_tok
-                    for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean"):
-                        sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
-                    sums["ratio_max"] = _nan_max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
-                    if first:
-                        first_batch.append((n_tok, {key: float(metrics[key]) for key in _FIRST_BATCH_REDUCE}))
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                if math.isfinite(float(grad_norm)):
+                    stats.add_micro_batch(metrics, first=first)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+                if math.isfinite(grad_norm):
                     self.optimizer.step()
                     if mechanism is not None:
-                        mechanism.clipped_updates += int(float(grad_norm) > cfg.max_grad_norm)
+                        mechanism.clipped_updates += int(grad_norm > cfg.max_grad_norm)
                         self._post_update_pass(batch, micro_parts, before, mechanism, settings)
                 else:
                     # A NaN/inf gradient would poison the weights (and AdamW's moments) for good:
                     # skip this optimizer step and say so; the record keeps the non-finite loss.
-                    skipped_steps += 1
                     logger.warning(
                         "step %d: non-finite gradient norm (%s, mini-batch loss %s); optimizer step skipped",
                         self.step,
-                        float(grad_norm),
+                        grad_norm,
                         mb_loss,
                     )
-                losses.append(mb_loss)
-                grad_norms.append(float(grad_norm))
+                stats.add_optimizer_step(mb_loss, grad_norm, skipped=not math.isfinite(grad_norm))
                 first = False
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        out = {key: value / max(tokens_seen, 1.0) for key, value in sums.items() if key != "ratio_max"}
-        out["ratio_max"] = sums.get("ratio_max", 0.0)
-        out.update(
-            loss=sum(losses) / len(losses),
-            grad_norm=sum(grad_norms) / len(grad_norms),
-            **_first_batch_record(first_batch),
-            optimizer_steps=len(losses) - skipped_steps,
-            skipped_optimizer_steps=skipped_steps,
-            lr=lr,
-        )
+        out = stats.record(lr)
         if mechanism is not None:
             out.update(mechanism.record())
         return out
@@ -333,27 +301,10 @@ class Trainer:
         size = cfg.micro_batch_size or batch.size
         for part in torch.arange(batch.size).split(size):
             micro = batch.select(part).to(self.device)
-            if micro.kept_ids is None:
-                logits = response_logits(self.model, micro).float() / cfg.temperature
-                logp = torch.log_softmax(logits, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
-            else:  # pi renormalised over each position's kept set, as the loss scores it
-                rows, _, _, _ = op_rows(response_logits(self.model, micro), micro, "none", cfg.temperature, {})
-                logp = rows.logp.reshape(micro.tokens.shape)
+            logp = token_logprobs(response_logits(self.model, micro), micro, cfg.temperature)
             logp = torch.where(micro.response_mask, logp, torch.zeros_like(logp)).cpu()
             out[part, : logp.shape[1]] = logp
         return out
-
-    def sync_engine(self) -> float:
-        """Push the weights the next rollout should use into the engine; return seconds.
-
-        With ``rollout_lag = k`` those are the weights after step ``step - k`` (the initial
-        weights while ``step < k``), else the current ones.
-        """
-        if self._lag_model is None:
-            return self.engine.sync_weights(self.model)
-        self._lag_history.append(_cpu_state(self.model))
-        self._lag_model.load_state_dict(self._lag_history[0])
-        return self.engine.sync_weights(self._lag_model)
 
     def train_step(self) -> dict[str, Any]:
         """One RL step (rollout, advantages, update, weight sync); return its metrics record."""
@@ -376,24 +327,16 @@ class Trainer:
                 [float(advantages[i]) for i in keep],
                 pad_id=self.pad_id,
                 with_topk=cfg.uses_topk,
+                with_kept=cfg.sampling_replay,
             )
-            if batch.kept_ids is not None and not cfg.sampling_replay:
-                logger.warning(
-                    "step %d: --no-sampling-replay: the loss scores pi over the whole vocabulary while mu is the "
-                    "truncated distribution's, so every ratio is off by the kept set's mass",
-                    self.step,
-                )
-                batch = replace(batch, kept_ids=None)
             record.update(self.update(batch))
             record["update_s"] = time.perf_counter() - update_start
-            record["sync_s"] = self.sync_engine()
+            record["sync_s"] = self.lag.sync()
             record.update(_sync_check_record(self.engine))
         else:
             # no update, but a lagged engine still moves one step along the trainer's history
-            record.update(
-                update_s=0.0, sync_s=self.sync_engine() if self._lag_model is not None else 0.0, optimizer_steps=0
-            )
-            if self._lag_model is not None:
+            record.update(update_s=0.0, sync_s=self.lag.sync() if self.lag.steps else 0.0, optimizer_steps=0)
+            if self.lag.steps:
                 record.update(_sync_check_record(self.engine))
         record["trained_seqs"] = len(keep)
         self.step += 1
@@ -487,44 +430,6 @@ def _sync_check_record(engine: RolloutEngine) -> dict[str, float]:
     the stored sequence; ``sync_check_s``: its part of ``sync_s``), or nothing when the engine has no guard."""
     check = getattr(engine, "last_sync_check", None)
     return {} if check is None else {"sync_check_max": check.max_diff, "sync_check_s": check.seconds}
-
-
-def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
-
-
-# The first mini-batch's mismatch metrics (scored before the step's first update) and how its micro-batches combine:
-# a token-weighted mean, or the extreme (a NaN kept).
-_FIRST_BATCH_REDUCE = {
-    "mismatch_mean": "mean",
-    "mismatch_max": "max",
-    "mismatch_k3": "mean",
-    "log_ratio_min": "min",
-    "log_ratio_max": "max",
-    "log_ratio_outlier_frac": "mean",
-    "ess": "mean",
-}
-
-
-def _first_batch_record(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """The first mini-batch's metrics from its micro-batches' ``(tokens, metrics)`` (:data:`_FIRST_BATCH_REDUCE`;
-    the ESS is the token-weighted mean of the micro-batches')."""
-    tokens = max(sum(n for n, _ in parts), 1.0)
-    record = {}
-    for key, how in _FIRST_BATCH_REDUCE.items():
-        values = [m[key] for _, m in parts]
-        if how == "mean":
-            record[key] = sum(n * m[key] for n, m in parts) / tokens
-        elif any(math.isnan(v) for v in values):
-            record[key] = math.nan
-        else:
-            record[key] = (max if how == "max" else min)(values, default=0.0)
-    return record
-
-
-def _nan_max(a: float, b: float) -> float:
-    """max() that keeps a NaN (Python's max(0.0, nan) is 0.0, which would hide a NaN step)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _use_chat_template(prompt_format: str, tokenizer: Any) -> bool:

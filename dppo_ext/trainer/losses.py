@@ -8,11 +8,10 @@ rollout batch, before that batch's first optimizer step), the thresholds and the
 ``pg_pi_old``, also takes its weight against ``pi_old`` (``w = pi / pi_old``): it ignores the
 rollout mismatch, the negative control of the staleness experiment (experiments/sanity/results/staleness/).
 
-The table of what each loss masks, what anchors the mask, what weights the gradient and which
-reference it follows is in README.md, section "Does DPPO's stability hold here?"; ``LOSSES``
-below is its single source.
+What each loss masks, what anchors the mask, what weights the gradient and which reference it
+follows: ``LOSSES`` below, the single source (other stacks' names for each: docs/names.md).
 
-In that table, "moving away": A > 0 and pi above the anchor, or A <= 0 and pi below it. "Uncapped" means the
+In it, "moving away": A > 0 and pi above the anchor, or A <= 0 and pi below it. "Uncapped" means the
 op's own bound only: the log-ratio is clamped at 20 before ``exp``. ``--delta-low`` /
 ``--delta-high`` / ``--ratio-cap`` override a loss's values.
 """

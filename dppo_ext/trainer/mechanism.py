@@ -48,12 +48,22 @@ import torch
 from dppo_ext.contract import IGNORE_INDEX
 from dppo_ext.trainer.batch import RolloutBatch
 
-__all__ = ["BAD_UPDATE_DELTA", "HIGH_MU", "MU_BIN_EDGES", "MechanismStats", "op_rows"]
+__all__ = ["BAD_UPDATE_DELTA", "HIGH_MU", "MU_BIN_EDGES", "MechanismStats", "op_rows", "token_logprobs"]
 
 # Bins of the rollout probability mu of a sampled token: rare (< 1e-3) ... near-certain (>= 0.9).
 MU_BIN_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 BAD_UPDATE_DELTA = 0.15
 HIGH_MU = 0.5
+
+
+@torch.no_grad()
+def token_logprobs(logits: torch.Tensor, micro: RolloutBatch, temperature: float) -> torch.Tensor:
+    """``[b, T]`` log pi of ``micro``'s tokens from its response ``logits`` ``[b, T, V]``: the softmax of logits / T,
+    renormalised over each position's kept set under sampling replay (``micro.kept_ids``), as the loss scores it."""
+    if micro.kept_ids is not None:
+        return op_rows(logits, micro, "none", temperature, {})[0].logp.reshape(micro.tokens.shape)
+    scaled = logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: float, settings: dict[str, float]):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,13 @@ from dppo_ext.trainer.checkpoint import (
     find_resume_checkpoint,
     has_checkpoint,
 )
-from dppo_ext.trainer.checkpoint import MANIFEST_FILE as CHECKPOINT_MANIFEST
-from dppo_ext.trainer.config import TrainConfig, resume_config_changes
+from dppo_ext.trainer.config import TrainConfig, flag_name
 from dppo_ext.trainer.embedded_model import WARM_START_MARKER
+from dppo_ext.trainer.losses import canonical_loss
 from dppo_ext.trainer.metrics import DROPPED_FILE, MetricsFormatError, read_metrics
 from dppo_ext.trainer.reporting import TENSORBOARD_DIR
 from dppo_ext.trainer.run_folder.files import (
+    CHECKPOINT_RECORD,
     CONFIG_FILE,
     EMBEDDED_MODEL_DIR,
     INPUTS_FILE,
@@ -34,10 +34,51 @@ from dppo_ext.trainer.run_folder.files import (
     SUMMARY_FILE,
     RunError,
     json_object_or_none,
+    read_json_object,
 )
 from dppo_ext.trainer.run_folder.manifest import MANIFEST_FILE, read_manifest
 
 logger = logging.getLogger(__name__)
+
+
+# Settings a resumed run may change: how long it runs and how it is saved or executed, not what it trains.
+RESUME_MAY_CHANGE = (
+    "steps",
+    "save_every",
+    "save_total_limit",
+    "threads",
+    "device",
+    "vllm_gpu_memory_utilization",
+    "out",
+    "resume",
+    "overwrite",
+    "report_to",
+    "log_level",
+    "verbose",
+    "mechanism_metrics",
+    "sync_check",
+)
+
+
+def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """``--flag old -> new`` for every setting of ``config`` that differs from the run's saved
+    ``config.json`` (``saved``) and may not change on resume (see ``RESUME_MAY_CHANGE``).
+
+    Keys that the saved config lacks (settings added since) or that this version does not know
+    are not compared.
+    """
+    current = config.to_dict()
+
+    def same(name: str) -> bool:
+        if name == "loss" and isinstance(saved[name], str):  # an alias names the same loss (dppo_tv = dppo_binary_tv)
+            return canonical_loss(saved[name]) == canonical_loss(current[name])
+        return saved[name] == current[name]
+
+    return [
+        f"--{flag_name(name)} {saved[name]!r} -> {current[name]!r}"
+        for name in current
+        if name in saved and name not in RESUME_MAY_CHANGE and not same(name)
+    ]
 
 
 def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
@@ -77,12 +118,9 @@ def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        return read_json_object(path)
     except ValueError as err:
         raise RunError(f"{path}: unreadable ({err}); the resumed run cannot be checked against it") from None
-    return data
 
 
 def data_fingerprints(config: TrainConfig) -> dict[str, dict[str, str]]:
@@ -103,14 +141,14 @@ def check_written_by_this_run(out_dir: Path, checkpoint_dir: Path) -> None:
     if manifest is None:
         return
     listed = manifest["outputs"].get(checkpoint_dir.name) == "dir"
-    record = json_object_or_none(checkpoint_dir / CHECKPOINT_MANIFEST) or {}
+    record = json_object_or_none(checkpoint_dir / CHECKPOINT_RECORD) or {}
     written_by = record.get("run_id")
     if listed and (written_by is None or manifest.get("run_id") in (None, written_by)):
         return
     why = (
         f"it is not in the run's {MANIFEST_FILE}"
         if not listed
-        else f"its {CHECKPOINT_MANIFEST} names run {written_by}, and this folder holds run {manifest.get('run_id')}"
+        else f"its {CHECKPOINT_RECORD} names run {written_by}, and this folder holds run {manifest.get('run_id')}"
     )
     raise RunError(
         f"--resume: the newest checkpoint {str(checkpoint_dir)!r} was not written by the run in {str(out_dir)!r} "
@@ -156,7 +194,7 @@ def _is_metrics_file(path: Path) -> bool:
 def _is_checkpoint_of_its_step(path: Path) -> bool:
     try:
         step = int(path.name[len(CHECKPOINT_PREFIX) :])
-        return (path / CHECKPOINT_MANIFEST).is_file() and checkpoint_step(path) == step
+        return (path / CHECKPOINT_RECORD).is_file() and checkpoint_step(path) == step
     except (RunError, ValueError):
         return False
 

@@ -41,10 +41,6 @@ def host_info() -> dict[str, Any]:
     import torch
 
     import dppo_ext
-    from dppo_ext import (
-        _C,
-        _native,  # noqa: F401  (loads dppo_ext._C)
-    )
 
     versions = {"python": platform.python_version(), "dppo_ext": dppo_ext.__version__}
     for name in LIBRARIES:
@@ -58,7 +54,7 @@ def host_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_simd": [f for f in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags],
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "dppo_cpu_capability": _C.cpu_capability,
+        "dppo_cpu_capability": dppo_ext.cpu_capability,
         "env": {
             k: os.environ[k]
             for k in ("ATEN_CPU_CAPABILITY", "DPPO_CPU_CAPABILITY", "OMP_NUM_THREADS")

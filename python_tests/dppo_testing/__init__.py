@@ -405,3 +405,21 @@ def lse_rounding_allowance(inputs64: dict, upstream: dict[str, torch.Tensor], dt
     scale = (g_t.abs() + g_h.abs() * (2 + ref["entropy"])) / inputs64["temperature"]
     eps = torch.finfo(accumulation_dtype(dtype)).eps
     return (2 * eps * ref["lse"].abs() * scale)[:, None]
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers at ``|x|`` (8 significant bits): ``2^(floor(log2 |x|) - 7)``."""
+    mag = x.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+def bf16_rounding_bound(exact: torch.Tensor) -> torch.Tensor:
+    """How far a bf16 result may be from ``exact`` when it is computed in float32 and rounded once to bf16.
+
+    Rounding to nearest bf16 is off by at most half the bf16 spacing at ``|exact|`` (:func:`bf16_ulp`). The float32
+    work before that rounding (a softmax over V terms, the weight, the aggregation's scale) is off by a few hundred
+    float32 units ``2^-24`` at most; that error may move a value to the other side of a rounding midpoint, so it is
+    added, with room: ``2^-16 |exact|``. One bf16 step more (an extra rounding of an intermediate to bf16, as bf16
+    log-probs cause) breaks the bound.
+    """
+    return bf16_ulp(exact) / 2 + 2.0**-16 * exact.abs()

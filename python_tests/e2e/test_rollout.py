@@ -466,7 +466,8 @@ def test_one_rollout_same_topk_on_trainer_and_trl_paths(
 def test_vllm_rollout_example_shows_the_raw_logprobs_pitfall(tmp_path: Path) -> None:
     """``examples/vllm_rollout_tensors.py`` as a user runs it (its own processes, one vLLM engine each): with
     ``processed_logprobs`` mu is pi up to float32 rounding and nothing is masked; vLLM's default ``raw_logprobs``
-    at T = 0.7 shows a large spurious mismatch and DPPO masks tokens (what the README quick start warns about)."""
+    at T = 0.7 shows a large spurious mismatch and DPPO masks tokens (what the README's "The right μ from vLLM"
+    warns about)."""
     import json
     import subprocess
     import sys

@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("verl")
 
 import verl_cpu  # noqa: E402  (needs verl)
+from dppo_testing import bf16_rounding_bound  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from verl.trainer.ppo.core_algos import agg_loss  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -244,19 +245,6 @@ def test_binary_modes_match_verls_own_loss(mode, agg):
     for name in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss"):
         assert metric_value(metrics[name]) == pytest.approx(metric_value(ref_metrics[name]), rel=1e-5, abs=1e-6), name
     assert 0.0 < metric_value(metrics["actor/pg_clipfrac"]) < 1.0
-
-
-def bf16_rounding_bound(exact: torch.Tensor) -> torch.Tensor:
-    """How far a bf16 result may be from ``exact`` when it is computed in float32 and rounded once to bf16.
-
-    Rounding to nearest bf16 (8 significant bits) is off by at most half the bf16 spacing at ``|exact|``,
-    ``2^(floor(log2 |exact|) - 8)``. The float32 work before that rounding (a softmax over V terms, the weight,
-    the aggregation's scale) is off by a few hundred float32 units ``2^-24`` at most; that error may move a value
-    to the other side of a rounding midpoint, so it is added, with room: ``2^-16 |exact|``. One bf16 step more
-    (an extra rounding of an intermediate to bf16, as bf16 log-probs cause) breaks the bound.
-    """
-    mag = exact.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
-    return torch.exp2(torch.floor(torch.log2(mag)) - 8) + 2.0**-16 * exact.abs()
 
 
 @pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "dppo_topk_tv", "dppo_topk_kl"])

@@ -137,8 +137,9 @@ def test_empty_cpu_cache_frees_every_idle_block():
     del grads
     held = _cached()
     assert held >= (256 + 512) * 8192 * 4
+    assert dppo_ext.cpu_cached_bytes() == held
     assert dppo_ext.empty_cpu_cache() == held
-    assert _cached() == 0
+    assert _cached() == 0 and dppo_ext.cpu_cached_bytes() == 0
     assert dppo_ext.empty_cpu_cache() == 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dppo_ext
 from dppo_ext import _native
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,7 @@ def _probe(level: str) -> dict:
 def test_build_info_reports_levels():
     lib = _native.library
     assert lib.cpu_capabilities.split(",") == (list(LEVELS) if X86 else ["default"])
+    assert dppo_ext.cpu_capability == lib.cpu_capability  # the public name of the level in use
     if os.environ.get("DPPO_CPU_CAPABILITY"):
         assert lib.cpu_capability == os.environ["DPPO_CPU_CAPABILITY"].lower()
     else:

@@ -251,7 +251,7 @@ def _command_lines(path: Path) -> list[str]:
 
 
 def test_documented_cli_flags_exist():
-    from dppo_ext.trainer.config import build_parser as trainer_parser
+    from dppo_ext.trainer.cli import build_parser as trainer_parser
     from experiments.sanity import build_parser as sanity_parser
 
     known = {

@@ -30,6 +30,8 @@ DOCUMENTED = {
         "MODE_ALIASES",
         "__version__",
         "aggregate_loss",
+        "cpu_cached_bytes",
+        "cpu_capability",
         "cuda_compiled",
         "dppo_loss",
         "dppo_loss_per_row",
@@ -51,7 +53,7 @@ DOCUMENTED = {
     "dppo_ext.integrations.verl.config": ["validate"],
     "dppo_ext.integrations.verl.loss": ["ppo_loss"],
     "dppo_ext.train": ["main", "run"],
-    "dppo_ext._C": ["cpu_capability", "cuda_compiled"],
+    "dppo_ext._C": ["cuda_compiled"],
 }
 # Modules the docs name as a whole (``python -m dppo_ext.train``, "``dppo_ext.integrations.trl`` plugs ...").
 DOCUMENTED_MODULES = {

@@ -211,7 +211,7 @@ def test_the_users_files_in_a_run_folder_survive_every_path(path, finished_run, 
     flags = {"fresh": [], "resume": ["--resume"], "overwrite": ["--overwrite"]}[mode]
     steps = {"resume": "4" if what == "mid-run-failure" else "3", "overwrite": "3", "fresh": "2"}[mode]
     if what == "setup-failure":
-        monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", _engine_fails)
+        monkeypatch.setattr("dppo_ext.trainer.training_run.make_rollout_engine", _engine_fails)
     if what == "mid-run-failure":
         _fail_at_call(monkeypatch, 2)
     if what == "steps-below":
@@ -349,7 +349,7 @@ def _setup_failure(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], i
     if name == "--prompt-format chat without a chat template":  # found when the trainer is built
         return ["--prompt-format", "chat"], 2
     if name == "the engine fails to start":
-        monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", _engine_fails)
+        monkeypatch.setattr("dppo_ext.trainer.training_run.make_rollout_engine", _engine_fails)
         return [], EngineFailed
     if name == "Ctrl-C during the warm start":
 
@@ -363,7 +363,7 @@ def _setup_failure(name: str, tmp_path: Path, monkeypatch) -> tuple[list[str], i
         def interrupted_engine(*args, **kwargs):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", interrupted_engine)
+        monkeypatch.setattr("dppo_ext.trainer.training_run.make_rollout_engine", interrupted_engine)
         return [], 130
     if name == "--resume without a checkpoint":
         return ["--resume"], 2
@@ -451,7 +451,7 @@ def test_the_cli_interrupted_or_killed_during_the_warm_start_leaves_a_folder_the
     it created is gone. Killed outright (SIGKILL: no cleanup runs), it leaves a manifest in state 'setup' and
     its temporary, and the same command run again clears them and trains."""
     from dppo_ext.train import run
-    from dppo_ext.trainer.config import parse_config
+    from dppo_ext.trainer.cli import parse_config
 
     out = tmp_path / "run"
     proc, log = _start_cli(out, tmp_path)
@@ -499,7 +499,8 @@ def test_resume_to_the_checkpoints_step_trains_nothing(finished_run, tmp_path, c
     summary and plot from its records, without starting an engine or training."""
     out = _copy_run(finished_run, tmp_path)
     before = _tree(out)
-    monkeypatch.setattr("dppo_ext.trainer.locked_run.make_rollout_engine", _engine_fails)  # proves no engine is started
+    # proves no engine is started
+    monkeypatch.setattr("dppo_ext.trainer.training_run.make_rollout_engine", _engine_fails)
     assert _main(_argv(out, "--resume", steps="2")) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert _tree(out) == before

@@ -283,7 +283,7 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(
 def test_nan_max_keeps_a_nan_whichever_side_it_is_on():
     import math
 
-    from dppo_ext.trainer.loop import _nan_max
+    from dppo_ext.trainer.step_stats import nan_max
 
-    assert _nan_max(0.0, 2.0) == 2.0 and _nan_max(3.0, 1.0) == 3.0
-    assert math.isnan(_nan_max(0.0, math.nan)) and math.isnan(_nan_max(math.nan, 5.0))
+    assert nan_max(0.0, 2.0) == 2.0 and nan_max(3.0, 1.0) == 3.0
+    assert math.isnan(nan_max(0.0, math.nan)) and math.isnan(nan_max(math.nan, 5.0))

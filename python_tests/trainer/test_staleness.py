@@ -279,7 +279,7 @@ def test_under_a_lag_the_evaluation_scores_the_current_weights_and_the_engine_re
 def test_the_guards_checks_around_a_lagged_evaluation_are_recorded(tiny_model_dir, tmp_path):
     """The two syncs of a lagged run's evaluation (current weights in, lagged ones back) are checked by the guard
     like the step's sync; their largest difference goes into the evaluation's record as ``eval_sync_check_max``."""
-    from dppo_ext.rollout.weight_sync import SyncCheck
+    from dppo_ext.rollout.sync_guard import SyncCheck
 
     trainer = _trainer(tiny_model_dir, tmp_path / "lag", loss="dppo_binary_tv", rollout_lag=2, steps=2, eval_every=1)
     measured = iter([3e-6, 7e-6, 2e-6, 5e-6, 4e-6, 1e-6, 6e-6, 8e-6, 9e-6, 2e-6, 3e-6, 1e-6])
@@ -396,7 +396,7 @@ def test_the_rare_token_run_trains_on_the_run_s_own_problems_with_the_rare_rewar
     from experiments.sanity import rare_token
 
     seen = {}
-    monkeypatch.setattr(train_module, "run_locked", lambda config, task, *a, **k: seen.update(task=task) or {})
+    monkeypatch.setattr(train_module, "train_in_folder", lambda config, task, *a, **k: seen.update(task=task) or {})
     config = TrainConfig(
         out=str(tmp_path / "run"), tiny_vocab_size=rare_token.RARE_VOCAB, num_eval=20, warm_start_problems=30
     ).validate()

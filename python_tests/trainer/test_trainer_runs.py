@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from dppo_ext.tasks import DataFormatError, load_jsonl_problems
-from dppo_ext.trainer.config import TrainConfig, parse_config
+from dppo_ext.trainer.cli import parse_config
+from dppo_ext.trainer.config import TrainConfig
 
 # ---------------------------------------------------------------- helpers
 
@@ -102,11 +103,11 @@ def _save(out: Path, parts, step: int, **kwargs) -> Path:
 
 def _to_legacy(checkpoint: Path, name: str) -> Path:
     """Turn a checkpoint-<step> folder into a folder of the earlier layout (no manifest)."""
-    from dppo_ext.trainer.checkpoint import MANIFEST_FILE
+    from dppo_ext.trainer.run_folder.files import CHECKPOINT_RECORD
 
     legacy = checkpoint.with_name(name)
     checkpoint.rename(legacy)
-    (legacy / MANIFEST_FILE).unlink()
+    (legacy / CHECKPOINT_RECORD).unlink()
     return legacy
 
 
@@ -269,11 +270,12 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, tin
 
 
 def test_resume_takes_the_newest_complete_checkpoint_and_reports_a_damaged_one(tmp_path: Path, tiny_parts):
-    from dppo_ext.trainer.checkpoint import MANIFEST_FILE, CheckpointError, find_resume_checkpoint
+    from dppo_ext.trainer.checkpoint import CheckpointError, find_resume_checkpoint
+    from dppo_ext.trainer.run_folder.files import CHECKPOINT_RECORD
 
     _save(tmp_path, tiny_parts, 2)
     newest = _save(tmp_path, tiny_parts, 4)
-    (newest / MANIFEST_FILE).unlink()  # a folder someone copied in without finishing
+    (newest / CHECKPOINT_RECORD).unlink()  # a folder someone copied in without finishing
     with pytest.raises(
         CheckpointError, match=r"checkpoint-4.* no checkpoint\.json .*move checkpoint-4 out of .* checkpoint-2"
     ):
@@ -508,7 +510,7 @@ def test_a_setting_the_run_cannot_use_is_one_error_line_not_a_traceback(tmp_path
 def test_resume_treats_a_verl_alias_as_the_same_loss():
     """``--loss dppo_tv`` is verl's name of ``dppo_binary_tv``: resuming with the other name is
     not a changed setting, while another loss still is."""
-    from dppo_ext.trainer.config import resume_config_changes
+    from dppo_ext.trainer.resume import resume_config_changes
 
     saved = _tiny_run_config("/tmp/unused", loss="dppo_tv").to_dict()
     assert resume_config_changes(saved, _tiny_run_config("/tmp/unused", loss="dppo_binary_tv")) == []

@@ -14,7 +14,8 @@ from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.tasks import DataFormatError, get_verifier, load_jsonl_problems, make_arithmetic_task
 from dppo_ext.trainer.advantages import group_advantages
 from dppo_ext.trainer.batch import collate_rollouts, response_logits
-from dppo_ext.trainer.config import TrainConfig, parse_config
+from dppo_ext.trainer.cli import parse_config
+from dppo_ext.trainer.config import TrainConfig
 
 
 # ---------------------------------------------------------------- advantages
@@ -156,6 +157,32 @@ def test_jsonl_loader_missing_and_empty_files(tmp_path: Path):
 def test_config_validation_messages(overrides, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**overrides).validate()
+
+
+def test_every_range_names_numeric_settings_whose_defaults_it_holds():
+    import dataclasses
+    import typing
+
+    from dppo_ext.trainer.config import RANGES, Range
+
+    hints = typing.get_type_hints(TrainConfig)
+    numeric = {int, float, typing.Optional[float]}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for bound, names in RANGES:
+        for name in names.split():
+            assert hints[name] in numeric, name
+            assert defaults[name] is None or defaults[name] in bound, (name, str(bound))
+    # the ends, open or closed, as the messages write them
+    assert (0.5 in Range(0, 1, high_open=True), 1 in Range(0, 1, high_open=True), 0 in Range(0, low_open=True)) == (
+        True,
+        False,
+        False,
+    )
+    assert [str(r) for r in (Range(1), Range(0, low_open=True), Range(0, 2**32, high_open=True, why="w"))] == [
+        ">= 1",
+        "> 0",
+        "in [0, 2**32) (w)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -409,3 +436,19 @@ def test_micro_batches_add_up_to_the_mini_batch(agg):
         loss = aggregate_loss(per_token[part, : micro.response_len], micro.response_mask, agg, horizon)
         total += loss * micro_batch_scale(agg, micro.response_mask, float(mb_mask.sum()), float(mb_mask.any(-1).sum()))
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_run_folders_json_reader_takes_an_object_only(tmp_path: Path):
+    from dppo_ext.trainer.run_folder.files import json_object_or_none, read_json_object
+
+    (tmp_path / "object.json").write_text('{"step": 3}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "cut.json").write_text('{"step": ')
+    assert read_json_object(tmp_path / "object.json") == {"step": 3}
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
+        read_json_object(tmp_path / "list.json")
+    with pytest.raises(ValueError):
+        read_json_object(tmp_path / "cut.json")
+    with pytest.raises(OSError):
+        read_json_object(tmp_path / "missing.json")
+    assert [json_object_or_none(tmp_path / n) for n in ("list.json", "cut.json", "missing.json")] == [None] * 3

@@ -95,7 +95,7 @@ class DPPOGRPOConfig(GRPOConfig):
             which runs a float32 checkpoint in bfloat16 or float16, so ``|pi - mu|`` then includes that rounding.
         dppo_sync_check: after every weight sync into the colocated vLLM engine, score the first sequence of the
             latest generation in vLLM and with the policy, and raise when their log-probs differ by more than the
-            dtypes explain (a stale weight or LM head; ``dppo_ext.rollout.weight_sync.SyncGuard``).
+            dtypes explain (a stale weight or LM head; ``dppo_ext.rollout.sync_guard.SyncGuard``).
         dppo_vllm_kv_cache_gib: KV-cache size of the colocated vLLM engine in GiB; ``None``: vLLM sizes it from
             ``vllm_gpu_memory_utilization``, which on CPU is a share of the machine's RAM (0.3 by TRL's default)
             that must be free when the engine starts, or it refuses to start.

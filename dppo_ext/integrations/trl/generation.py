@@ -22,16 +22,9 @@ from typing import Any, Optional
 
 import torch
 
+from ...rollout.sync_guard import SyncCheck, SyncGuard, push_and_check
 from ...rollout.vllm_outputs import ranked_topk_rows
-from ...rollout.vllm_parity import attention_hint
-from ...rollout.weight_sync import (
-    SyncCheck,
-    SyncGuard,
-    SyncPlan,
-    load_weights_into_vllm,
-    trainer_aliases,
-    vllm_sync_plan,
-)
+from ...rollout.weight_sync import SyncPlan, trainer_aliases, vllm_sync_plan
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +112,11 @@ class VLLMWeightSync:
     it streams ``named_parameters()``, which names a tied LM head once: vLLM's CPU backend then keeps computing
     logits from the packed copy of the head made at start-up (issue 26 measured |pi - mu| growing from 6.6e-7 to
     4.4e-2 over 12 steps). This streams TRL's own ``(name, tensor)`` pairs (``_iter_named_params``: FSDP/DeepSpeed
-    gathers, PEFT merges and names included) through :func:`dppo_ext.rollout.weight_sync.load_weights_into_vllm`
-    by the plan :func:`~dppo_ext.rollout.weight_sync.vllm_sync_plan` makes from the engine's model (made on the
-    first sync, checked before anything loads; tied heads sent under both names), then, with ``sync_check``, runs
-    the sync guard on the first sequence of the latest generation and ``score`` (the trainer's log-probs).
+    gathers, PEFT merges and names included) through :func:`dppo_ext.rollout.sync_guard.push_and_check` by the plan
+    :func:`~dppo_ext.rollout.weight_sync.vllm_sync_plan` makes from the engine's model (made on the first sync,
+    checked before anything loads; tied heads sent under both names), which with ``sync_check`` also runs the sync
+    guard on the first sequence of the latest generation and ``score`` (the trainer's log-probs). Its result is
+    ``last_sync_check`` (as the reference trainer's engine names it), and every one is kept in ``checks``.
     """
 
     def __init__(
@@ -135,7 +129,7 @@ class VLLMWeightSync:
         self.dtype = llm.llm_engine.model_config.dtype
         self.guard = SyncGuard(self.dtype, max_model_len) if sync_check else None
         self.plan: Optional[SyncPlan] = None
-        self.last_check: Optional[SyncCheck] = None
+        self.last_sync_check: Optional[SyncCheck] = None
         self.checks: list[SyncCheck] = []
         generate = generation.generate
 
@@ -160,19 +154,17 @@ class VLLMWeightSync:
 
     def __call__(self) -> None:
         """Push the trainer's weights into the colocated engine, then check them (``sync_check``)."""
-        llm = self.generation.llm
         if self.plan is None:
             self.plan = self._make_plan()
-        load_weights_into_vllm(llm, self.plan, self.generation._iter_named_params(), self.dtype)
-        if self.guard is None:
-            return
-        self.last_check = self.guard.check(
-            llm,
+        self.last_sync_check = None
+        self.last_sync_check = push_and_check(
+            self.generation.llm,
+            self.plan,
+            self.generation._iter_named_params(),
+            self.dtype,
+            self.guard,
+            self.model,
             self.score,
-            trainer_dtype=next(self.model.parameters()).dtype,
-            plan=self.plan,
-            trainer_tensors=self.model.state_dict,
-            hint=attention_hint(self.model),
         )
-        if self.last_check is not None:
-            self.checks.append(self.last_check)
+        if self.last_sync_check is not None:
+            self.checks.append(self.last_sync_check)

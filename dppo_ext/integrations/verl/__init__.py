@@ -9,6 +9,8 @@ a run then picks a mode with ``actor_rollout_ref.actor.policy_loss.loss_mode=``:
 * ``dppo_tv`` / ``dppo_kl``: verl's binary DPPO losses with verl's semantics, computed the same way.
 
 The modules: :mod:`~dppo_ext.integrations.verl.loss` (the engine-side loss), :mod:`~dppo_ext.integrations.verl.rollout`
-(the vLLM server's top-K), :mod:`~dppo_ext.integrations.verl.plugin` (what is changed in verl, and when). Importing
-this package changes nothing; only the plugin module does, by design.
+(the vLLM server's top-K), :mod:`~dppo_ext.integrations.verl.plugin` (what is changed in verl, and when),
+:mod:`~dppo_ext.integrations.verl.import_hooks` (a function run on a module once it is imported: how the plugin, and
+examples/verl_cpu_platform.py, change verl). Importing this package changes nothing; only the plugin module does, by
+design.
 """

@@ -2,7 +2,7 @@
 
 ``pip install dppo_ext[verl]`` declares this module as a ``verl.plugins`` entry point, which ``import verl`` loads
 in every process (the driver, the actor workers, the rollout servers). It changes nothing until verl imports the
-module concerned (:mod:`dppo_ext.integrations.verl._import_hooks`), and then:
+module concerned (:mod:`dppo_ext.integrations.verl.import_hooks`), and then:
 
 * ``verl.utils.config``: ``validate_config``, which ``verl.trainer.main_ppo`` calls on the composed config in the
   driver before Ray starts, also checks the plugin's settings (:func:`dppo_ext.integrations.verl.config.validate`);
@@ -39,9 +39,9 @@ from typing import Any, Callable
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ._import_hooks import when_imported
 from ._status import SUPPORTED_VERL, check_installed, installed, record
 from .config import validate
+from .import_hooks import when_imported
 
 logger = logging.getLogger(__name__)
 

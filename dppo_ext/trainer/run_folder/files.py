@@ -41,13 +41,25 @@ class RunError(RuntimeError):
     """A problem with the run folder or its files that the user can act on (the message says how)."""
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``: the one reader of the run folder's JSON files.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        ValueError: it is not JSON, or its JSON is not an object (the message says what it is).
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def json_object_or_none(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(path)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dppo_ext._version import __version__
-from dppo_ext.trainer.run_folder.files import RunError, atomic_write_text
+from dppo_ext.trainer.run_folder.files import RunError, atomic_write_text, read_json_object
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE
 
 MANIFEST_FILE = "dppo-run.json"
@@ -93,8 +93,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
     try:
         if path.is_symlink() or not path.is_file():
             raise ValueError("not a regular file")
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("format") not in _FORMATS:
+        data = read_json_object(path)
+        if data.get("format") not in _FORMATS:
             raise ValueError(f"expected a JSON object of format {' or '.join(map(str, _FORMATS))}")
         if data.get("state") not in (SETUP, STARTED):
             raise ValueError(f"state must be {SETUP!r} or {STARTED!r}, got {data.get('state')!r}")

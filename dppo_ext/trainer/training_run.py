@@ -1,6 +1,6 @@
-"""One run in its opened, locked ``--out`` (``run_folder.RunFolder``): the set-up (resume point, warm
-start, engine, model, checkpoint restore), the commit that starts it, the training, the summary; and a
-``--resume --steps S`` already at step S, which trains nothing."""
+"""A training run in its opened, locked ``--out`` (``run_folder.RunFolder``), from set-up to summary: the set-up
+(resume point, warm start, engine, model, checkpoint restore), the commit that starts it, the training, the summary;
+and a ``--resume --steps S`` already at step S, which trains nothing."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from dppo_ext.trainer.summary import write_summary
 logger = logging.getLogger(__name__)
 
 
-def run_locked(
+def train_in_folder(
     config: TrainConfig,
     task: Task,
     device: torch.device,
