@@ -208,6 +208,7 @@ def transfer_queue():
         ray.shutdown()
 
 
+@pytest.mark.slow  # its fixture starts a local Ray instance (worker processes)
 def test_v1_agent_loop_carries_the_topk_through_transfer_queue_into_the_loss(transfer_queue, monkeypatch):
     """The real V1 path: ``AgentLoopWorkerTQ._agent_loop_postprocess`` puts each sample into a real TransferQueue,
     ``kv_batch_get`` (what the actor's ``tqbridge`` does for ``update_actor``) reads the batch back, the trainer's
