@@ -58,7 +58,7 @@ from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logi
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.mechanism import MechanismStats, op_rows
-from dppo_ext.trainer.metrics import MetricsWriter
+from dppo_ext.trainer.metrics import TOKEN_AVERAGED, MetricsWriter
 from dppo_ext.trainer.reporting import Reporter, make_reporter
 from dppo_ext.trainer.sampler import PromptSampler
 
@@ -262,7 +262,7 @@ class Trainer:
                     mb_loss += float(loss.detach()) * share
                     n_tok = float(metrics["num_tokens"])
                     tokens_seen += n_tok
-                    for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean"):
+                    for key in TOKEN_AVERAGED:
                         sums[key] = sums.get(key, 0.0) + float(metrics[key]) * n_tok
                     sums["ratio_max"] = _nan_max(sums.get("ratio_max", 0.0), float(metrics["ratio_max"]))
                     if first:

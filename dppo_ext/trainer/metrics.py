@@ -22,6 +22,16 @@ from dppo_ext.trainer.run_folder.manifest import record_output
 logger = logging.getLogger(__name__)
 
 DROPPED_FILE = "metrics.dropped.jsonl"
+# The loss's metrics (dppo_ext.dppo_metrics) a step record averages over the step's response tokens; seq_masked_frac
+# is the share of sequences a sequence mask drops (0 for a loss without one), weighted by the micro-batch's tokens.
+TOKEN_AVERAGED = (
+    "masked_frac",
+    "masked_frac_pos",
+    "masked_frac_neg",
+    "entropy_mean",
+    "divergence_mean",
+    "seq_masked_frac",
+)
 
 
 class MetricsFormatError(ValueError):
