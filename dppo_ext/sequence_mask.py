@@ -158,12 +158,13 @@ class SequenceMask:
         return cls("k1", "mean", high=off_policy_mask_threshold, negative_advantages_only=True)
 
 
-def check_kl_settings(kl_tau: object, kl_mask_type: object) -> None:
-    """``kl_tau`` a finite number >= 0 and ``kl_mask_type`` one of ``KL_MASK_TYPES``; ValueError naming each."""
+def check_kl_settings(kl_tau: object, kl_mask_type: object, prefix: str = "") -> None:
+    """``kl_tau`` a finite number >= 0 and ``kl_mask_type`` one of ``KL_MASK_TYPES``; ValueError naming each (with
+    ``prefix``, e.g. ``"dppo_"`` for the TRL config's fields)."""
     if not (_number(kl_tau) and kl_tau >= 0):
-        raise ValueError(f"kl_tau must be a finite number >= 0 (0: no penalty), got {kl_tau!r}")
+        raise ValueError(f"{prefix}kl_tau must be a finite number >= 0 (0: no penalty), got {kl_tau!r}")
     if kl_mask_type not in KL_MASK_TYPES:
-        raise ValueError(f"kl_mask_type must be one of {KL_MASK_TYPES}, got {kl_mask_type!r}")
+        raise ValueError(f"{prefix}kl_mask_type must be one of {KL_MASK_TYPES}, got {kl_mask_type!r}")
 
 
 def check_sequence_mask(sequence_mask: object) -> None:
