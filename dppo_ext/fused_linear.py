@@ -244,7 +244,8 @@ def fused_linear_dppo_loss(
     evaluate under ``torch.no_grad()`` to skip that work. Except in float16: there the backward recomputes the
     logits and applies the upstream gradient (e.g. AMP's loss scale) before its products, as the logits path does,
     so that what underflows is the same (four products; float32 and bfloat16 give the logits path's gradients for
-    any upstream scale with three).
+    any upstream scale with three). And with ``kl_tau`` or a ``sequence_mask``: every row's log-prob must be known
+    before any row's gradient, so the backward recomputes the logits (four products; docs/contract.md).
 
     Args:
         hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
