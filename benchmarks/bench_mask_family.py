@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchlib import inputs, machine  # noqa: E402
 
-from dppo_ext import SequenceMask, dppo_loss  # noqa: E402
+from dppo_ext import SequenceMask, dppo_loss, dppo_loss_per_row  # noqa: E402
+from dppo_ext._rows import LossSettings, RowInputs  # noqa: E402
+from dppo_ext.aggregation import aggregate_with, compose_rows  # noqa: E402
 
 CASES = {
     "baseline": {},
@@ -94,11 +96,34 @@ def main(argv: Optional[list[str]] = None) -> dict:
         median = statistics.median(times[name])
         results[name] = {"median_s": median, "ratio": median / base, "times_s": times[name]}
         print(f"  {name:<14} {median * 1e3:8.1f} ms   {median / base:5.3f}x")
+    compose = _composition_time(inp, b, t, args.repeats)
+    results["composition alone"] = {"median_s": compose, "ratio": compose / base}
+    print(
+        f"  {'composition alone':<14} {compose * 1e3:8.3f} ms   {compose / base:5.3f}x  (kl_tau + sequence mask, O(N))"
+    )
     report = {"args": vars(args), "machine": info, "results": results}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2, default=str)
     return report
+
+
+def _composition_time(inp: inputs.LossInputs, b: int, t: int, repeats: int) -> float:
+    """The median time of what "all three" adds outside the kernels: the penalty and the sequence mask composed on one
+    call's per-row outputs, aggregated, and their backward to ``logp`` (the kernels' own backward not included)."""
+    settings = LossSettings.resolve("binary_tv", 1.0, None, None, 10.0, True, **CASES["all three"])
+    rows = RowInputs(inp.tokens, inp.rollout_logprobs, inp.advantages)
+    with torch.no_grad():
+        out = dppo_loss_per_row(inp.logits.detach(), *rows[:3], mask_direction="symmetric")
+    index, valid = torch.arange(b).repeat_interleave(t), torch.ones(b, t, dtype=torch.bool)
+    times = []
+    for _ in range(3 * repeats):
+        leaf = out._replace(loss=out.loss.clone().requires_grad_(True), logp=out.logp.clone().requires_grad_(True))
+        start = time.perf_counter()
+        composed, _frac = compose_rows(leaf, rows, settings, index, b)
+        aggregate_with(composed.loss.reshape(b, t), valid, settings).backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _capability() -> str:
