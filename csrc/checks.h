@@ -50,12 +50,19 @@ inline const char* mode_name(Mode mode) {
   return "?";
 }
 
+inline MaskDirection parse_mask_direction(c10::string_view direction) {
+  if (direction == "advantage") return MaskDirection::kAdvantage;
+  if (direction == "symmetric") return MaskDirection::kSymmetric;
+  TORCH_CHECK_VALUE(false, "mask_direction must be one of 'advantage', 'symmetric'; got '", std::string(direction),
+                    "'");
+}
+
 // The loss settings of a dppo_loss_forward or dppo_vocab_parallel_epilogue call, built once from the op's
-// arguments: the mode parsed (an unknown one throws here, before any other check); the thresholds are checked
-// with the op's other inputs (check_trust_region), in the order every entry point checks them.
+// arguments: the mode and the mask direction parsed (an unknown one throws here, before any other check); the
+// thresholds are checked with the op's other inputs (check_trust_region), in the order every entry point checks them.
 inline LossSettings loss_settings(c10::string_view mode, double delta_low, double delta_high, double ratio_cap,
-                                  bool compute_entropy) {
-  return {parse_mode(mode), delta_low, delta_high, ratio_cap, compute_entropy};
+                                  bool compute_entropy, c10::string_view mask_direction) {
+  return {parse_mode(mode), delta_low, delta_high, ratio_cap, compute_entropy, parse_mask_direction(mask_direction)};
 }
 
 // The dtype of every per-row float input and output: float32 for low-precision and fp32 logits,

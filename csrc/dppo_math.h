@@ -10,6 +10,7 @@
 //   divergence D by mode (binary_tv, binary_kl, topk_tv, topk_kl, ratio, none),
 //   mask M = 0 iff (A > 0 and pi > mu_anchor and D > delta_high) or
 //                  (A <= 0 and pi < mu_anchor and D > delta_low)   (ratio mode: r vs 1 +- delta)
+//   (mask direction "symmetric": the same two tests without the advantage's sign: IPO, IcePop)
 //   weight w = min(exp(min(logp - m, 20)), C),  loss = -A * w * M * logp.
 // A row without a distribution (a NaN or +inf in s, or s all -inf: lse is not finite) has NaN
 // outputs (finish_row), so the loss shows what its gradient will be, as with cross_entropy.
@@ -39,6 +40,14 @@ enum class Mode : int64_t {
 
 DPPO_HOST_DEVICE bool mode_is_topk(Mode mode) { return mode == Mode::kTopkTV || mode == Mode::kTopkKL; }
 
+// Which side of the trust region a token's mask tests (checks.h, parse_mask_direction): kAdvantage, the paper's,
+// tests the side the advantage pushes towards (A > 0: pi above the anchor; A <= 0: below it); kSymmetric tests both
+// sides whatever the advantage (prime-rl's IPO on binary TV, IcePop's ratio band on the ratio mode).
+enum class MaskDirection : int64_t {
+  kAdvantage = 0,
+  kSymmetric = 1,
+};
+
 // The loss settings of one forward or vocabulary-parallel epilogue call, built once from the op's arguments
 // (checks.h's loss_settings parses the mode string) and passed down to every kernel and per-row formula as this
 // one value. The temperature is not among them: the kernels apply it to the logits as they load them (the
@@ -48,6 +57,7 @@ struct LossSettings {
   double delta_low, delta_high;  // the trust region's thresholds (ratio mode: 1 - delta_low, 1 + delta_high)
   double ratio_cap;              // C, the cap of the importance weight
   bool compute_entropy;
+  MaskDirection direction;  // which side(s) of the trust region mask
 };
 
 // Tokens equal to this id mark padding rows: they cost no compute, every output is 0 and their
@@ -220,21 +230,26 @@ DPPO_HOST_DEVICE T binary_divergence(Mode mode, T lp, T l1p, T la) {
 }
 
 // The trust-region mask (1 = keep the token's gradient). la = anchor log-prob (the rollout's
-// unless an anchor is given). Strict comparisons, as in the contract.
+// unless an anchor is given). Strict comparisons, as in the contract. Two one-sided tests, "moved up too far"
+// (pi > mu_a and D > delta_high; ratio: r > 1 + delta_high) and "moved down too far" (pi < mu_a and
+// D > delta_low; ratio: r < 1 - delta_low); the advantage direction applies the one its sign picks (A > 0: up,
+// A <= 0: down), the symmetric direction masks when either holds.
 template <typename T>
 DPPO_HOST_DEVICE T trust_mask(const LossSettings& settings, T adv, T lp, T la, T div) {
   const T delta_low = T(settings.delta_low);
   const T delta_high = T(settings.delta_high);
-  bool invalid;
-  if (settings.mode == Mode::kNone) {
-    invalid = false;
-  } else if (settings.mode == Mode::kRatio) {
-    invalid = adv > T(0) ? (div > T(1) + delta_high) : (div < T(1) - delta_low);
+  if (settings.mode == Mode::kNone) return T(1);
+  bool up, down;
+  if (settings.mode == Mode::kRatio) {
+    up = div > T(1) + delta_high;
+    down = div < T(1) - delta_low;
   } else {
     const T pi = std::exp(lp);
     const T mu = std::exp(la);
-    invalid = adv > T(0) ? (pi > mu && div > delta_high) : (pi < mu && div > delta_low);
+    up = pi > mu && div > delta_high;
+    down = pi < mu && div > delta_low;
   }
+  const bool invalid = settings.direction == MaskDirection::kSymmetric ? (up || down) : (adv > T(0) ? up : down);
   return invalid ? T(0) : T(1);
 }
 

@@ -7,14 +7,16 @@ namespace dppo::schema {
 
 // dppo_loss_forward(logits [N, V], tokens [N] int64, rollout_logprobs [N], advantages [N],
 //                   topk_ids [N, K] int64?, topk_logprobs [N, K]?, anchor_logprobs [N]?, mode,
-//                   temperature, delta_low, delta_high, ratio_cap, compute_entropy, kept_ids [N, S] int64?)
+//                   temperature, delta_low, delta_high, ratio_cap, compute_entropy, kept_ids [N, S] int64?,
+//                   mask_direction ('advantage' | 'symmetric': which side(s) of the trust region mask, dppo_math.h))
 //   -> (loss, logp, divergence, mask, weight, entropy, lse), each [N] in the accumulation dtype
 //      (float32, or float64 for float64 logits). Rows whose token is -100 are padding: all zero.
 //      kept_ids (-1 padding): sampling replay, every output over the softmax renormalised on the kept set.
 inline constexpr const char* kLossForward =
     "dppo_loss_forward(Tensor logits, Tensor tokens, Tensor rollout_logprobs, Tensor advantages, "
     "Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, float temperature, "
-    "float delta_low, float delta_high, float ratio_cap, bool compute_entropy, Tensor? kept_ids=None) -> "
+    "float delta_low, float delta_high, float ratio_cap, bool compute_entropy, Tensor? kept_ids=None, "
+    "str mask_direction='advantage') -> "
     "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)";
 // dppo_loss_backward(grad_target [N], grad_entropy [N]?, logits, tokens, lse, entropy [N]?, T, kept_ids [N, S]?)
 //   -> grad_logits [N, V] in the logits dtype:
@@ -36,12 +38,13 @@ inline constexpr const char* kVocabParallelStats =
     "float temperature, bool compute_entropy, Tensor? kept_ids=None) -> Tensor";
 // dppo_vocab_parallel_epilogue(stats [W, N, 4 + K + S], vocab_offsets [W + 1], tokens, rollout_logprobs,
 //                              advantages, topk_ids?, topk_logprobs?, anchor_logprobs?, mode, delta_low,
-//                              delta_high, ratio_cap, compute_entropy, kept_ids [N, S]?)
+//                              delta_high, ratio_cap, compute_entropy, kept_ids [N, S]?, mask_direction)
 //   -> the seven outputs of dppo_loss_forward for the whole vocabulary, merged from every rank's stats.
 inline constexpr const char* kVocabParallelEpilogue =
     "dppo_vocab_parallel_epilogue(Tensor stats, int[] vocab_offsets, Tensor tokens, Tensor rollout_logprobs, "
     "Tensor advantages, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? anchor_logprobs, str mode, "
-    "float delta_low, float delta_high, float ratio_cap, bool compute_entropy, Tensor? kept_ids=None) -> "
+    "float delta_low, float delta_high, float ratio_cap, bool compute_entropy, Tensor? kept_ids=None, "
+    "str mask_direction='advantage') -> "
     "(Tensor loss, Tensor logp, Tensor divergence, Tensor mask, Tensor weight, Tensor entropy, Tensor lse)";
 
 }  // namespace dppo::schema

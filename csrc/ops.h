@@ -26,7 +26,8 @@ using LossForwardOp = ForwardOutputs(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
-                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids);
+                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids,
+                                     c10::string_view mask_direction);
 
 using LossBackwardOp = at::Tensor(const at::Tensor& grad_target, const c10::optional<at::Tensor>& grad_entropy,
                                   const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& lse,
@@ -50,7 +51,8 @@ using VocabParallelEpilogueOp = ForwardOutputs(const at::Tensor& stats, at::IntA
                                                const c10::optional<at::Tensor>& topk_logprobs,
                                                const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                                double delta_low, double delta_high, double ratio_cap,
-                                               bool compute_entropy, const c10::optional<at::Tensor>& kept_ids);
+                                               bool compute_entropy, const c10::optional<at::Tensor>& kept_ids,
+                                               c10::string_view mask_direction);
 
 // `impl` as a pointer of op Op's declared type, for a registration: an implementation whose signature drifted
 // from its declaration above does not convert, so it does not compile.

@@ -57,7 +57,7 @@ class FusedLinearRecompute(torch.autograd.Function):
                 for tile in logits_tiles(hidden, weight, bias, plan.chunk_rows, logits_dtype=plan.logits_dtype):
                     chunk = rows.narrow(tile.rows)
                     chunk_outs = torch.ops.dppo.dppo_loss_forward(
-                        tile.logits, *chunk.op_inputs, *settings.op_args(), chunk.kept_ids
+                        tile.logits, *chunk.op_inputs, *settings.op_args(), chunk.kept_ids, settings.mask_direction
                     )
                     for out, chunk_out in zip(outs, chunk_outs):
                         out[tile.rows] = chunk_out
@@ -140,7 +140,7 @@ class FusedLinearGradsInForward(torch.autograd.Function):
                 r = tile.rows
                 part = rows.narrow(r)
                 chunk = torch.ops.dppo.dppo_loss_forward(
-                    tile.logits, *part.op_inputs, *settings.op_args(), part.kept_ids
+                    tile.logits, *part.op_inputs, *settings.op_args(), part.kept_ids, settings.mask_direction
                 )
                 for out, chunk_out in zip(outs, chunk):
                     out[r] = chunk_out

@@ -21,14 +21,17 @@ from torch import Tensor, nn
 
 from .contract import (
     DEFAULT_AGG_MODE,
+    DEFAULT_MASK_DIRECTION,
     IGNORE_INDEX,
     TOPK_MODES,
     canonical_mode,
     check_aggregation,
+    check_mask_direction,
     check_settings,
     check_token_ids,
     resolve_deltas,
 )
+from .sequence_mask import SequenceMask, check_kl_settings, check_sequence_mask
 
 __all__ = [
     "DPPOOutputs",
@@ -61,6 +64,10 @@ class LossSettings:
     compute_entropy: bool
     loss_agg_mode: str = DEFAULT_AGG_MODE
     loss_scale_factor: Optional[float] = None
+    mask_direction: str = DEFAULT_MASK_DIRECTION
+    kl_tau: float = 0.0
+    kl_mask_type: str = "all"
+    sequence_mask: Optional[SequenceMask] = None
 
     @classmethod
     def resolve(
@@ -73,19 +80,44 @@ class LossSettings:
         compute_entropy: bool,
         loss_agg_mode: str = DEFAULT_AGG_MODE,
         loss_scale_factor: Optional[float] = None,
+        *,
+        mask_direction: str = DEFAULT_MASK_DIRECTION,
+        kl_tau: float = 0.0,
+        kl_mask_type: str = "all",
+        sequence_mask: Optional[SequenceMask] = None,
     ) -> LossSettings:
         """The settings of an entry point's call: ``mode`` made canonical, then the aggregation checked (a per-row
         entry point passes none and gets the default, which it never uses; ``None`` from a user is refused, as
         :func:`~dppo_ext.aggregate_loss` refuses it), then ``None`` thresholds replaced by ``DEFAULT_DELTAS[mode]``;
-        ValueError for an unknown mode or aggregation. The other values are kept as given, so that the entry point's
-        tensor checks run before :meth:`op_args` converts them to the schema's types."""
+        ValueError for an unknown mode, mask direction or aggregation. The other values are kept as given, so that
+        the entry point's tensor checks run before :meth:`op_args` converts them to the schema's types."""
         mode = canonical_mode(mode)
+        mask_direction = check_mask_direction(mask_direction)
+        check_kl_settings(kl_tau, kl_mask_type)
+        check_sequence_mask(sequence_mask)
         temperature = check_temperature(temperature)
         check_aggregation(loss_agg_mode, loss_scale_factor)
         delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
         return cls(
-            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            compute_entropy,
+            loss_agg_mode,
+            loss_scale_factor,
+            mask_direction,
+            float(kl_tau),
+            kl_mask_type,
+            sequence_mask,
         )
+
+    @property
+    def composes(self) -> bool:
+        """Whether the entry point composes a sequence mask or the log-ratio penalty on the op's per-row outputs
+        (``dppo_ext.aggregation.compose_rows``): the per-row loss is then not the op's alone."""
+        return self.sequence_mask is not None or self.kl_tau != 0
 
     @property
     def uses_topk(self) -> bool:
@@ -324,17 +356,25 @@ class LossModule(nn.Module):
         compute_entropy: bool,
         vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
         vocab_offsets: Optional[Sequence[int]],
+        mask_direction: str = DEFAULT_MASK_DIRECTION,
+        kl_tau: float = 0.0,
+        kl_mask_type: str = "all",
+        sequence_mask: Optional[SequenceMask] = None,
         **flags: bool,
     ) -> None:
         super().__init__()
         # checked in this order: the op's settings, each bool setting, then the aggregation
         temperature = check_temperature(temperature)
-        check_settings(mode, temperature, delta_low, delta_high, ratio_cap)
+        check_settings(mode, temperature, delta_low, delta_high, ratio_cap, mask_direction=mask_direction)
+        check_kl_settings(kl_tau, kl_mask_type)
+        check_sequence_mask(sequence_mask)
         for name, flag in {"compute_entropy": compute_entropy, **flags}.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         check_aggregation(loss_agg_mode, loss_scale_factor)
         self.mode = canonical_mode(mode)
+        self.mask_direction = mask_direction
+        self.kl_tau, self.kl_mask_type, self.sequence_mask = kl_tau, kl_mask_type, sequence_mask
         self.temperature = temperature
         self.delta_low = delta_low
         self.delta_high = delta_high
@@ -349,6 +389,10 @@ class LossModule(nn.Module):
         """The shared settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
         return dict(
             mode=self.mode,
+            mask_direction=self.mask_direction,
+            kl_tau=self.kl_tau,
+            kl_mask_type=self.kl_mask_type,
+            sequence_mask=self.sequence_mask,
             temperature=self.temperature,
             delta_low=self.delta_low,
             delta_high=self.delta_high,
@@ -362,7 +406,8 @@ class LossModule(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"mode={self.mode!r}, temperature={self.temperature}, delta_low={self.delta_low}, "
+            f"mode={self.mode!r}, mask_direction={self.mask_direction!r}, temperature={self.temperature}, "
+            f"delta_low={self.delta_low}, "
             f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
             f"loss_scale_factor={self.loss_scale_factor}"
         )

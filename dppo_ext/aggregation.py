@@ -2,6 +2,7 @@
 
 - :func:`aggregate_loss`: a per-token loss to a scalar, with verl's mode names and formulas (docs/aggregation.md).
 - :func:`dppo_metrics`: the op's per-row outputs summarised over the response tokens (no host sync).
+- :func:`compose_rows`: the sequence mask and the log-ratio penalty composed on the op's per-row outputs.
 - :func:`micro_batch_scale`: the weight of one micro-batch's aggregated loss in the loss of the batch it was split
   from, so that gradient accumulation over micro-batches reproduces the whole batch's loss.
 
@@ -16,17 +17,51 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from ._rows import DPPOOutputs, LossSettings
-from .contract import DEFAULT_AGG_MODE, LOG_RATIO_CLAMP, SUM_AGG_MODES, check_aggregation
+from ._rows import DPPOOutputs, LossSettings, RowInputs
+from .contract import DEFAULT_AGG_MODE, IGNORE_INDEX, LOG_RATIO_CLAMP, SUM_AGG_MODES, check_aggregation
+from .sequence_mask import log_ratio, sequence_keep, token_statistic
 
 __all__ = [
     "MISMATCH_EXTRA",
     "aggregate_loss",
     "aggregate_with",
+    "compose_rows",
     "dppo_metrics",
     "micro_batch_scale",
     "mismatch_metrics",
 ]
+
+
+def compose_rows(
+    out: DPPOOutputs, rows: RowInputs, settings: LossSettings, index: Tensor, num_sequences: int
+) -> tuple[DPPOOutputs, Optional[Tensor]]:
+    """``(out, seq_masked_frac)``: the op's per-row outputs with ``settings``' sequence mask and log-ratio penalty
+    composed on them (docs/contract.md, "Sequence masks", "Log-ratio penalty"): ``mask`` times the rows' sequence keep
+    (a constant), ``loss`` zero on a masked row plus ``kl_tau * delta^2`` on the rows ``kl_mask_type`` selects
+    (differentiable through ``logp``). ``index [N]``: each row's sequence in ``[0, num_sequences)``.
+    ``seq_masked_frac``: the share of sequences with a response token that the mask drops (None without one).
+    The outputs unchanged when ``settings.composes`` is false."""
+    if not settings.composes:
+        return out, None
+    valid = rows.tokens != IGNORE_INDEX
+    delta = log_ratio(out.logp, rows.rollout_logprobs, valid)
+    loss, mask, seq_frac = out.loss, out.mask, None
+    if settings.sequence_mask is not None:
+        stat = token_statistic(settings.sequence_mask.statistic, delta, out.logp, rows.rollout_logprobs, valid)
+        keep, _value, dropped = sequence_keep(
+            settings.sequence_mask, stat, valid, rows.advantages, index, num_sequences
+        )
+        present = torch.zeros(num_sequences, dtype=torch.bool, device=keep.device)
+        present[index[valid]] = True
+        seq_frac = dropped.sum().to(keep.dtype) / present.sum().clamp(min=1).to(keep.dtype)
+        mask = mask * keep
+        loss = torch.where(keep > 0, loss, torch.zeros_like(loss))
+    if settings.kl_tau != 0:
+        kept = mask.detach() > 0
+        select = {"all": valid, "unmasked": valid & kept, "masked": valid & ~kept}[settings.kl_mask_type]
+        penalty = settings.kl_tau * delta * delta
+        loss = loss + torch.where(select, penalty, torch.zeros_like(penalty))
+    return out._replace(loss=loss, mask=mask), seq_frac
 
 
 def aggregate_loss(
@@ -137,12 +172,19 @@ def mismatch_metrics(logp: Tensor, rollout_logprobs: Tensor, valid: Tensor) -> d
 
 
 @torch.no_grad()
-def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor, valid: Tensor) -> dict[str, Tensor]:
+def dppo_metrics(
+    out: DPPOOutputs,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    seq_masked_frac: Optional[Tensor] = None,
+) -> dict[str, Tensor]:
     """The op's per-row outputs summarised over valid rows, as 0-d tensors (no host sync).
 
     Keys: ``masked_frac`` (all / ``_pos`` A > 0 / ``_neg`` A < 0), ``divergence_mean``, ``entropy_mean``,
     ``num_tokens``, and the mismatch metrics of :func:`mismatch_metrics` (``mismatch_mean``, ``mismatch_max``,
-    ``ratio_max``, ``mismatch_k3``, ``log_ratio_min`` / ``log_ratio_max``, ``log_ratio_outlier_frac``, ``ess``).
+    ``ratio_max``, ``mismatch_k3``, ``log_ratio_min`` / ``log_ratio_max``, ``log_ratio_outlier_frac``, ``ess``), and
+    ``seq_masked_frac`` (the share of sequences a sequence mask drops: :func:`compose_rows`'s, 0 without one).
     Per-row work only.
     """
     v = valid.to(out.loss.dtype)
@@ -163,6 +205,7 @@ def dppo_metrics(out: DPPOOutputs, rollout_logprobs: Tensor, advantages: Tensor,
         "ratio_max": mismatch["ratio_max"],
         "num_tokens": v.sum(),
         **{name: mismatch[name] for name in MISMATCH_EXTRA},
+        "seq_masked_frac": v.sum().new_zeros(()) if seq_masked_frac is None else seq_masked_frac.to(v.dtype),
     }
 
 

@@ -18,11 +18,13 @@ __all__ = [
     "AGG_MODES",
     "DEFAULT_AGG_MODE",
     "DEFAULT_DELTAS",
+    "DEFAULT_MASK_DIRECTION",
     "DEFAULT_MODE",
     "DEFAULT_RATIO_CAP",
     "IGNORE_INDEX",
     "LOGITS_DTYPES",
     "LOG_RATIO_CLAMP",
+    "MASK_DIRECTIONS",
     "MASS_FLOOR",
     "MAX_LOGIT_NOISE",
     "MODEL_DTYPES",
@@ -34,8 +36,10 @@ __all__ = [
     "accumulation_dtype",
     "canonical_mode",
     "check_aggregation",
+    "check_mask_direction",
     "check_settings",
     "check_token_ids",
+    "icepop_deltas",
     "refuse_truncated_sampling",
     "resolve_deltas",
     "sampling_truncation",
@@ -53,6 +57,11 @@ MODE_ALIASES = {
     "dppo_topk_tv": "topk_tv",
     "dppo_topk_kl": "topk_kl",
 }
+# Which side of the trust region the mask tests (docs/contract.md, "Mask"): "advantage" (the paper's DPPO: the side
+# the advantage pushes towards) or "symmetric" (both sides whatever the advantage: prime-rl's IPO with binary_tv,
+# IcePop with ratio). csrc/dppo_math.h's MaskDirection.
+MASK_DIRECTIONS = ("advantage", "symmetric")
+DEFAULT_MASK_DIRECTION = "advantage"
 # Loss aggregation (docs/aggregation.md). The names and formulas are current verl's ``agg_loss``
 # (verl-project/verl, verl/trainer/ppo/core_algos.py, since its PR 5417), plus ``token-sum-norm``: the
 # formula the paper's verl fork (sail-sg/Stable-RL) runs under the name ``seq-mean-token-sum-norm``.
@@ -121,6 +130,29 @@ def canonical_mode(mode: str, name: str = "mode") -> str:
     raise ValueError(f"{name} must be one of {MODES} (or an alias: {tuple(MODE_ALIASES)}), got {mode!r}")
 
 
+def check_mask_direction(mask_direction: object, name: str = "mask_direction") -> str:
+    """``mask_direction`` when it is one of ``MASK_DIRECTIONS``; ValueError naming ``name`` otherwise."""
+    if isinstance(mask_direction, str) and mask_direction in MASK_DIRECTIONS:
+        return mask_direction
+    raise ValueError(
+        f"{name} must be one of {MASK_DIRECTIONS} ('advantage': mask the side the advantage pushes towards, the "
+        f"paper's DPPO; 'symmetric': mask both sides, IPO / IcePop), got {mask_direction!r}"
+    )
+
+
+def icepop_deltas(low: float, high: float) -> tuple[float, float]:
+    """IcePop's ratio band ``[low, high]`` (a token is kept when ``low <= pi / mu <= high``, as prime-rl's
+    ``mask_ratio_low`` / ``mask_ratio_high``, NeMo-RL's and OpenRLHF's icepop bounds give it) as our
+    ``(delta_low, delta_high) = (1 - low, high - 1)`` for ``mode="ratio", mask_direction="symmetric"``
+    (docs/names.md). ValueError unless ``0 <= low <= 1 <= high`` (finite numbers)."""
+    if not (_is_number(low) and _is_number(high) and math.isfinite(high) and 0 <= low <= 1 <= high):
+        raise ValueError(
+            f"an IcePop band [low, high] must satisfy 0 <= low <= 1 <= high (finite numbers), got low={low!r}, "
+            f"high={high!r}"
+        )
+    return 1.0 - low, high - 1.0
+
+
 def resolve_deltas(mode: str, delta_low: Optional[float], delta_high: Optional[float]) -> tuple[float, float]:
     """``(delta_low, delta_high)`` with ``None`` replaced by ``DEFAULT_DELTAS[mode]`` (aliases accepted)."""
     low, high = DEFAULT_DELTAS[canonical_mode(mode)]
@@ -154,6 +186,7 @@ def check_settings(
     *,
     prefix: str = "",
     temperature_name: str = "temperature",
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
 ) -> None:
     """The scalar settings' rules of the op (csrc/checks.h), for settings given before any tensor exists.
 
@@ -161,6 +194,7 @@ def check_settings(
     config fields); ``temperature_name`` is the temperature's name.
     """
     canonical_mode(mode, f"{prefix}mode")
+    check_mask_direction(mask_direction, f"{prefix}mask_direction")
     if not _is_number(temperature) or not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"{temperature_name} must be a finite number > 0, got {temperature!r}")
     for name, value in (("delta_low", delta_low), ("delta_high", delta_high)):

@@ -3,7 +3,7 @@
 Math (docs/contract.md): ``logits = hidden @ weight^T (+ bias)``, then exactly ``torch.ops.dppo.dppo_loss_forward``
 on those logits. Three entry points:
 
-* :func:`fused_linear_dppo_loss` and the module :class:`FusedLinearDPPOLoss`: ``dppo_ext.dppo_loss`` with
+* :func:`fused_linear_dppo_loss` (and its module form ``dppo_ext.FusedLinearDPPOLoss``): ``dppo_ext.dppo_loss`` with
   ``logits`` replaced by ``hidden [..., H]`` and ``weight [V, H]`` (+ ``bias [V]``): same arguments, per-mode
   defaults and ``(loss, metrics)`` result.
 * :func:`fused_linear_dppo_loss_per_row`: the lower level, on flat rows; returns the op's
@@ -61,90 +61,29 @@ from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from . import (
-    ops,  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
-    vocab_parallel,
-)
-from ._agreement import Rendezvous, vocab_parallel_call
+from . import ops  # noqa: F401  (loads dppo_ext._C, which registers torch.ops.dppo.*)
+from ._agreement import vocab_parallel_call
 from ._autograd import check_no_functorch
 from ._fused_autograd import (
     FusedLinearGradsInForward,
-    FusedLinearRecompute,
     aggregation_coefficients,
     grads_in_forward_dtype,
     grads_will_be_needed,
 )
+from ._fused_rows import per_row_outputs
 from ._lm_head_tiles import (
-    check_accum_dtype,
-    check_chunk_settings,
     check_fused_inputs,
-    check_logits_dtype,
     plan_chunks,
     resolve_accum_dtype,
     resolve_logits_dtype,
 )
-from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
+from ._rows import DPPOOutputs, LossSettings, RowInputs, check_tensors, prepare_rows
 from ._vocab_split import check_split_args
-from .aggregation import aggregate_with, dppo_metrics
-from .contract import DEFAULT_AGG_MODE, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
+from .aggregation import aggregate_with, compose_rows, dppo_metrics
+from .contract import DEFAULT_AGG_MODE, DEFAULT_MASK_DIRECTION, DEFAULT_MODE, DEFAULT_RATIO_CAP, accumulation_dtype
+from .sequence_mask import SequenceMask, lead_sequences, sequence_index
 
-__all__ = [
-    "FusedLinearDPPOLoss",
-    "fused_linear_dppo_loss",
-    "fused_linear_dppo_loss_per_row",
-]
-
-
-def _per_row(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    rows: RowInputs,
-    settings: LossSettings,
-    chunk_size: Optional[int],
-    vocab_chunk_size: Optional[int],
-    memory_budget_bytes: Optional[int],
-    weight_context: Optional[Callable[[], ContextManager]],
-    rendezvous: Optional[Rendezvous],
-    vocab_offsets: Optional[Sequence[int]],
-    reduce_hidden_grad: bool = True,
-    logits_dtype: Optional[torch.dtype] = None,
-) -> DPPOOutputs:
-    """The per-row outputs on flat rows with resolved settings: the single-device fused function, or its
-    vocab-parallel form inside ``vocab_parallel_call(vocab_parallel_group)`` (``rendezvous``)."""
-    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype)
-    if rendezvous is not None:
-        if logits_dtype is not None:
-            raise ValueError(
-                f"logits_dtype={logits_dtype} is not supported with vocab_parallel_group yet (each rank's tiles are "
-                f"in hidden's dtype {hidden.dtype}); leave logits_dtype=None"
-            )
-        if vocab_chunk_size is not None or weight_context is not None:
-            raise ValueError(
-                "vocab_chunk_size and weight_context are not supported with vocab_parallel_group (each "
-                "rank's weight slice is used whole and must be materialised)"
-            )
-        return vocab_parallel.fused_linear_rows(
-            hidden,
-            weight,
-            bias,
-            rows,
-            settings,
-            chunk_size=chunk_size,
-            memory_budget_bytes=memory_budget_bytes,
-            rendezvous=rendezvous,
-            vocab_offsets=vocab_offsets,
-            reduce_hidden_grad=reduce_hidden_grad,
-        )
-    check_fused_inputs(hidden, weight, bias, rows)
-    (n, hidden_size), vocab = hidden.shape, weight.shape[0]
-    chunking = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, memory_budget_bytes=memory_budget_bytes)
-    plan = plan_chunks(n, vocab, hidden_size, hidden.dtype, logits_dtype=logits_dtype, **chunking)
-    return DPPOOutputs(
-        *FusedLinearRecompute.apply(
-            hidden, weight, bias, rows, settings, plan, weight_context or contextlib.nullcontext
-        )
-    )
+__all__ = ["fused_linear_dppo_loss", "fused_linear_dppo_loss_per_row"]
 
 
 def fused_linear_dppo_loss_per_row(
@@ -156,10 +95,16 @@ def fused_linear_dppo_loss_per_row(
     *,
     bias: Optional[torch.Tensor] = None,
     mode: str = DEFAULT_MODE,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
+    kl_tau: float = 0.0,
+    kl_mask_type: str = "all",
+    sequence_mask: Optional[SequenceMask] = None,
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
     kept_ids: Optional[torch.Tensor] = None,
+    sequence_ids: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -190,7 +135,8 @@ def fused_linear_dppo_loss_per_row(
         rollout_logprobs: [N] rollout log-probs of ``tokens``; advantages: [N].
         bias: optional [V] LM-head bias.
         topk_ids, topk_logprobs: [N, K] rollout top-K (top-K modes); anchor_logprobs: optional [N].
-        mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy: as :func:`dppo_ext.dppo_loss_per_row`
+        mode, mask_direction, kl_tau, kl_mask_type, sequence_mask, sequence_ids, cu_seqlens, temperature, delta_low,
+            delta_high, ratio_cap, compute_entropy: as :func:`dppo_ext.dppo_loss_per_row`
             (mode aliases such as verl's ``dppo_tv`` are accepted; ``None`` thresholds -> ``DEFAULT_DELTAS[mode]``).
         chunk_size: rows per chunk (forward and backward); None chooses it from N, V, H and dtype.
         vocab_chunk_size: vocabulary columns per backward tile; None: automatic (all of V with ``chunk_size``).
@@ -220,11 +166,23 @@ def fused_linear_dppo_loss_per_row(
     """
     check_split_args(vocab_parallel_group, vocab_offsets)
     with vocab_parallel_call(vocab_parallel_group) as rendezvous:
-        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
-        check_tensors(hidden=hidden, weight=weight, bias=bias)
+        settings = LossSettings.resolve(
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            compute_entropy,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
+        )
+        check_tensors(hidden=hidden, weight=weight, bias=bias, sequence_ids=sequence_ids, cu_seqlens=cu_seqlens)
         check_no_functorch("fused_linear_dppo_loss", hidden, weight, bias)
         rows = RowInputs.of(tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs, kept_ids)
-        return _per_row(
+        sequences = sequence_index(hidden.shape[0], hidden.device, sequence_ids, cu_seqlens)
+        out = per_row_outputs(
             hidden,
             weight,
             bias,
@@ -239,6 +197,7 @@ def fused_linear_dppo_loss_per_row(
             reduce_hidden_grad,
             logits_dtype,
         )
+        return compose_rows(out, rows, settings, *sequences)[0]
 
 
 def fused_linear_dppo_loss(
@@ -251,6 +210,10 @@ def fused_linear_dppo_loss(
     bias: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
     mode: str = DEFAULT_MODE,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
+    kl_tau: float = 0.0,
+    kl_mask_type: str = "all",
+    sequence_mask: Optional[SequenceMask] = None,
     topk_ids: Optional[torch.Tensor] = None,
     topk_logprobs: Optional[torch.Tensor] = None,
     anchor_logprobs: Optional[torch.Tensor] = None,
@@ -281,16 +244,18 @@ def fused_linear_dppo_loss(
     evaluate under ``torch.no_grad()`` to skip that work. Except in float16: there the backward recomputes the
     logits and applies the upstream gradient (e.g. AMP's loss scale) before its products, as the logits path does,
     so that what underflows is the same (four products; float32 and bfloat16 give the logits path's gradients for
-    any upstream scale with three).
+    any upstream scale with three). And with ``kl_tau`` or a ``sequence_mask``: every row's log-prob must be known
+    before any row's gradient, so the backward recomputes the logits (four products; docs/contract.md).
 
     Args:
         hidden: ``[..., H]`` last hidden states at the response positions (``[B, T, H]`` or ``[N, H]``;
             float32/float16/bfloat16/float64). ``[B, T, H]`` allows per-sequence ``advantages [B]`` and the
             sequence aggregation modes.
         weight: ``[V, H]`` LM-head weight (same dtype/device as ``hidden``; may be a tied input embedding).
-        tokens, rollout_logprobs, advantages, response_mask, mode, topk_ids, topk_logprobs, anchor_logprobs,
-            kept_ids, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor, compute_entropy:
-            as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
+        tokens, rollout_logprobs, advantages, response_mask, mode, mask_direction, kl_tau, kl_mask_type,
+            sequence_mask, topk_ids, topk_logprobs,
+            anchor_logprobs, kept_ids, temperature, delta_low, delta_high, ratio_cap, loss_agg_mode, loss_scale_factor,
+            compute_entropy: as :func:`dppo_ext.dppo_loss` (shapes ``[...]`` = hidden's leading dims).
         bias: optional ``[V]`` LM-head bias.
         chunk_size, vocab_chunk_size, memory_budget_bytes, weight_context: chunking and weight gathering, see
             :func:`fused_linear_dppo_loss_per_row` (with grad, ``chunk_size`` or ``memory_budget_bytes`` set the rows
@@ -316,7 +281,18 @@ def fused_linear_dppo_loss(
     check_split_args(vocab_parallel_group, vocab_offsets)
     with vocab_parallel_call(vocab_parallel_group) as rendezvous:
         settings = LossSettings.resolve(
-            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            compute_entropy,
+            loss_agg_mode,
+            loss_scale_factor,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
         )
         check_tensors(hidden=hidden, weight=weight, bias=bias)
         if hidden.dim() < 2:
@@ -340,7 +316,9 @@ def fused_linear_dppo_loss(
         check_no_functorch("fused_linear_dppo_loss", flat, weight, bias)
         accum = resolve_accum_dtype(accum_dtype, hidden.dtype)
         wide_logits = resolve_logits_dtype(logits_dtype, hidden.dtype)
+        # A sequence mask or penalty needs every row's logp before any gradient: the recompute path (docs/contract.md)
         in_forward = rendezvous is None and vocab_chunk_size is None and grads_in_forward_dtype(hidden.dtype)
+        in_forward = in_forward and not settings.composes
         if in_forward and grads_will_be_needed(flat, weight, bias):
             check_fused_inputs(flat, weight, bias, rows)
             chunking = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes, grads_in_forward=True)
@@ -361,7 +339,7 @@ def fused_linear_dppo_loss(
             )
             out = DPPOOutputs(*outs)
             return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
-        out = _per_row(
+        out = per_row_outputs(
             flat,
             weight,
             bias,
@@ -375,101 +353,6 @@ def fused_linear_dppo_loss(
             vocab_offsets,
             logits_dtype=wide_logits,
         )
+        out, seq_frac = compose_rows(out, rows, settings, *lead_sequences(lead, flat.device))
         loss = aggregate_with(out.loss.reshape(lead), valid, settings)
-        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
-
-
-class FusedLinearDPPOLoss(LossModule):
-    """``nn.Module`` form of :func:`fused_linear_dppo_loss` (as Liger's ``LigerFusedLinearGRPOLoss``).
-
-    Holds the settings; ``forward`` takes the hidden states, the LM-head weight (and bias) and the rollout tensors.
-
-    Example::
-
-        crit = FusedLinearDPPOLoss(mode="binary_tv", loss_agg_mode="token-mean")
-        hidden = model.model(input_ids).last_hidden_state[:, prompt_len - 1 : -1]  # [B, T, H]
-        loss, metrics = crit(hidden, model.lm_head.weight, tokens, rollout_logprobs, advantages,
-                             response_mask=mask)
-    """
-
-    def __init__(
-        self,
-        mode: str = DEFAULT_MODE,
-        *,
-        temperature: float = 1.0,
-        delta_low: Optional[float] = None,
-        delta_high: Optional[float] = None,
-        ratio_cap: float = DEFAULT_RATIO_CAP,
-        loss_agg_mode: str = DEFAULT_AGG_MODE,
-        loss_scale_factor: Optional[float] = None,
-        compute_entropy: bool = True,
-        chunk_size: Optional[int] = None,
-        vocab_chunk_size: Optional[int] = None,
-        memory_budget_bytes: Optional[int] = None,
-        accum_dtype: Optional[torch.dtype] = None,
-        logits_dtype: Optional[torch.dtype] = None,
-        vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-        vocab_offsets: Optional[Sequence[int]] = None,
-    ) -> None:
-        super().__init__(
-            mode,
-            temperature,
-            delta_low,
-            delta_high,
-            ratio_cap,
-            loss_agg_mode,
-            loss_scale_factor,
-            compute_entropy,
-            vocab_parallel_group,
-            vocab_offsets,
-        )
-        check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
-        check_accum_dtype(accum_dtype)
-        check_logits_dtype(logits_dtype)
-        self.chunk_size = chunk_size
-        self.vocab_chunk_size = vocab_chunk_size
-        self.memory_budget_bytes = memory_budget_bytes
-        self.accum_dtype = accum_dtype
-        self.logits_dtype = logits_dtype
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        tokens: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        *,
-        bias: Optional[torch.Tensor] = None,
-        response_mask: Optional[torch.Tensor] = None,
-        topk_ids: Optional[torch.Tensor] = None,
-        topk_logprobs: Optional[torch.Tensor] = None,
-        anchor_logprobs: Optional[torch.Tensor] = None,
-        kept_ids: Optional[torch.Tensor] = None,
-        weight_context: Optional[Callable[[], ContextManager]] = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return fused_linear_dppo_loss(
-            hidden,
-            weight,
-            tokens,
-            rollout_logprobs,
-            advantages,
-            bias=bias,
-            response_mask=response_mask,
-            topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs,
-            anchor_logprobs=anchor_logprobs,
-            kept_ids=kept_ids,
-            chunk_size=self.chunk_size,
-            vocab_chunk_size=self.vocab_chunk_size,
-            memory_budget_bytes=self.memory_budget_bytes,
-            accum_dtype=self.accum_dtype,
-            logits_dtype=self.logits_dtype,
-            weight_context=weight_context,
-            **self.loss_kwargs(),
-        )
-
-    def extra_repr(self) -> str:
-        accum = "" if self.accum_dtype is None else f", accum_dtype={self.accum_dtype}"
-        logits = "" if self.logits_dtype is None else f", logits_dtype={self.logits_dtype}"
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}{accum}{logits}"
+        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()), seq_frac)

@@ -1,5 +1,5 @@
-"""The user-facing DPPO loss on logits: ``dppo_loss``, the ``DPPOLoss`` module, and ``dppo_loss_per_row`` (the
-per-row outputs below them, without aggregation).
+"""The user-facing DPPO loss on logits: ``dppo_loss`` (its module form ``dppo_ext.DPPOLoss``) and
+``dppo_loss_per_row`` (the per-row outputs below them, without aggregation).
 
 Takes the policy's logits for the response tokens in any leading layout (``[N, V]``, ``[B, T, V]``)
 plus what the rollout engine returned, runs the fused op (``dppo_ext.ops``; ``dppo_ext.vocab_parallel`` for
@@ -19,18 +19,20 @@ from . import ops, vocab_parallel
 from ._agreement import Rendezvous, vocab_parallel_call
 from ._autograd import check_no_functorch, inplace_applies
 from ._dtensor import replicated_local, vocab_shard
-from ._rows import DPPOOutputs, LossModule, LossSettings, RowInputs, check_tensors, prepare_rows
+from ._rows import DPPOOutputs, LossSettings, RowInputs, check_tensors, prepare_rows
 from ._vocab_split import check_split_args
-from .aggregation import aggregate_with, dppo_metrics
+from .aggregation import aggregate_with, compose_rows, dppo_metrics
 from .contract import (
     DEFAULT_AGG_MODE,
+    DEFAULT_MASK_DIRECTION,
     DEFAULT_MODE,
     DEFAULT_RATIO_CAP,
     accumulation_dtype,
 )
+from .sequence_mask import SequenceMask, lead_sequences, sequence_index
 
 # dppo_loss, dppo_loss_per_row and DPPOLoss, and the names other modules define that this one has always offered.
-__all__ = ["DPPOLoss", "dppo_loss", "dppo_loss_per_row"]
+__all__ = ["dppo_loss", "dppo_loss_per_row"]
 
 
 def dppo_loss(
@@ -41,6 +43,10 @@ def dppo_loss(
     *,
     response_mask: Optional[Tensor] = None,
     mode: str = DEFAULT_MODE,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
+    kl_tau: float = 0.0,
+    kl_mask_type: str = "all",
+    sequence_mask: Optional[SequenceMask] = None,
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
@@ -70,6 +76,16 @@ def dppo_loss(
         mode: ``binary_tv`` | ``binary_kl`` | ``topk_tv`` | ``topk_kl`` (DPPO), ``ratio`` (PPO/GRPO
             clip as a mask) or ``none`` (PG-IS / CISPO style: never masked); verl's ``dppo_tv`` /
             ``dppo_kl`` and the other names of ``dppo_ext.contract.MODE_ALIASES`` are accepted too.
+        mask_direction: ``"advantage"`` (the paper's: mask a token that left the trust region on the side its
+            advantage pushes towards) or ``"symmetric"`` (on either side, whatever the advantage: prime-rl's IPO is
+            ``binary_tv`` symmetric, IcePop is ``ratio`` symmetric with ``delta_low, delta_high =
+            dppo_ext.icepop_deltas(low, high)``); docs/contract.md, "Mask".
+        kl_tau: add ``kl_tau * delta^2`` (``delta = clamp(log pi - log mu, -20, 20)``, differentiable) to the loss of
+            the response tokens ``kl_mask_type`` picks: ``"all"`` (prime-rl's default), ``"unmasked"`` (the tokens the
+            masks keep) or ``"masked"``; 0 (default): no penalty. docs/contract.md, "Log-ratio penalty".
+        sequence_mask: a :class:`dppo_ext.SequenceMask`: drop whole sequences (each row along the last leading dim,
+            ``[B, T]``: each ``b``) whose reduced per-token statistic leaves its bounds; docs/contract.md, "Sequence
+            masks". Its share of dropped sequences is the ``seq_masked_frac`` metric.
         topk_ids, topk_logprobs: ``[..., K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[...]`` recomputed old-policy log-probs replacing mu in the mask test
             only (the "recompute" ablations); the importance weight always uses mu.
@@ -100,7 +116,18 @@ def dppo_loss(
     shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
     with vocab_parallel_call(shard.group) as rendezvous:
         settings = LossSettings.resolve(
-            mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy, loss_agg_mode, loss_scale_factor
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            compute_entropy,
+            loss_agg_mode,
+            loss_scale_factor,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
         )
         logits = shard.logits
         check_tensors(logits=logits)
@@ -122,8 +149,9 @@ def dppo_loss(
         flat = logits.reshape(lead.numel(), vocab)
         offsets = shard.vocab_offsets
         out = _forward_rows("dppo_loss", logits, flat, rows, settings, inplace_backward, rendezvous, offsets)
+        out, seq_frac = compose_rows(out, rows, settings, *lead_sequences(lead, flat.device))
         loss = aggregate_with(out.loss.reshape(lead), valid, settings)
-        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()))
+        return loss, dppo_metrics(out, rows.rollout_logprobs, rows.advantages, valid.reshape(lead.numel()), seq_frac)
 
 
 def dppo_loss_per_row(
@@ -133,10 +161,16 @@ def dppo_loss_per_row(
     advantages: Tensor,
     *,
     mode: str = DEFAULT_MODE,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
+    kl_tau: float = 0.0,
+    kl_mask_type: str = "all",
+    sequence_mask: Optional[SequenceMask] = None,
     topk_ids: Optional[Tensor] = None,
     topk_logprobs: Optional[Tensor] = None,
     anchor_logprobs: Optional[Tensor] = None,
     kept_ids: Optional[Tensor] = None,
+    sequence_ids: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
     temperature: float = 1.0,
     delta_low: Optional[float] = None,
     delta_high: Optional[float] = None,
@@ -162,6 +196,10 @@ def dppo_loss_per_row(
             logits). ``-inf`` is allowed.
         advantages: ``[N]`` same dtype as ``rollout_logprobs``.
         mode: one of ``MODES`` or an alias of ``MODE_ALIASES`` (verl's ``dppo_tv``/``dppo_kl``).
+        mask_direction, kl_tau, kl_mask_type: as :func:`dppo_loss`; the rows' ``loss`` includes the penalty.
+        sequence_mask: as :func:`dppo_loss`; the sequences are named by ``sequence_ids [N]`` (non-negative ints) or
+            ``cu_seqlens [S + 1]`` (packed rows; neither: all rows are one sequence). A dropped row's ``loss`` is 0 and
+            its ``mask`` 0.
         topk_ids, topk_logprobs: ``[N, K]`` the rollout's top-K ids and log-probs (top-K modes).
         anchor_logprobs: ``[N]`` optional mask anchor replacing the rollout log-probs in the mask.
         kept_ids: ``[N, S]`` int64 ids the rollout's truncation kept per row (-1 padding): sampling replay, every
@@ -186,7 +224,18 @@ def dppo_loss_per_row(
     check_split_args(vocab_parallel_group, vocab_offsets)
     shard = vocab_shard(logits, vocab_parallel_group, vocab_offsets)
     with vocab_parallel_call(shard.group) as rendezvous:
-        settings = LossSettings.resolve(mode, temperature, delta_low, delta_high, ratio_cap, compute_entropy)
+        settings = LossSettings.resolve(
+            mode,
+            temperature,
+            delta_low,
+            delta_high,
+            ratio_cap,
+            compute_entropy,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
+        )
         logits = shard.logits
         check_tensors(logits=logits)
         if logits.dim() != 2:
@@ -203,9 +252,12 @@ def dppo_loss_per_row(
             kept_ids=kept_ids,
         )
         rows = RowInputs.of(**named)
-        return _forward_rows(
+        check_tensors(sequence_ids=sequence_ids, cu_seqlens=cu_seqlens)
+        sequences = sequence_index(logits.shape[0], logits.device, sequence_ids, cu_seqlens)
+        out = _forward_rows(
             "dppo_loss_per_row", logits, logits, rows, settings, inplace_backward, rendezvous, shard.vocab_offsets
         )
+        return compose_rows(out, rows, settings, *sequences)[0]
 
 
 def _local_inputs(rendezvous: Optional[Rendezvous], **tensors: Optional[Tensor]) -> dict[str, Optional[Tensor]]:
@@ -232,73 +284,3 @@ def _forward_rows(
     if rendezvous is None:
         return ops.forward_rows(flat, rows, settings, inplace)
     return vocab_parallel.forward_rows(flat, rows, settings, inplace, rendezvous, vocab_offsets)
-
-
-class DPPOLoss(LossModule):
-    """``nn.Module`` form of :func:`dppo_loss` holding the settings; ``forward`` takes the tensors.
-
-    The settings are checked here, at construction (the same rules as the op's: a known mode, a finite
-    temperature > 0, thresholds that are None or finite and >= 0, ratio_cap > 0, a known loss_agg_mode).
-
-    Example::
-
-        crit = DPPOLoss(mode="binary_tv", delta_low=0.15, delta_high=0.15)
-        loss, metrics = crit(logits, tokens, rollout_logprobs, advantages, response_mask=mask)
-    """
-
-    def __init__(
-        self,
-        mode: str = DEFAULT_MODE,
-        *,
-        temperature: float = 1.0,
-        delta_low: Optional[float] = None,
-        delta_high: Optional[float] = None,
-        ratio_cap: float = DEFAULT_RATIO_CAP,
-        loss_agg_mode: str = DEFAULT_AGG_MODE,
-        loss_scale_factor: Optional[float] = None,
-        compute_entropy: bool = True,
-        inplace_backward: bool = False,
-        vocab_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-        vocab_offsets: Optional[Sequence[int]] = None,
-    ) -> None:
-        super().__init__(
-            mode,
-            temperature,
-            delta_low,
-            delta_high,
-            ratio_cap,
-            loss_agg_mode,
-            loss_scale_factor,
-            compute_entropy,
-            vocab_parallel_group,
-            vocab_offsets,
-            inplace_backward=inplace_backward,
-        )
-        self.inplace_backward = inplace_backward
-
-    def forward(
-        self,
-        logits: Tensor,
-        tokens: Tensor,
-        rollout_logprobs: Tensor,
-        advantages: Tensor,
-        *,
-        response_mask: Optional[Tensor] = None,
-        topk_ids: Optional[Tensor] = None,
-        topk_logprobs: Optional[Tensor] = None,
-        anchor_logprobs: Optional[Tensor] = None,
-        kept_ids: Optional[Tensor] = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        return dppo_loss(
-            logits,
-            tokens,
-            rollout_logprobs,
-            advantages,
-            response_mask=response_mask,
-            topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs,
-            anchor_logprobs=anchor_logprobs,
-            kept_ids=kept_ids,
-            inplace_backward=self.inplace_backward,
-            **self.loss_kwargs(),
-        )

@@ -64,6 +64,7 @@ def _forward_fake(
     ratio_cap,
     compute_entropy,
     kept_ids=None,
+    mask_direction="advantage",
 ):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
     n = logits.shape[0]
@@ -104,6 +105,7 @@ def _epilogue_fake(
     ratio_cap,
     compute_entropy,
     kept_ids=None,
+    mask_direction="advantage",
 ):
     torch._check(stats.dim() == 3, lambda: f"stats must be 3-D [W, N, 4 + K], got shape {tuple(stats.shape)}")
     return tuple(stats.new_empty((stats.shape[1],)) for _ in range(7))
@@ -177,7 +179,9 @@ class _DPPOInplace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, rows: RowInputs, settings: LossSettings):
-        out = torch.ops.dppo.dppo_loss_forward(logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids)
+        out = torch.ops.dppo.dppo_loss_forward(
+            logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids, settings.mask_direction
+        )
         temperature, compute_entropy = float(settings.temperature), bool(settings.compute_entropy)
         _save_for_backward(ctx, logits, rows.tokens, rows.advantages, temperature, compute_entropy, out, rows.kept_ids)
         ctx.consumed = False
@@ -206,4 +210,8 @@ def forward_rows(logits: Tensor, rows: RowInputs, settings: LossSettings, inplac
     (``dppo_ext.loss``: ``dppo_loss``, ``dppo_loss_per_row``), which checked everything already."""
     if inplace:
         return DPPOOutputs(*_DPPOInplace.apply(logits, rows, settings))
-    return DPPOOutputs(*torch.ops.dppo.dppo_loss_forward(logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids))
+    return DPPOOutputs(
+        *torch.ops.dppo.dppo_loss_forward(
+            logits, *rows.op_inputs, *settings.op_args(), rows.kept_ids, settings.mask_direction
+        )
+    )

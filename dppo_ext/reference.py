@@ -25,6 +25,7 @@ import torch
 from .contract import (
     AGG_MODES,
     DEFAULT_AGG_MODE,
+    DEFAULT_MASK_DIRECTION,
     DEFAULT_MODE,
     DEFAULT_RATIO_CAP,
     IGNORE_INDEX,
@@ -33,6 +34,7 @@ from .contract import (
     MODES,
     TOPK_MODES,
     accumulation_dtype,
+    check_mask_direction,
     resolve_deltas,
 )
 
@@ -63,6 +65,7 @@ METRIC_KEYS = (
     "log_ratio_max",
     "log_ratio_outlier_frac",
     "ess",
+    "seq_masked_frac",
 )
 
 
@@ -138,6 +141,7 @@ def dppo_loss_reference(
     delta_high: float | None = None,
     ratio_cap: float = DEFAULT_RATIO_CAP,
     compute_entropy: bool = True,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
 ) -> dict[str, torch.Tensor]:
     """Per-row DPPO loss, the naive way (full-vocabulary log-softmax, autograd backward).
 
@@ -156,6 +160,7 @@ def dppo_loss_reference(
         temperature, delta_low, delta_high, ratio_cap: the contract's scalars (a None threshold takes
             ``DEFAULT_DELTAS[mode]``).
         compute_entropy: if False the entropy output is all zeros.
+        mask_direction: ``"advantage"`` (the side the advantage picks) or ``"symmetric"`` (both sides).
 
     Returns:
         dict with ``OUTPUT_KEYS``, each [N] in the accumulation dtype. ``loss``, ``logp`` and
@@ -165,6 +170,7 @@ def dppo_loss_reference(
     """
     if mode not in MODES:  # the oracle takes the canonical names only (aliases are the API's business)
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mask_direction(mask_direction)
     delta_low, delta_high = resolve_deltas(mode, delta_low, delta_high)
     if mode in TOPK_MODES and (topk_ids is None or topk_logprobs is None):
         raise ValueError(f"mode {mode!r} needs topk_ids and topk_logprobs")
@@ -207,13 +213,17 @@ def dppo_loss_reference(
     else:  # binary_tv, none
         divergence = (pi - mu_a).abs()
 
-    positive = adv > 0
-    if mode == "none":
-        invalid = torch.zeros_like(positive)
-    elif mode == "ratio":
-        invalid = torch.where(positive, divergence > 1 + delta_high, divergence < 1 - delta_low)
+    # The two one-sided tests of the trust region; the advantage direction applies the one A's sign picks.
+    if mode == "ratio":
+        up, down = divergence > 1 + delta_high, divergence < 1 - delta_low
     else:
-        invalid = torch.where(positive, (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low))
+        up, down = (pi > mu_a) & (divergence > delta_high), (pi < mu_a) & (divergence > delta_low)
+    if mode == "none":
+        invalid = torch.zeros_like(up)
+    elif mask_direction == "symmetric":
+        invalid = up | down
+    else:
+        invalid = torch.where(adv > 0, up, down)
     mask = (~invalid).to(acc) + poison
 
     log_ratio = lp - m
@@ -328,6 +338,7 @@ def dppo_loss_full_reference(
     loss_agg_mode: str = DEFAULT_AGG_MODE,
     loss_scale_factor: float | None = None,
     compute_entropy: bool = True,
+    mask_direction: str = DEFAULT_MASK_DIRECTION,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """End-to-end naive equivalent of ``dppo_ext.dppo_loss``: scalar loss plus metrics.
 
@@ -351,8 +362,8 @@ def dppo_loss_full_reference(
         num_tokens = number of valid tokens; the mismatch metrics of docs/contract.md, with
         delta = clamp(logp - m, -20, 20) (0 where both are -inf) and r = exp(delta): mismatch_k3 =
         mean(r - 1 - delta), log_ratio_min / log_ratio_max, log_ratio_outlier_frac = share with
-        |delta| > ln 2, ess = (sum r)^2 / (n * sum r^2).
-        Empty selections give 0.
+        |delta| > ln 2, ess = (sum r)^2 / (n * sum r^2); seq_masked_frac = 0 (no sequence mask: see
+        ``dppo_ext.reference_masks``). Empty selections give 0.
     """
     if mode not in MODES:  # the oracle takes the canonical names only (aliases are the API's business)
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -381,6 +392,7 @@ def dppo_loss_full_reference(
         delta_high=delta_high,
         ratio_cap=ratio_cap,
         compute_entropy=compute_entropy,
+        mask_direction=mask_direction,
     )
     loss_mat = out["loss"].reshape(lead)
     loss = aggregate_loss_reference(loss_mat, valid, loss_agg_mode, loss_scale_factor)
@@ -415,5 +427,6 @@ def dppo_loss_full_reference(
         "log_ratio_max": _signed_extreme(delta, flat_valid, torch.amax),
         "log_ratio_outlier_frac": _masked_mean((delta.abs() > math.log(2.0)).to(acc), flat_valid),
         "ess": ess,
+        "seq_masked_frac": torch.zeros((), dtype=acc),  # no sequence mask here: dppo_ext.reference_masks has them
     }
     return loss, metrics

@@ -188,7 +188,7 @@ def _merged_outputs(stats: Tensor, offsets: list[int], group, rows: RowInputs, s
     """The seven per-row outputs from this rank's statistics: the statistics all-gather, then the epilogue op."""
     gathered = gather_stats(stats, len(offsets) - 1, group)
     return torch.ops.dppo.dppo_vocab_parallel_epilogue(
-        gathered, offsets, *rows.op_inputs, *settings.epilogue_args(), rows.kept_ids
+        gathered, offsets, *rows.op_inputs, *settings.epilogue_args(), rows.kept_ids, settings.mask_direction
     )
 
 

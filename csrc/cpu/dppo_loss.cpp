@@ -226,8 +226,9 @@ ForwardOutputs dppo_loss_forward_cpu(const at::Tensor& logits, const at::Tensor&
                                      const c10::optional<at::Tensor>& topk_logprobs,
                                      const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                      double temperature, double delta_low, double delta_high, double ratio_cap,
-                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
-  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+                                     bool compute_entropy, const c10::optional<at::Tensor>& kept_ids,
+                                     c10::string_view mask_direction) {
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy, mask_direction);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
   const ForwardOperands in = prepare_forward(logits, rows, settings, temperature, kept_ids);
   if (in.n == 0) return in.outputs();

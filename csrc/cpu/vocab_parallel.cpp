@@ -98,8 +98,9 @@ ForwardOutputs dppo_vocab_parallel_epilogue_cpu(const at::Tensor& stats, at::Int
                                                 const c10::optional<at::Tensor>& topk_logprobs,
                                                 const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                                 double delta_low, double delta_high, double ratio_cap,
-                                                bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
-  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+                                                bool compute_entropy, const c10::optional<at::Tensor>& kept_ids,
+                                                c10::string_view mask_direction) {
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy, mask_direction);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
   const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings, kept_ids);
   if (in.n == 0) return in.outputs();

@@ -84,10 +84,11 @@ ForwardOutputs dppo_loss_forward_entry(const at::Tensor& logits, const at::Tenso
                                        const c10::optional<at::Tensor>& topk_logprobs,
                                        const c10::optional<at::Tensor>& anchor_logprobs, c10::string_view mode,
                                        double temperature, double delta_low, double delta_high, double ratio_cap,
-                                       bool compute_entropy, const c10::optional<at::Tensor>& kept_ids) {
+                                       bool compute_entropy, const c10::optional<at::Tensor>& kept_ids,
+                                       c10::string_view mask_direction) {
   Device::require(logits, "logits");
   const Device device(logits);
-  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy, mask_direction);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
   const ForwardOperands in = prepare_forward(logits, rows, settings, temperature, kept_ids);
   TORCH_CHECK_VALUE(in.n <= INT32_MAX, "logits may have at most 2^31 - 1 rows on CUDA, got ", in.n);
@@ -199,10 +200,10 @@ ForwardOutputs dppo_vocab_parallel_epilogue_entry(
     const at::Tensor& rollout_logprobs, const at::Tensor& advantages, const c10::optional<at::Tensor>& topk_ids,
     const c10::optional<at::Tensor>& topk_logprobs, const c10::optional<at::Tensor>& anchor_logprobs,
     c10::string_view mode, double delta_low, double delta_high, double ratio_cap, bool compute_entropy,
-    const c10::optional<at::Tensor>& kept_ids) {
+    const c10::optional<at::Tensor>& kept_ids, c10::string_view mask_direction) {
   Device::require(stats, "stats");
   const Device device(stats);
-  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy);
+  const LossSettings settings = loss_settings(mode, delta_low, delta_high, ratio_cap, compute_entropy, mask_direction);
   const RowInputs rows{tokens, rollout_logprobs, advantages, topk_ids, topk_logprobs, anchor_logprobs};
   const VpEpilogueOperands in = prepare_vp_epilogue(stats, vocab_offsets, rows, settings, kept_ids);
   if (in.n == 0) return in.outputs();

@@ -255,14 +255,17 @@ class TrainConfig:
         """True when the loss's weight is pi / pi_old (the op gets the recomputed log-probs in place of mu)."""
         return LOSSES[self.loss].weight == "recompute"
 
-    def loss_settings(self) -> dict[str, float]:
-        """``delta_low``, ``delta_high``, ``ratio_cap`` for the op: the flags, else the loss's defaults."""
+    def loss_settings(self) -> dict[str, object]:
+        """The op's delta_low / delta_high / ratio_cap (flags, else the loss's) and the loss's mask settings."""
         spec = LOSSES[self.loss]
         pick = lambda flag, default: default if flag is None else flag  # noqa: E731
         return {
             "delta_low": pick(self.delta_low, spec.delta_low),
             "delta_high": pick(self.delta_high, spec.delta_high),
             "ratio_cap": pick(self.ratio_cap, spec.ratio_cap),
+            "mask_direction": spec.mask_direction,
+            "kl_tau": spec.kl_tau,
+            "sequence_mask": spec.sequence_mask,
         }
 
     def validate(self) -> TrainConfig:

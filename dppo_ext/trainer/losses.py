@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from dppo_ext.contract import MODE_ALIASES, TOPK_MODES
+from dppo_ext.contract import DEFAULT_MASK_DIRECTION, MODE_ALIASES, TOPK_MODES, icepop_deltas
+from dppo_ext.sequence_mask import SequenceMask
 
 __all__ = ["LOSSES", "LOSS_ALIASES", "LossSpec", "canonical_loss"]
 
@@ -30,6 +31,14 @@ TIS_CAP = 10.0
 # CISPO as MiniMax-M1 (arXiv 2506.13585, section 3.1) runs it: the weight clipped at 1 + eps_high with no lower bound;
 # eps_high = 0.28 (DAPO's clip-higher, the default upper clip range of Trinity-RFT's cispo loss).
 CISPO_CAP = 1.28
+# prime-rl's IPO loss (PrimeIntellect-ai/prime-rl, IPOLossConfig at 559b44772e47): |pi - mu| > ipo_threshold masks
+# whatever the advantage's sign, plus kl_tau * (log pi - log mu)^2 on every response token.
+IPO_THRESHOLD, IPO_KL_TAU = 0.1, 1e-3
+# IcePop's band [0.5, 5.0] on pi / mu (OpenRLHF's default is_correction_threshold, its icepop type).
+ICEPOP_BAND = (0.5, 5.0)
+# The sequence-masked DPPO: Binary-TV with TRL GRPOTrainer's default sequence mask (vllm_importance_sampling_mode
+# "sequence_mask", clip_max 3.0: a sequence whose product of ratios pi / mu exceeds 3 is dropped).
+SEQ_MASK = SequenceMask.from_trl("sequence_mask", None, 3.0)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class LossSpec:
         source: which reference implementation this configuration follows.
         weight: ``rollout`` (``w = pi / mu``) or ``recompute`` (``w = pi / pi_old``: the op is fed pi_old in
             place of mu, so the weight ignores the rollout mismatch; only with ``mode="none"``).
+        mask_direction, kl_tau, sequence_mask: the op's settings of the same names (docs/contract.md).
     """
 
     mode: str
@@ -54,6 +64,9 @@ class LossSpec:
     ratio_cap: float = TIS_CAP
     source: str = ""
     weight: str = "rollout"
+    mask_direction: str = DEFAULT_MASK_DIRECTION
+    kl_tau: float = 0.0
+    sequence_mask: Optional[SequenceMask] = None
 
     def __post_init__(self) -> None:
         if self.weight not in ("rollout", "recompute"):
@@ -102,6 +115,27 @@ LOSSES: dict[str, LossSpec] = {
     "dppo_binary_kl": LossSpec("binary_kl", source="Stable-RL dppo_binary_kl"),
     "dppo_topk_tv": LossSpec("topk_tv", source="Stable-RL dppo_topk_tv"),
     "dppo_topk_kl": LossSpec("topk_kl", source="Stable-RL dppo_topk_kl"),
+    "ipo": LossSpec(
+        "binary_tv",
+        delta_low=IPO_THRESHOLD,
+        delta_high=IPO_THRESHOLD,
+        ratio_cap=math.inf,
+        mask_direction="symmetric",
+        kl_tau=IPO_KL_TAU,
+        source="IPO: prime-rl's ipo loss (symmetric |pi - mu| > 0.1 mask, kl_tau 1e-3, weight pi / mu uncapped)",
+    ),
+    "icepop": LossSpec(
+        "ratio",
+        delta_low=icepop_deltas(*ICEPOP_BAND)[0],
+        delta_high=icepop_deltas(*ICEPOP_BAND)[1],
+        mask_direction="symmetric",
+        source="IcePop: pi / mu outside [0.5, 5] masked in both directions (OpenRLHF icepop's default band)",
+    ),
+    "dppo_binary_tv_seq_mask": LossSpec(
+        "binary_tv",
+        sequence_mask=SEQ_MASK,
+        source="DPPO Binary-TV with TRL's default sequence mask (product of pi / mu over the response > 3: dropped)",
+    ),
 }
 
 # --loss names that are another name of a loss above: verl's names of the modes (dppo_ext.contract.MODE_ALIASES,

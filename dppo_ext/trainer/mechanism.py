@@ -66,7 +66,7 @@ def token_logprobs(logits: torch.Tensor, micro: RolloutBatch, temperature: float
     return torch.log_softmax(scaled, dim=-1).gather(-1, micro.tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: float, settings: dict[str, float]):
+def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: float, settings: dict[str, object]):
     """The op's per-row outputs for ``micro`` (no grad): ``(outputs, valid [N], mu [N], advantages [N])``.
 
     ``logits``: ``[b, T, V]`` response logits of ``micro``. The rows and settings are the loss's.
@@ -94,6 +94,7 @@ def op_rows(logits: torch.Tensor, micro: RolloutBatch, mode: str, temperature: f
             mode=mode,
             temperature=temperature,
             compute_entropy=False,
+            sequence_ids=torch.arange(micro.tokens.shape[0]).repeat_interleave(micro.tokens.shape[1]).to(valid.device),
             **settings,
         )
     return out, valid, flat(micro.rollout_logprobs).float().exp(), advantages

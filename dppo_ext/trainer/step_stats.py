@@ -18,7 +18,15 @@ from typing import Any
 __all__ = ["FIRST_BATCH", "TOKEN_MEANS", "StepStats", "nan_max"]
 
 # The loss metrics a step reports as token means over all of its micro-batches.
-TOKEN_MEANS = ("masked_frac", "masked_frac_pos", "masked_frac_neg", "entropy_mean", "divergence_mean")
+# seq_masked_frac: the share of sequences a sequence mask drops (0 for a loss without one), weighted by the tokens.
+TOKEN_MEANS = (
+    "masked_frac",
+    "masked_frac_pos",
+    "masked_frac_neg",
+    "entropy_mean",
+    "divergence_mean",
+    "seq_masked_frac",
+)
 # The mismatch metrics of the first mini-batch and how its micro-batches combine: a token-weighted mean (the ESS's
 # too), or the extreme (a NaN kept).
 FIRST_BATCH = {

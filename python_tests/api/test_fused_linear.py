@@ -517,9 +517,11 @@ def test_per_row_family_signatures():
         return positional, {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
 
     aggregation = {"response_mask", "loss_agg_mode", "loss_scale_factor"}
+    # packed rows name their sequences (the aggregating functions' [B, T] rows are one sequence per b)
+    packed = {"sequence_ids": None, "cu_seqlens": None}
     for per_row, aggregating, only_there in (
-        (dppo_loss_per_row, dppo_loss, {}),
-        (fused_linear_dppo_loss_per_row, fused_linear_dppo_loss, {"reduce_hidden_grad": True}),
+        (dppo_loss_per_row, dppo_loss, packed),
+        (fused_linear_dppo_loss_per_row, fused_linear_dppo_loss, {**packed, "reduce_hidden_grad": True}),
     ):
         rows_pos, rows_kw = split(per_row)
         agg_pos, agg_kw = split(aggregating)

@@ -488,6 +488,19 @@ MUTANTS += [
         VP_HEADER,
     ),
 ]
+# The mask direction: only the grid's symmetric cases run the symmetric branch of dppo_math.h's trust_mask.
+MUTANTS += [
+    Mutant(
+        "symmetric-as-advantage",
+        "the kernels' trust_mask ignores mask_direction='symmetric' and applies the advantage's side only",
+        "  const bool invalid = settings.direction == MaskDirection::kSymmetric ? (up || down) : "
+        "(adv > T(0) ? up : down);",
+        "  const bool invalid = adv > T(0) ? up : down;",
+        "fiber",
+        WRONG_VALUES,
+        header="dppo_math.h",
+    ),
+]
 # Sampling replay (kept_ids): only the grid's kept cases run these lines, so only they can catch these.
 MUTANTS += [
     Mutant(

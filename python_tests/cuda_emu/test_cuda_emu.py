@@ -157,6 +157,7 @@ class Case:
     extreme: bool
     n: int = N_ROWS
     kept: bool = False  # sampling replay: a kept set per row (kept_ids)
+    direction: str = "advantage"  # the mask direction (docs/contract.md, "Mask")
 
     @property
     def id(self) -> str:
@@ -165,7 +166,7 @@ class Case:
             f"{str(self.dtype)[6:]}-v{self.v}-{'strided' if self.strided else 'contig'}-{self.mode}{topk}"
             f"-ent{int(self.entropy)}-anc{int(self.anchor)}-split{self.split or 'auto'}"
             f"{'-huge' if self.extreme else ''}{f'-n{self.n}' if self.n != N_ROWS else ''}"
-            f"{'-kept' if self.kept else ''}"
+            f"{'-kept' if self.kept else ''}{'-sym' if self.direction == 'symmetric' else ''}"
         )
 
 
@@ -180,6 +181,7 @@ DIMS = {
     "split": (None, 1, 2, 3, 7, 100, 150),
     "extreme": (False, True),
     "kept": (False, True),
+    "direction": ("advantage", "symmetric"),
 }
 
 
@@ -404,6 +406,7 @@ def op_args(x: dict, c: Case) -> tuple:
         RATIO_CAP,
         c.entropy,
         x["kept_ids"],
+        c.direction,
     )
 
 
@@ -424,6 +427,7 @@ def reference_forward(x: dict, c: Case) -> tuple:
         ratio_cap=RATIO_CAP,
         compute_entropy=c.entropy,
         kept_ids=x["kept_ids"],
+        mask_direction=c.direction,
     )
     return tuple(out[name].detach() for name in NAMES)
 
@@ -893,6 +897,7 @@ class VpCase:
     k: int = 5
     extreme: bool = False
     kept: bool = False  # sampling replay: kept_ids, S kept logits per row in every rank's statistics
+    direction: str = "advantage"
 
     @property
     def anchor(self) -> bool:
@@ -903,7 +908,7 @@ class VpCase:
         return (
             f"{str(self.dtype)[6:]}-{self.mode}-ent{int(self.entropy)}-w{self.world}-v{self.v}"
             f"{f'-k{self.k}' if self.mode in TOPK_MODES else ''}{'-huge' if self.extreme else ''}"
-            f"{'-kept' if self.kept else ''}"
+            f"{'-kept' if self.kept else ''}{'-sym' if self.direction == 'symmetric' else ''}"
         )
 
 
@@ -924,6 +929,13 @@ VP_GRID += [
 # Sampling replay: every mode, fp32 and bf16, W = 2 and 3, kept sets spread over the ranks.
 VP_GRID += [
     VpCase(d, m, True, w, 700, kept=True) for d in (torch.float32, torch.bfloat16) for m in MODES for w in (2, 3)
+]
+# The symmetric mask direction: every mode, fp32 and bf16, W = 2 (with the anchor) and 3.
+VP_GRID += [
+    VpCase(d, m, True, w, 700, direction="symmetric")
+    for d in (torch.float32, torch.bfloat16)
+    for m in MODES
+    for w in (2, 3)
 ]
 VP_ASAN = [c for c in VP_GRID if c.world == 3 and c.dtype in (torch.float32, torch.bfloat16)]
 VP_TSAN = [VpCase(torch.float32, "topk_tv", True, 2, 700)]
@@ -1039,6 +1051,7 @@ def vp_run(ops, x: dict, c: VpCase) -> tuple[torch.Tensor, tuple]:
         RATIO_CAP,
         c.entropy,
         x["kept_ids"],
+        c.direction,
     )
     return stats, tuple(out)
 
@@ -1060,6 +1073,7 @@ def vp_reference(x: dict, c: VpCase) -> tuple:
         ratio_cap=RATIO_CAP,
         compute_entropy=c.entropy,
         kept_ids=x["kept_ids"],
+        mask_direction=c.direction,
     )
     return tuple(out[name].detach() for name in NAMES)
 

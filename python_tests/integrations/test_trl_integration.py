@@ -32,7 +32,7 @@ from datasets import Dataset  # noqa: E402
 from dppo_testing import child_env  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS  # noqa: E402
+from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, icepop_deltas  # noqa: E402
 from dppo_ext.integrations import trl as dppo_trl  # noqa: E402
 from dppo_ext.integrations.trl import (  # noqa: E402
     DPPOGRPOConfig,
@@ -166,6 +166,54 @@ def test_loss_matches_reference_on_model_logits(tiny_model, tmp_path, fused, mod
     want = ref["loss"].sum() / mask.sum()
     torch.testing.assert_close(loss.double(), want, rtol=1e-4, atol=1e-6)
     assert trainer._metrics["eval"]["dppo/num_tokens"][-1] == mask.sum().item()
+
+
+@pytest.mark.parametrize("fused", (True, False), ids=("fused_linear", "logits"))
+def test_symmetric_mask_and_penalty_reach_the_loss(tiny_model, tmp_path, fused):
+    """dppo_mask_direction and dppo_kl_tau / dppo_kl_mask_type are the API's mask_direction, kl_tau, kl_mask_type:
+    IcePop's band through the TRL config gives the float64 reference's loss (plus the penalty on the kept tokens)."""
+    low, high = icepop_deltas(0.12, 2.0)
+    trainer = make_trainer(
+        tiny_model,
+        tmp_path,
+        dppo_fused_linear=fused,
+        dppo_mode="ratio",
+        dppo_mask_direction="symmetric",
+        dppo_delta_low=low,
+        dppo_delta_high=high,
+        dppo_kl_tau=0.05,
+        dppo_kl_mask_type="unmasked",
+        bf16=False,
+    )
+    inputs = _fixed_batch(trainer)
+    trainer.model.eval()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+    mask = inputs["completion_mask"].bool()
+    old = inputs["old_per_token_logps"].reshape(-1).double()
+    ref = dppo_loss_reference(
+        logits.reshape(18, -1).double(),
+        inputs["completion_ids"].masked_fill(~mask, -100).reshape(-1),
+        old,
+        inputs["advantages"][:, None].expand(3, 6).reshape(-1).double(),
+        mode="ratio",
+        mask_direction="symmetric",
+        delta_low=low,
+        delta_high=high,
+    )
+    kept = (ref["mask"] > 0) & mask.reshape(-1)
+    ratio = (ref["logp"] - old).exp()[mask.reshape(-1)]
+    assert kept.any() and (~kept & mask.reshape(-1)).any(), f"the band must keep some tokens and drop others: {ratio}"
+    penalty = torch.where(kept, 0.05 * (ref["logp"] - old) ** 2, torch.zeros_like(old))
+    want = (ref["loss"] + penalty).sum() / mask.sum()
+    torch.testing.assert_close(loss.double(), want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"dppo_mask_direction must be one of \('advantage', 'symmetric'\)"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mask_direction="both", use_cpu=True)
+    with pytest.raises(ValueError, match=r"dppo_kl_tau must be a finite number >= 0"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), dppo_kl_tau=-1.0, use_cpu=True)
 
 
 def test_aggregation_modes(tiny_model, tmp_path):

@@ -26,8 +26,10 @@ DOCUMENTED = {
         "DPPOLoss",
         "DPPOOutputs",
         "FusedLinearDPPOLoss",
+        "MASK_DIRECTIONS",
         "MODES",
         "MODE_ALIASES",
+        "SequenceMask",
         "__version__",
         "aggregate_loss",
         "cpu_cached_bytes",
@@ -39,6 +41,7 @@ DOCUMENTED = {
         "empty_cpu_cache",
         "fused_linear_dppo_loss",
         "fused_linear_dppo_loss_per_row",
+        "icepop_deltas",
         "micro_batch_scale",
     ],
     "dppo_ext.vocab_parallel": [

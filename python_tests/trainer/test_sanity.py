@@ -6,6 +6,7 @@ pre-update weights, fixed for every epoch and mini-batch), the lagged rollout en
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,16 @@ def test_loss_flags_override_the_loss_defaults():
         "delta_low": 0.2,
         "delta_high": 0.3,
         "ratio_cap": 10.0,
+        "mask_direction": "advantage",
+        "kl_tau": 0.0,
+        "sequence_mask": None,
     }
+    ipo = TrainConfig(loss="ipo").validate().loss_settings()
+    assert (ipo["mask_direction"], ipo["kl_tau"], ipo["delta_low"], ipo["delta_high"]) == ("symmetric", 1e-3, 0.1, 0.1)
+    icepop = TrainConfig(loss="icepop").validate().loss_settings()
+    assert (icepop["mask_direction"], icepop["delta_low"], icepop["delta_high"]) == ("symmetric", 0.5, 4.0)
+    seq = TrainConfig(loss="dppo_binary_tv_seq_mask").validate().loss_settings()["sequence_mask"]
+    assert (seq.statistic, seq.reduce, seq.high, seq.low) == ("k1", "sum", None, pytest.approx(-math.log(3.0)))
     with pytest.raises(ValueError, match=r"--ratio-cap must be > 0, got -1.0"):
         TrainConfig(ratio_cap=-1.0).validate()
     with pytest.raises(ValueError, match=r"--rollout-lag must be >= 0, got -1"):
@@ -278,6 +288,20 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_shows_in_the_record(
     for name, p in trainer.model.named_parameters():  # no NaN reached the weights or AdamW's moments
         torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, equal_nan=True)
     assert not trainer.optimizer.state
+
+
+@pytest.mark.parametrize("loss", ("ipo", "icepop", "dppo_binary_tv_seq_mask"))
+def test_the_mask_family_losses_train_and_record_the_sequence_masked_share(tiny_model_dir, tmp_path, loss):
+    """--loss ipo / icepop / dppo_binary_tv_seq_mask run a step through the trainer, change the weights and record
+    seq_masked_frac (0 for the token-level losses, a share for the sequence-masked one)."""
+    trainer = _trainer(tiny_model_dir, tmp_path, loss=loss)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    record = trainer.train_step()
+    assert record["optimizer_steps"] == 4 and math.isfinite(record["loss"])
+    assert 0.0 <= record["seq_masked_frac"] <= 1.0
+    if loss != "dppo_binary_tv_seq_mask":
+        assert record["seq_masked_frac"] == 0.0
+    assert any(not torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters())
 
 
 def test_nan_max_keeps_a_nan_whichever_side_it_is_on():

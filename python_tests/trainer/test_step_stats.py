@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dppo_ext.trainer.step_stats import TOKEN_MEANS, StepStats
+from dppo_ext.trainer.step_stats import FIRST_BATCH, TOKEN_MEANS, StepStats
 
 
 def _metrics(tokens: float, value: float, ratio_max: float, mismatch: float) -> dict[str, float]:
@@ -16,6 +16,11 @@ def _metrics(tokens: float, value: float, ratio_max: float, mismatch: float) -> 
         "ratio_max": ratio_max,
         "mismatch_mean": mismatch,
         "mismatch_max": 2 * mismatch,
+        "mismatch_k3": mismatch / 2,
+        "log_ratio_min": -3 * mismatch,
+        "log_ratio_max": 3 * mismatch,
+        "log_ratio_outlier_frac": 10 * mismatch,
+        "ess": 1 - mismatch,
     }
 
 
@@ -32,8 +37,7 @@ def test_token_means_weigh_each_call_by_its_tokens_and_the_mismatch_is_the_first
         "ratio_max",
         "loss",
         "grad_norm",
-        "mismatch_mean",
-        "mismatch_max",
+        *FIRST_BATCH,
         "optimizer_steps",
         "skipped_optimizer_steps",
         "lr",
@@ -43,6 +47,10 @@ def test_token_means_weigh_each_call_by_its_tokens_and_the_mismatch_is_the_first
     assert record["ratio_max"] == 3.0
     assert record["mismatch_mean"] == pytest.approx((3 * 1e-6 + 1 * 4e-6) / 4)
     assert record["mismatch_max"] == 8e-6
+    assert record["mismatch_k3"] == pytest.approx((3 * 0.5e-6 + 1 * 2e-6) / 4)
+    assert (record["log_ratio_min"], record["log_ratio_max"]) == (-12e-6, 12e-6)
+    assert record["log_ratio_outlier_frac"] == pytest.approx((3 * 1e-5 + 1 * 4e-5) / 4)
+    assert record["ess"] == pytest.approx((3 * (1 - 1e-6) + 1 * (1 - 4e-6)) / 4)
     assert (record["loss"], record["grad_norm"]) == (0.5, 1.0)
     assert (record["optimizer_steps"], record["skipped_optimizer_steps"], record["lr"]) == (1, 1, 1e-4)
 

@@ -29,6 +29,7 @@ from ...contract import (
     refuse_truncated_sampling,
     resolve_deltas,
 )
+from ...sequence_mask import check_kl_settings
 from .versions import import_trl
 
 import_trl()
@@ -81,6 +82,10 @@ class DPPOGRPOConfig(GRPOConfig):
         dppo_topk: K, the number of rollout top-K log-probs per token requested from vLLM (top-K modes).
         dppo_delta_low, dppo_delta_high: trust-region thresholds; ``None`` -> ``dppo_ext.DEFAULT_DELTAS[mode]``.
         dppo_ratio_cap: cap C of the importance weight ``min(pi / mu, C)``.
+        dppo_mask_direction: ``"advantage"`` (the paper's) or ``"symmetric"`` (IPO with ``binary_tv``, IcePop with
+            ``ratio``: ``dppo_delta_low, dppo_delta_high = dppo_ext.icepop_deltas(low, high)``); docs/contract.md.
+        dppo_kl_tau, dppo_kl_mask_type: prime-rl's ``kl_tau * (log pi - log mu)^2`` on the response tokens
+            ``dppo_kl_mask_type`` picks (``all``, ``unmasked``, ``masked``); 0: off.
         dppo_loss_agg_mode: ``None`` (from ``loss_type``, default ``token-mean``), ``token-mean`` (over all
             completion tokens of the generation batch on all processes, like TRL's ``dapo``), ``token-sum`` /
             ``token-sum-norm`` (sums over the optimizer step's micro-batches and processes) or a sequence mode of
@@ -117,6 +122,14 @@ class DPPOGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Upper threshold (A > 0 side); None: the mode's default."}
     )
     dppo_ratio_cap: float = field(default=10.0, metadata={"help": "Cap C of the importance weight min(pi/mu, C)."})
+    dppo_mask_direction: str = field(
+        default="advantage",
+        metadata={"help": "Mask direction: advantage (the paper's) or symmetric (IPO, IcePop)."},
+    )
+    dppo_kl_tau: float = field(default=0.0, metadata={"help": "kl_tau * (log pi - log mu)^2 on the loss; 0: off."})
+    dppo_kl_mask_type: str = field(
+        default="all", metadata={"help": "Tokens of the kl_tau penalty: all, unmasked (kept) or masked."}
+    )
     dppo_loss_agg_mode: Optional[str] = field(
         default=None, metadata={"help": f"One of {AGG_MODES}; None: from TRL's loss_type (dapo -> token-mean)."}
     )
@@ -177,7 +190,9 @@ class DPPOGRPOConfig(GRPOConfig):
             self.dppo_delta_high,
             self.dppo_ratio_cap,
             prefix="dppo_",
+            mask_direction=self.dppo_mask_direction,
         )
+        check_kl_settings(self.dppo_kl_tau, self.dppo_kl_mask_type, prefix="dppo_")
         self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
             raise ValueError(
