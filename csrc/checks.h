@@ -329,34 +329,37 @@ inline void fail_kept_missing(int64_t token, int64_t r) {
 
 // check_kept_values on the CPU: plain loops over the [N, S] ids (a dozen ATen reductions cost more than the op's
 // replay kernels at S = 64), each rule its own pass so that the first failing rule is reported, as on a device.
-inline void check_kept_values_cpu(const at::Tensor& kept_in, const at::Tensor& tokens_in, int64_t vocab) {
-  const at::Tensor kept = kept_in.contiguous();
-  const at::Tensor tokens = tokens_in.contiguous();
-  const int64_t n = kept.size(0), s = kept.size(1);
+// Strided reads (no contiguous copy): the per-ISA kernel builds include this header, and a Tensor method they
+// instantiate could be shared with baseline code (python_tests/ops/test_cpu_dispatch.py).
+inline void check_kept_values_cpu(const at::Tensor& kept, const at::Tensor& tokens, int64_t vocab) {
+  const int64_t n = kept.size(0), s = kept.size(1), rs = kept.stride(0), cs = kept.stride(1), ts = tokens.stride(0);
   const int64_t* ids = kept.const_data_ptr<int64_t>();
   const int64_t* tok = tokens.const_data_ptr<int64_t>();
+  const auto id_at = [&](int64_t r, int64_t c) { return ids[r * rs + c * cs]; };
+  const auto live = [&](int64_t r) { return tok[r * ts] != kIgnoreIndex; };
   for (int64_t r = 0; r < n; ++r) {
-    if (tok[r] == kIgnoreIndex) continue;
-    for (int64_t c = 0; c < s; ++c) {
-      if (ids[r * s + c] < -1 || ids[r * s + c] >= vocab) fail_kept_range(ids[r * s + c], vocab, r, c);
+    for (int64_t c = 0; c < s && live(r); ++c) {
+      if (id_at(r, c) < -1 || id_at(r, c) >= vocab) fail_kept_range(id_at(r, c), vocab, r, c);
     }
   }
   std::vector<int64_t> row(static_cast<size_t>(s));
   for (int64_t r = 0; r < n && s > 1; ++r) {
-    if (tok[r] == kIgnoreIndex) continue;
-    row.assign(ids + r * s, ids + (r + 1) * s);
+    if (!live(r)) continue;
+    for (int64_t c = 0; c < s; ++c) row[c] = id_at(r, c);
     std::sort(row.begin(), row.end());
     for (int64_t c = 1; c < s; ++c) {
       if (row[c] >= 0 && row[c] == row[c - 1]) fail_kept_duplicate(row[c], r);
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    if (tok[r] == kIgnoreIndex) continue;
-    if (std::none_of(ids + r * s, ids + (r + 1) * s, [](int64_t id) { return id >= 0; })) fail_kept_empty(tok[r], r);
+    bool any = false;
+    for (int64_t c = 0; c < s && !any; ++c) any = id_at(r, c) >= 0;
+    if (live(r) && !any) fail_kept_empty(tok[r * ts], r);
   }
   for (int64_t r = 0; r < n; ++r) {
-    if (tok[r] == kIgnoreIndex) continue;
-    if (std::find(ids + r * s, ids + (r + 1) * s, tok[r]) == ids + (r + 1) * s) fail_kept_missing(tok[r], r);
+    bool found = false;
+    for (int64_t c = 0; c < s && !found; ++c) found = id_at(r, c) == tok[r * ts];
+    if (live(r) && !found) fail_kept_missing(tok[r * ts], r);
   }
 }
 
