@@ -237,6 +237,21 @@ def worker_env() -> dict[str, str]:
     )
 
 
+def lower_priority(nice: int) -> None:
+    """Raise this process's niceness by ``nice``; where the sweep leads its own session, its autogroup's too.
+
+    Linux schedules autogroups (one per session) against each other before niceness counts, so a sweep started
+    with ``setsid`` would take its autogroup's full share whatever its niceness. The autogroup is raised only when
+    the sweep (this worker's parent) leads the session: it then holds nothing but the sweep."""
+    os.nice(nice)
+    autogroup = Path("/proc/self/autogroup")
+    if os.getsid(0) == os.getppid() and autogroup.exists():
+        try:
+            autogroup.write_text(str(min(19, max(-20, nice))))
+        except OSError:  # not permitted (a lower value than now, or a kernel without autogroups): niceness alone
+            pass
+
+
 def launch_workers(
     runs: list[Run], work: Path, overrides: dict[str, Any], jobs: int, data: Path | None = None, nice: int = 0
 ) -> list[dict[str, Any]]:
@@ -276,7 +291,7 @@ def launch_workers(
                     stderr=subprocess.STDOUT,
                     env=worker_env(),
                     cwd=REPO,
-                    preexec_fn=(lambda: os.nice(nice)) if nice else None,
+                    preexec_fn=(lambda: lower_priority(nice)) if nice else None,
                 )
             )
         status_paths.append(status)

@@ -311,3 +311,41 @@ def test_nan_max_keeps_a_nan_whichever_side_it_is_on():
 
     assert nan_max(0.0, 2.0) == 2.0 and nan_max(3.0, 1.0) == 3.0
     assert math.isnan(nan_max(0.0, math.nan)) and math.isnan(nan_max(math.nan, 5.0))
+
+
+_PRIORITY_PROBE = """
+import os, subprocess, sys
+from experiments.sanity.sweep import lower_priority
+child = subprocess.run(
+    [sys.executable, "-c", "print(open('/proc/self/autogroup').read().split()[-1], os.nice(0))".replace(
+        "print", "import os; print", 1)],
+    preexec_fn=lambda: lower_priority(7), capture_output=True, text=True, check=True,
+)
+print(child.stdout.strip())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+@pytest.mark.parametrize("own_session", [True, False])
+def test_sweep_workers_yield_the_cpu_even_when_the_sweep_leads_its_own_session(own_session):
+    """A sweep started with setsid sits in its own autogroup, where niceness only ranks it against itself: the
+    workers then raise the autogroup's niceness too. Started from a shell, the autogroup is the user's and is left
+    alone."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    before = Path("/proc/self/autogroup").read_text().split()[-1]
+    out = subprocess.run(
+        [sys.executable, "-c", _PRIORITY_PROBE],
+        cwd=repo,
+        env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+        start_new_session=own_session,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    group_nice, process_nice = int(out[0]), int(out[1])
+    assert process_nice >= 7
+    assert group_nice == (7 if own_session else int(before))
