@@ -126,7 +126,8 @@ def train_in_folder(
             outputs[TENSORBOARD_DIR] = "dir"
         folder.commit(outputs, keep=keep if built is None else (built.name,))
         if built is not None:
-            install_folder(built, out_dir / EMBEDDED_MODEL_DIR)
+            install_folder(built, out_dir / EMBEDDED_MODEL_DIR, replace=False)
+            folder.seal()
         atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config.to_dict(), indent=2))
         if checkpoint_dir is None:
             atomic_write_text(out_dir / INPUTS_FILE, json.dumps(data_fingerprints(config), indent=2))

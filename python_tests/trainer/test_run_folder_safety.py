@@ -557,6 +557,53 @@ def test_the_manifest_lists_every_output_and_overwrite_removes_exactly_those(tmp
     _assert_manifest_covers(out, {"notes.txt"})
 
 
+def _manifest_files(folder: Path) -> dict[str, dict]:
+    return json.loads((folder / MANIFEST_FILE).read_text())["files"]
+
+
+def test_overwrite_keeps_the_users_file_inside_the_runs_own_model_folder(finished_run, tmp_path, capsys):
+    """base_model/ is the trainer's (listed, every file of it recorded as soon as it is built): a file the user put
+    inside it stops --overwrite, named, with nothing changed; once it is moved out, --overwrite replaces the folder."""
+    out = _copy_run(finished_run, tmp_path)
+    recorded = _manifest_files(out)
+    assert "base_model/warm_start.json" in recorded and "base_model/model.safetensors" in recorded
+    (out / "base_model" / "my_eval.md").write_text("accuracy by hand: 3/16")
+    before = _tree(out)
+    assert _main(_argv(out, "--overwrite", warm_start_steps="3")) == 2  # another warm start: base_model rebuilt
+    err = capsys.readouterr().err
+    assert "base_model" in err and "my_eval.md" in err and "nothing was changed" in err
+    assert _tree(out) == before
+    (out / "base_model" / "my_eval.md").rename(tmp_path / "my_eval.md")
+    assert _main(_argv(out, "--overwrite", warm_start_steps="3")) == 0
+    assert json.loads((out / "base_model" / "warm_start.json").read_text())["settings"]["warm_start_steps"] == 3
+
+
+def test_resume_never_records_the_users_file_inside_a_runs_folder_as_the_runs(finished_run, tmp_path, capsys):
+    """A file the user put in base_model/ before a --resume is not what the run wrote: the run's end does not
+    record it, so a later --overwrite still refuses to delete it."""
+    out = _copy_run(finished_run, tmp_path)
+    (out / "base_model" / "notes.txt").write_text("mine")
+    assert _main(_argv(out, "--resume", steps="3")) == 0
+    recorded = _manifest_files(out)
+    assert "base_model/notes.txt" not in recorded and "base_model/warm_start.json" in recorded
+    assert _main(_argv(out, "--overwrite", warm_start_steps="3")) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert (out / "base_model" / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_refuses_a_runs_folder_whose_files_were_never_recorded(finished_run, tmp_path, capsys):
+    """A listed folder without a record of its files (an earlier dppo-train, or a run killed before its end) is
+    not provably the trainer's: --overwrite says so and changes nothing."""
+    out = _copy_run(finished_run, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("base_model/")}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    before = _tree(out)
+    assert _main(_argv(out, "--overwrite", warm_start_steps="3")) == 2
+    assert "recorded none of its files" in capsys.readouterr().err
+    assert _tree(out) == before
+
+
 def test_overwrite_never_follows_the_manifest_outside_the_folder_or_into_a_replaced_entry(
     finished_run, tmp_path, capsys
 ):
@@ -760,14 +807,16 @@ def _layer_run(out: Path, *, resume: bool = False, overwrite: bool = False, step
     from dppo_ext.trainer.run_folder.files import atomic_write_text
 
     with open_run_folder(out, resume=resume, overwrite=overwrite) as run:
-        outputs = {"config.json": "file", "metrics.jsonl": "file"}
+        outputs = {"config.json": "file", "metrics.jsonl": "file", "events": "dir"}
         if not resume:
             outputs["inputs.json"] = "file"
         run.commit(outputs)
         atomic_write_text(out / "config.json", '{"run": true}')
         if not resume:
             atomic_write_text(out / "inputs.json", "{}")
+        (out / "events").mkdir(exist_ok=True)  # a folder output beside the checkpoints (TensorBoard's)
         for step in steps:
+            atomic_write_text(out / "events" / f"events.{step}", f"step {step}")
             _save(out, step, limit)
 
 
@@ -797,10 +846,10 @@ class _Mutations:
         return mutation
 
 
-def _seed_users_files(out: Path, outside: Path, inside_checkpoint: bool) -> set[str]:
+def _seed_users_files(out: Path, outside: Path, inside_outputs: tuple[str, ...]) -> set[str]:
     """The user's own files of every kind in a run folder: plain files and folders named like run outputs, a file
-    named like a checkpoint, links to outside files and folders, and (``inside_checkpoint``) a file inside one of
-    the run's checkpoints. Returns the top-level names (plus the checkpoint's file)."""
+    named like a checkpoint, links to outside files and folders, and the files ``inside_outputs`` (paths inside
+    the run's own checkpoints or folder outputs). Returns the top-level names."""
     (out / "notes.txt").write_text("my notes")
     (out / "checkpoint-0").mkdir()  # a folder of the user's, named like an old checkpoint: the rotation's first pick
     (out / "checkpoint-0" / "notes.md").write_text("mine")
@@ -810,16 +859,17 @@ def _seed_users_files(out: Path, outside: Path, inside_checkpoint: bool) -> set[
     (out / "link_file").symlink_to(outside / "data.bin")
     (out / ".checkpoint-0.deleting-1").write_text("looks like a dead writer's temporary")
     users = {"notes.txt", "checkpoint-0", "checkpoint-7", "checkpoint-6", "link_file", ".checkpoint-0.deleting-1"}
-    if inside_checkpoint:
-        (out / "checkpoint-2" / "eval_results.json").write_text('{"acc": 0.5}')
+    for inside in inside_outputs:
+        (out / inside).write_text('{"acc": 0.5}')
     return users
 
 
-def _users_part(out: Path, users: set[str], inside_checkpoint: bool) -> dict:
+def _users_part(out: Path, users: set[str], inside_outputs: tuple[str, ...]) -> dict:
     tree = _part(_tree(out), users)
-    if inside_checkpoint:
-        path = out / "checkpoint-2" / "eval_results.json"
-        tree["checkpoint-2/eval_results.json"] = ("file", path.read_bytes()) if path.exists() else ("missing",)
+    if inside_outputs:
+        for inside in inside_outputs:
+            path = out / inside
+            tree[inside] = ("file", path.read_bytes()) if path.exists() else ("missing",)
     return tree
 
 
@@ -829,16 +879,16 @@ COMMANDS = {
 }
 
 
-def _run_with_interruptions(tmp_path, monkeypatch, command: str, kill: bool, inside_checkpoint: bool) -> None:
+def _run_with_interruptions(tmp_path, monkeypatch, command: str, kill: bool, inside_outputs: tuple[str, ...]) -> None:
     from dppo_ext.trainer.run_folder.files import RunError
 
     root = tmp_path / "base"
     outside = _outside(root)
     template = root / "run"
     _layer_run(template)
-    users = _seed_users_files(template, outside, inside_checkpoint)
+    users = _seed_users_files(template, outside, inside_outputs)
     before_outside = _tree(outside)
-    before = _users_part(template, users, inside_checkpoint)
+    before = _users_part(template, users, inside_outputs)
     k = 0
     while k < 300:  # each command has far fewer mutation points
         k += 1
@@ -853,7 +903,7 @@ def _run_with_interruptions(tmp_path, monkeypatch, command: str, kill: bool, ins
                 finished = False
             except RunError:
                 finished = True  # refused (or stopped at a name in the way): checked below like any outcome
-        assert _users_part(out, users, inside_checkpoint) == before, f"{command}, interrupted at mutation {k}"
+        assert _users_part(out, users, inside_outputs) == before, f"{command}, interrupted at mutation {k}"
         assert _tree(outside) == before_outside
         # the next command can always finish or undo it: --resume continues a run that started, --overwrite
         # finishes an interrupted --overwrite; a refusal says which, never pointing back at the refused command
@@ -866,24 +916,28 @@ def _run_with_interruptions(tmp_path, monkeypatch, command: str, kill: bool, ins
             except RunError as err:
                 advice.append(str(err))
         else:
-            assert inside_checkpoint and "eval_results.json" in advice[-1], (command, k, advice)
+            assert inside_outputs and all(Path(p).name in advice[-1] for p in inside_outputs), (command, k, advice)
         assert not any("pass --resume" in a for a in advice), (command, k, advice)
-        assert _users_part(out, users, inside_checkpoint) == before, f"{command}, after the recovery of {k}"
+        assert _users_part(out, users, inside_outputs) == before, f"{command}, after the recovery of {k}"
         shutil.rmtree(out)
         if finished and mutations.count < k:
             break  # every mutation point of the command was interrupted once
     else:
         pytest.fail(f"{command} did not finish after {k} interruption points")
-    assert k > 3 or (inside_checkpoint and command == "overwrite")  # refused before it changed anything
+    assert k > 3 or (inside_outputs and command == "overwrite")  # refused before it changed anything
 
 
-@pytest.mark.parametrize("inside_checkpoint", [False, True], ids=["users_files", "and_a_file_inside_a_checkpoint"])
+@pytest.mark.parametrize(
+    "inside_outputs",
+    [(), ("checkpoint-2/eval_results.json",), ("events/my_notes.json",)],
+    ids=["users_files", "and_a_file_inside_a_checkpoint", "and_a_file_inside_a_folder_output"],
+)
 @pytest.mark.parametrize("kill", [False, True], ids=["sigint", "kill"])
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_the_users_files_survive_every_command_and_every_interruption_point(
-    command, kill, inside_checkpoint, tmp_path, monkeypatch
+    command, kill, inside_outputs, tmp_path, monkeypatch
 ):
-    _run_with_interruptions(tmp_path, monkeypatch, command, kill, inside_checkpoint)
+    _run_with_interruptions(tmp_path, monkeypatch, command, kill, inside_outputs)
 
 
 def _layer_folder(tmp_path: Path) -> Path:

@@ -22,20 +22,22 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from dppo_ext.trainer.run_folder.files import TEMPORARY_NAME_RE, remove_checkpoint_files, strays
+from dppo_ext.trainer.run_folder.files import CHECKPOINT_NAME_RE, TEMPORARY_NAME_RE, remove_checkpoint_files, strays
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE, RunLock
 from dppo_ext.trainer.run_folder.manifest import (
     FOLDER_ID_FILE,
     MANIFEST_FILE,
     SETUP,
     STARTED,
+    folder_records,
+    foreign_files,
+    output_strays,
     read_manifest,
     record_output,
     seal_outputs,
     write_manifest,
 )
 from dppo_ext.trainer.run_folder.plan import (
-    CHECKPOINT_NAME_RE,
     Adopt,
     check_listed_kinds,
     folder_contents,
@@ -48,20 +50,25 @@ from dppo_ext.trainer.run_folder.plan import (
 logger = logging.getLogger(__name__)
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path, manifest: Mapping | None = None) -> None:
     """Delete a file, a link (never what it points to) or a folder tree (``rmtree`` does not follow links). A
     checkpoint folder, or one set aside while it was deleted or replaced, loses only what its ``checkpoint.json``
-    lists, and only when it holds nothing else (``strays``); else it is kept, with a warning."""
+    lists, and a folder ``manifest`` lists only what the manifest records writing there, each only when it holds
+    nothing else (``strays``); else it is kept, with a warning."""
     match = TEMPORARY_NAME_RE.match(path.name)
     base = match.group("name") if match is not None else path.name
-    if CHECKPOINT_NAME_RE.match(base) and not (match is not None and path.name.rsplit(".", 1)[1].startswith("tmp")):
-        found = strays(path)
+    checkpoint = CHECKPOINT_NAME_RE.match(base) and not (
+        match is not None and path.name.rsplit(".", 1)[1].startswith("tmp")
+    )
+    listed = manifest is not None and match is None and path.is_dir() and not path.is_symlink()
+    if checkpoint or listed:
+        found = strays(path) if checkpoint else output_strays(path.parent, path.name, manifest)
         if found:
             logger.warning(
                 "kept %s: it is not only what the trainer wrote there (%s)", path, ", ".join(found[:6]) or "a link"
             )
             return
-        remove_checkpoint_files(path)
+        remove_checkpoint_files(path, None if checkpoint else folder_records(manifest, path.name))
     elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
@@ -98,6 +105,7 @@ class RunFolder:
         self._manifest_created = manifest_created
         self._found = set(folder_contents(path))  # what was there when the lock was taken
         self._had_id = (path / FOLDER_ID_FILE).exists() or (path / FOLDER_ID_FILE).is_symlink()
+        self._foreign: set[str] = set()  # files in the listed folders at commit that the trainer did not write
 
     def __enter__(self) -> RunFolder:
         return self
@@ -107,7 +115,7 @@ class RunFolder:
             if not self.committed:
                 self.rollback()
             else:  # the sizes and hashes of what the run wrote: what a later --overwrite may delete
-                seal_outputs(self.path)
+                self.seal()
         finally:
             self.lock.release()
 
@@ -144,7 +152,7 @@ class RunFolder:
             for name in doomed:
                 path = folder / name
                 if name in present:
-                    _remove(path)
+                    _remove(path, previous)
                     removed.append(name)
                 del outputs[name]
             if removed:
@@ -163,7 +171,14 @@ class RunFolder:
                 logger.info("removing %s, left behind by an interrupted run", folder / name)
                 _remove(folder / name)
         write_manifest(folder, STARTED, {**outputs, **dict(record)})
+        # an adopted run's folders were recognised by their content as that trainer's: all of them are the run's
+        self._foreign = set() if self.adopted else foreign_files(folder)
         self.committed = True
+
+    def seal(self) -> None:
+        """Record the size and SHA-256 of what the run wrote so far (``seal_outputs``): called when the run ends,
+        and once a folder output is complete, so that a run killed later still proves that folder its own."""
+        seal_outputs(self.path, self._foreign)
 
     def record(self, name: str, kind: str) -> None:
         """``record_output`` in this folder (after ``commit``)."""

@@ -27,6 +27,7 @@ EMBEDDED_MODEL_DIR = "base_model"  # the embedded model after its warm start (em
 # The record in every checkpoint folder (checkpoint.py): {"format", "step", "run_id", "files": {relative path:
 # {"bytes", "sha256"}}}, written last; what of a checkpoint folder is the trainer's (``strays``).
 CHECKPOINT_RECORD = "checkpoint.json"
+CHECKPOINT_NAME_RE = re.compile(r"^checkpoint-\d+$")
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,15 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def install_folder(built: Path, folder: Path) -> Path:
-    """Rename the complete folder ``built`` to ``folder``, replacing what is there only once it is in place."""
+def install_folder(built: Path, folder: Path, *, replace: bool = True) -> Path:
+    """Rename the complete folder ``built`` to ``folder``, replacing what is there only once it is in place
+    (``replace``), else refusing (``RunError``) when something is there."""
+    if os.path.lexists(folder) and not replace:
+        raise RunError(
+            f"{str(folder)!r} is in the way of the folder the run just built there ({built.name}): it was kept "
+            "because it holds what the trainer did not write, so it is not the trainer's to replace. Move it out of "
+            "the folder, then start the run again"
+        )
     if folder.exists():
         old = temporary_sibling(folder, "old")
         os.rename(folder, old)
@@ -155,17 +163,20 @@ def checkpoint_record(folder: str | Path) -> dict[str, Any] | None:
     return files
 
 
-def strays(folder: str | Path) -> list[str]:
-    """What in the checkpoint folder ``folder`` is not the trainer's (relative paths; [] when everything is): an
-    entry its ``checkpoint.json`` does not list, a listed file that is now a link or no longer has the size and
-    SHA-256 recorded, a link anywhere. A folder without a readable record is not the trainer's at all (``["."]``).
-    A listed file that is missing is fine (a deletion that was interrupted), and so is a folder of nothing but
-    empty folders (one interrupted after its record was deleted)."""
+def strays(folder: str | Path, files: dict[str, Any] | None = None) -> list[str]:
+    """What in the output folder ``folder`` is not the trainer's (relative paths; [] when everything is): an entry
+    its record does not list, a listed file that is now a link or no longer has the size and SHA-256 recorded, a
+    link anywhere. The record is ``files`` (``{relative path: {"size", "sha256"}}``, the run manifest's record of a
+    folder it lists) or, without it, the folder's ``checkpoint.json`` (a checkpoint). A folder without a record is
+    not the trainer's at all (``["."]``). A listed file that is missing is fine (a deletion that was interrupted),
+    and so is a folder of nothing but empty folders (one interrupted after its record was deleted)."""
     folder = Path(folder)
-    files = checkpoint_record(folder)
+    size_key, skip = ("size", None) if files is not None else ("bytes", CHECKPOINT_RECORD)
     if files is None:
-        if folder.is_symlink() or not folder.is_dir():
-            return ["."]
+        files = checkpoint_record(folder)
+    if folder.is_symlink() or not folder.is_dir():
+        return ["."]
+    if files is None:
         for root, dirs, names in os.walk(folder):
             if names or any((Path(root) / d).is_symlink() for d in dirs):
                 return ["."]
@@ -180,31 +191,35 @@ def strays(folder: str | Path) -> list[str]:
                 if not any(f.startswith(rel + "/") for f in files):
                     found.append(rel + "/")
                 continue
-            if rel == CHECKPOINT_RECORD:
+            if rel == skip:
                 continue
             record = files.get(rel)
             if (
                 record is None
                 or not stat.S_ISREG(mode)
-                or os.lstat(path).st_size != record["bytes"]
+                or os.lstat(path).st_size != record[size_key]
                 or sha256_of(path) != record["sha256"]
             ):
                 found.append(rel)
     return sorted(found)
 
 
-def remove_checkpoint_files(folder: str | Path) -> list[str]:
-    """Delete what the checkpoint folder ``folder`` records (each listed file, then ``checkpoint.json``, then the
-    emptied folders), never following a link; the caller checked ``strays(folder) == []``. Return what was kept
-    (something put there in the meantime), which keeps its folders too. An interruption leaves the record until
-    the listed files are gone, so the next command finds what is left and finishes."""
+def remove_checkpoint_files(folder: str | Path, files: dict[str, Any] | None = None) -> list[str]:
+    """Delete what the output folder ``folder`` records (each listed file, then, for a checkpoint, its
+    ``checkpoint.json``, then the emptied folders), never following a link; the caller checked ``strays(folder,
+    files) == []``. ``files``: the run manifest's record of the folder, or None for a checkpoint's own. Return what
+    was kept (something put there in the meantime), which keeps its folders too. An interruption leaves the record
+    until the listed files are gone, so the next command finds what is left and finishes."""
     folder = Path(folder)
-    files = checkpoint_record(folder) or {}
+    own_record = files is None
+    if own_record:
+        files = checkpoint_record(folder) or {}
     for rel in sorted(files):
         path = folder / rel
         if path.is_symlink() or path.is_file():
             path.unlink()
-    (folder / CHECKPOINT_RECORD).unlink(missing_ok=True)
+    if own_record:
+        (folder / CHECKPOINT_RECORD).unlink(missing_ok=True)
     kept = []
     for root, dirs, names in os.walk(folder, topdown=False):
         kept += [(Path(root) / n).relative_to(folder).as_posix() for n in names]

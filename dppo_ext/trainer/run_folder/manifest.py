@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dppo_ext._version import __version__
-from dppo_ext.trainer.run_folder.files import RunError, atomic_write_text, read_json_object
+from dppo_ext.trainer.run_folder.files import CHECKPOINT_NAME_RE, RunError, atomic_write_text, read_json_object, strays
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE
 
 MANIFEST_FILE = "dppo-run.json"
@@ -144,9 +144,64 @@ def write_manifest(
         "folder": folder_identity(folder),
         "state": state,
         "outputs": dict(sorted(outputs.items())),
-        "files": {name: dict(files[name]) for name in sorted(files) if outputs.get(name) == "file"},
+        "files": {name: dict(files[name]) for name in sorted(files) if _records_an_output(name, outputs)},
     }
     atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1) + "\n")
+
+
+def _records_an_output(key: str, outputs: Mapping[str, str]) -> bool:
+    """True for a record the manifest keeps: a listed file's (``name``) or a file's in a listed folder that is not
+    a checkpoint (``name/relative/path``; a checkpoint records its own files in its ``checkpoint.json``)."""
+    top, _, rest = key.partition("/")
+    if not rest:
+        return outputs.get(key) == "file"
+    return outputs.get(top) == "dir" and not CHECKPOINT_NAME_RE.match(top)
+
+
+def folder_records(manifest: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """``{relative path: {"size", "sha256"}}``: the manifest's record of the files in its listed folder ``name``."""
+    prefix = name + "/"
+    return {key[len(prefix) :]: record for key, record in manifest.get("files", {}).items() if key.startswith(prefix)}
+
+
+def output_strays(folder: Path, name: str, manifest: Mapping[str, Any]) -> list[str]:
+    """``strays`` of the listed folder ``name``: against its ``checkpoint.json`` for a checkpoint, else against
+    the manifest's record of its files (none recorded: every file in it is a stray)."""
+    path = folder / name
+    if CHECKPOINT_NAME_RE.match(name):
+        return strays(path)
+    return strays(path, folder_records(manifest, name))
+
+
+def _tree_records(folder: Path, name: str, skip: set[str]) -> dict[str, dict[str, Any]]:
+    """``{name/relative path: file_record}`` of every regular file under ``folder / name`` (links neither followed
+    nor recorded), except the keys in ``skip``."""
+    root = folder / name
+    found = {}
+    if root.is_symlink() or not root.is_dir():
+        return found
+    for base, _dirs, names in os.walk(root):  # links to folders are listed in _dirs, never entered
+        for entry in names:
+            path = Path(base) / entry
+            key = f"{name}/{path.relative_to(root).as_posix()}"
+            if key not in skip and not path.is_symlink() and path.is_file():
+                found[key] = file_record(path)
+    return found
+
+
+def foreign_files(folder: str | Path) -> set[str]:
+    """The files (``name/relative path``) in ``folder``'s listed folders (checkpoints aside) that its manifest
+    does not record as written by the trainer (put there by someone else, or by an earlier dppo-train that
+    recorded none): ``seal_outputs`` never records them as the run's."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return set()
+    foreign = set()
+    for name, kind in manifest["outputs"].items():
+        if kind == "dir" and not CHECKPOINT_NAME_RE.match(name):
+            foreign |= {f"{name}/{rel}" for rel in output_strays(folder, name, manifest) if rel != "."}
+    return foreign
 
 
 def _readable(folder: Path) -> dict[str, Any] | None:
@@ -156,9 +211,11 @@ def _readable(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def seal_outputs(folder: str | Path) -> None:
-    """Record the size and SHA-256 of every file ``folder``'s manifest lists (when the run ends): what ``--overwrite``
-    may later delete is only what still matches. No-op without a manifest."""
+def seal_outputs(folder: str | Path, foreign: set[str] = frozenset()) -> None:
+    """Record the size and SHA-256 of every file ``folder``'s manifest lists, and of every file in the folders it
+    lists (checkpoints aside: theirs are in their ``checkpoint.json``), when the run ends and once a folder is
+    written: what ``--overwrite`` may later delete is only what still matches. ``foreign``: files in those folders
+    that were not the run's when it started (``foreign_files``), never recorded. No-op without a manifest."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
@@ -168,6 +225,8 @@ def seal_outputs(folder: str | Path) -> None:
         path = folder / name
         if kind == "file" and path.is_file() and not path.is_symlink():
             files[name] = file_record(path)
+        elif kind == "dir" and not CHECKPOINT_NAME_RE.match(name):
+            files.update(_tree_records(folder, name, set(foreign)))
     write_manifest(folder, manifest["state"], manifest["outputs"], files=files)
 
 

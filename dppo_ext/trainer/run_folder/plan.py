@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dppo_ext.trainer.run_folder.files import (
+    CHECKPOINT_NAME_RE,
+    CHECKPOINT_RECORD,
     CONFIG_FILE,
     EMBEDDED_MODEL_DIR,
     INPUTS_FILE,
@@ -21,14 +23,15 @@ from dppo_ext.trainer.run_folder.files import (
     SUMMARY_FILE,
     TEMPORARY_NAME_RE,
     RunError,
-    strays,
 )
 from dppo_ext.trainer.run_folder.lock import LOCK_FILE
 from dppo_ext.trainer.run_folder.manifest import (
     FOLDER_ID_FILE,
     MANIFEST_FILE,
     SETUP,
+    folder_records,
     matches_record,
+    output_strays,
     read_manifest,
     speaks_for,
 )
@@ -51,7 +54,6 @@ Adopt = Callable[[Path], dict[str, str]]
 
 # ``.tmp-<pid>-<name>``: the temporaries of dppo-train versions before the manifest.
 _EARLIER_TEMPORARY_RE = re.compile(r"^\.tmp-(?P<pid>\d+)-(?P<name>.+)$")
-CHECKPOINT_NAME_RE = re.compile(r"^checkpoint-\d+$")
 # The files every run writes anew: one of them that --overwrite may not delete (not provably the previous run's)
 # would be overwritten by the new run, so it is refused instead of kept.
 _REWRITTEN = (CONFIG_FILE, INPUTS_FILE, METRICS_FILE, PLOT_FILE, SUMMARY_FILE)
@@ -118,26 +120,32 @@ def _refuse_a_borrowed_manifest(folder: Path, manifest: Mapping) -> None:
         )
 
 
-def _check_listed_checkpoints(folder: Path, outputs: Mapping[str, str]) -> None:
-    """Refuse to delete a listed checkpoint that holds more than its ``checkpoint.json`` lists (an eval script's
-    results put inside it) or a file of it changed since: those are not the trainer's, and the new run writes a
-    checkpoint of that name again."""
+def _check_listed_folders(folder: Path, manifest: Mapping) -> None:
+    """Refuse to delete a listed folder that holds more than the trainer recorded writing there (an eval script's
+    results put inside a checkpoint, the user's notes in ``tensorboard/``) or a file of it changed since: those
+    are not the trainer's, and the new run may write a folder of that name again."""
     present = names_in(folder)
-    for name, kind in sorted(outputs.items()):
-        if name not in present:
-            continue
+    for name, kind in sorted(manifest["outputs"].items()):
         path = folder / name
-        if kind != "dir" or not CHECKPOINT_NAME_RE.match(name) or path.is_symlink() or not path.is_dir():
+        if name not in present or kind != "dir" or path.is_symlink() or not path.is_dir():
             continue
-        found = strays(path)
-        if found:
-            shown = "no readable checkpoint.json" if found == ["."] else _shown(found)
-            raise RunError(
-                f"--overwrite: {str(path)!r} holds what dppo-train did not write there ({shown}: not in its "
-                "checkpoint.json, or changed since), so it is not the trainer's to delete, and the new run would "
-                "write a checkpoint of that name again; nothing was changed. Move what is yours out of the folder "
-                "(or the whole checkpoint), or pass another --out"
-            )
+        found = output_strays(folder, name, manifest)
+        if not found:
+            continue
+        checkpoint = CHECKPOINT_NAME_RE.match(name) is not None
+        record = f"its {CHECKPOINT_RECORD}" if checkpoint else f"{MANIFEST_FILE}'s record of its files"
+        shown = f"no readable {CHECKPOINT_RECORD}" if found == ["."] else _shown(found)
+        unrecorded = (
+            ""
+            if checkpoint or folder_records(manifest, name)
+            else ("; an earlier dppo-train, or a run killed before it ended, recorded none of its files")
+        )
+        raise RunError(
+            f"--overwrite: {str(path)!r} holds what dppo-train did not write there ({shown}: not in {record}, or "
+            f"changed since{unrecorded}), so it is not the trainer's to delete, and the new run may write a folder "
+            "of that name again; nothing was changed. Move what is yours out of it (or the whole folder), or pass "
+            "another --out"
+        )
 
 
 def check_listed_kinds(folder: Path, outputs: Mapping[str, str]) -> None:
@@ -208,7 +216,7 @@ def plan_opening(
     if overwrite:
         _refuse_a_borrowed_manifest(folder, manifest)
         check_listed_kinds(folder, outputs)
-        _check_listed_checkpoints(folder, outputs)
+        _check_listed_folders(folder, manifest)
         kept_in_the_way = [name for name in unproven_files(folder) if name in _REWRITTEN]
         if kept_in_the_way:
             raise RunError(
