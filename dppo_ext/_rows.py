@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -341,73 +341,102 @@ def prepare_rows(
 
 
 class LossModule(nn.Module):
-    """The settings that ``DPPOLoss`` and ``FusedLinearDPPOLoss`` share: checked at construction (``flags``: the
-    module's own bool settings), stored, and passed to the loss function by :meth:`loss_kwargs`."""
+    """The settings that ``DPPOLoss`` and ``FusedLinearDPPOLoss`` share, held as one :class:`LossSettings`
+    (``self.settings``, resolved once at construction: the canonical mode, the mode's default thresholds in place of
+    ``None``) and passed to the loss function by :meth:`loss_kwargs`. Each setting also reads as an attribute
+    (``crit.delta_low``: the value the loss uses) and can be set as one (checked, then resolved again).
+    ``flags``: the subclass's own bool settings, checked here."""
 
     def __init__(
         self,
-        mode: str,
-        temperature: float,
-        delta_low: Optional[float],
-        delta_high: Optional[float],
-        ratio_cap: float,
-        loss_agg_mode: str,
-        loss_scale_factor: Optional[float],
-        compute_entropy: bool,
+        *,
         vocab_parallel_group: Optional[torch.distributed.ProcessGroup],
         vocab_offsets: Optional[Sequence[int]],
-        mask_direction: str = DEFAULT_MASK_DIRECTION,
-        kl_tau: float = 0.0,
-        kl_mask_type: str = "all",
-        sequence_mask: Optional[SequenceMask] = None,
-        **flags: bool,
+        flags: Optional[dict[str, bool]] = None,
+        **settings,
     ) -> None:
         super().__init__()
-        # checked in this order: the op's settings, each bool setting, then the aggregation
-        temperature = check_temperature(temperature)
-        check_settings(mode, temperature, delta_low, delta_high, ratio_cap, mask_direction=mask_direction)
-        check_kl_settings(kl_tau, kl_mask_type)
-        check_sequence_mask(sequence_mask)
-        for name, flag in {"compute_entropy": compute_entropy, **flags}.items():
+        for name, flag in (flags or {}).items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        check_aggregation(loss_agg_mode, loss_scale_factor)
-        self.mode = canonical_mode(mode)
-        self.mask_direction = mask_direction
-        self.kl_tau, self.kl_mask_type, self.sequence_mask = kl_tau, kl_mask_type, sequence_mask
-        self.temperature = temperature
-        self.delta_low = delta_low
-        self.delta_high = delta_high
-        self.ratio_cap = ratio_cap
-        self.loss_agg_mode = loss_agg_mode
-        self.loss_scale_factor = loss_scale_factor
-        self.compute_entropy = compute_entropy
+        self.settings = _module_settings(**settings)
+        self._given = settings  # as given: a later change of the mode resolves None thresholds to its defaults
         self.vocab_parallel_group = vocab_parallel_group
         self.vocab_offsets = vocab_offsets
 
+    def _set_setting(self, name: str, value) -> None:
+        given = {**self._given, name: value}
+        self.settings = _module_settings(**given)
+        self._given = given
+
     def loss_kwargs(self) -> dict:
-        """The shared settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
-        return dict(
-            mode=self.mode,
-            mask_direction=self.mask_direction,
-            kl_tau=self.kl_tau,
-            kl_mask_type=self.kl_mask_type,
-            sequence_mask=self.sequence_mask,
-            temperature=self.temperature,
-            delta_low=self.delta_low,
-            delta_high=self.delta_high,
-            ratio_cap=self.ratio_cap,
-            loss_agg_mode=self.loss_agg_mode,
-            loss_scale_factor=self.loss_scale_factor,
-            compute_entropy=self.compute_entropy,
-            vocab_parallel_group=self.vocab_parallel_group,
-            vocab_offsets=self.vocab_offsets,
-        )
+        """The settings as keyword arguments of ``dppo_loss`` / ``fused_linear_dppo_loss``."""
+        return {
+            **{f.name: getattr(self.settings, f.name) for f in fields(LossSettings)},
+            "vocab_parallel_group": self.vocab_parallel_group,
+            "vocab_offsets": self.vocab_offsets,
+        }
 
     def extra_repr(self) -> str:
+        s = self.settings
         return (
-            f"mode={self.mode!r}, mask_direction={self.mask_direction!r}, temperature={self.temperature}, "
-            f"delta_low={self.delta_low}, "
-            f"delta_high={self.delta_high}, ratio_cap={self.ratio_cap}, loss_agg_mode={self.loss_agg_mode!r}, "
-            f"loss_scale_factor={self.loss_scale_factor}"
+            f"mode={s.mode!r}, mask_direction={s.mask_direction!r}, temperature={s.temperature}, "
+            f"delta_low={s.delta_low}, delta_high={s.delta_high}, ratio_cap={s.ratio_cap}, "
+            f"loss_agg_mode={s.loss_agg_mode!r}, loss_scale_factor={s.loss_scale_factor}"
         )
+
+
+def _module_settings(
+    *,
+    mode: str,
+    temperature: float,
+    delta_low: Optional[float],
+    delta_high: Optional[float],
+    ratio_cap: float,
+    compute_entropy: bool,
+    loss_agg_mode: str,
+    loss_scale_factor: Optional[float],
+    mask_direction: str,
+    kl_tau: float,
+    kl_mask_type: str,
+    sequence_mask: Optional[SequenceMask],
+) -> LossSettings:
+    """A module's settings checked by the op's rules (a known mode and mask direction, a finite temperature > 0,
+    thresholds None or finite and >= 0, ratio_cap > 0, a bool compute_entropy, a known aggregation), in that
+    order, then resolved (:meth:`LossSettings.resolve`)."""
+    temperature = check_temperature(temperature)
+    check_settings(mode, temperature, delta_low, delta_high, ratio_cap, mask_direction=mask_direction)
+    check_kl_settings(kl_tau, kl_mask_type)
+    check_sequence_mask(sequence_mask)
+    if not isinstance(compute_entropy, bool):
+        raise TypeError(f"compute_entropy must be a bool, got {compute_entropy!r}")
+    return LossSettings.resolve(
+        mode,
+        temperature,
+        delta_low,
+        delta_high,
+        ratio_cap,
+        compute_entropy,
+        loss_agg_mode,
+        loss_scale_factor,
+        mask_direction=mask_direction,
+        kl_tau=kl_tau,
+        kl_mask_type=kl_mask_type,
+        sequence_mask=sequence_mask,
+    )
+
+
+def _setting_attribute(name: str) -> property:
+    def get(self: LossModule):
+        return getattr(self.settings, name)
+
+    def set_(self: LossModule, value) -> None:
+        self._set_setting(name, value)
+
+    return property(get, set_, doc=f"The ``{name}`` the loss uses (``self.settings.{name}``).")
+
+
+# every field of LossSettings reads and writes as an attribute of the module forms (``crit.temperature = 0.7``)
+for _field in fields(LossSettings):
+    setattr(LossModule, _field.name, _setting_attribute(_field.name))
+del _field

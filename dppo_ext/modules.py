@@ -1,6 +1,7 @@
 """The ``nn.Module`` forms of the API family: :class:`DPPOLoss` (:func:`dppo_ext.dppo_loss`) and
 :class:`FusedLinearDPPOLoss` (:func:`dppo_ext.fused_linear_dppo_loss`, as Liger's ``LigerFusedLinearGRPOLoss``). Each
-holds the settings, checked at construction (``dppo_ext._rows.LossModule``), and takes the tensors in ``forward``.
+holds its settings as one ``LossSettings`` (``crit.settings``; each also an attribute), checked at construction
+(``dppo_ext._rows.LossModule``), and takes the tensors in ``forward``.
 """
 
 from __future__ import annotations
@@ -52,21 +53,21 @@ class DPPOLoss(LossModule):
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__(
-            mode,
-            temperature,
-            delta_low,
-            delta_high,
-            ratio_cap,
-            loss_agg_mode,
-            loss_scale_factor,
-            compute_entropy,
-            vocab_parallel_group,
-            vocab_offsets,
-            mask_direction,
-            kl_tau,
-            kl_mask_type,
-            sequence_mask,
-            inplace_backward=inplace_backward,
+            mode=mode,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
+            temperature=temperature,
+            delta_low=delta_low,
+            delta_high=delta_high,
+            ratio_cap=ratio_cap,
+            loss_agg_mode=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
+            compute_entropy=compute_entropy,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_offsets=vocab_offsets,
+            flags={"inplace_backward": inplace_backward},
         )
         self.inplace_backward = inplace_backward
 
@@ -135,20 +136,20 @@ class FusedLinearDPPOLoss(LossModule):
         vocab_offsets: Optional[Sequence[int]] = None,
     ) -> None:
         super().__init__(
-            mode,
-            temperature,
-            delta_low,
-            delta_high,
-            ratio_cap,
-            loss_agg_mode,
-            loss_scale_factor,
-            compute_entropy,
-            vocab_parallel_group,
-            vocab_offsets,
-            mask_direction,
-            kl_tau,
-            kl_mask_type,
-            sequence_mask,
+            mode=mode,
+            mask_direction=mask_direction,
+            kl_tau=kl_tau,
+            kl_mask_type=kl_mask_type,
+            sequence_mask=sequence_mask,
+            temperature=temperature,
+            delta_low=delta_low,
+            delta_high=delta_high,
+            ratio_cap=ratio_cap,
+            loss_agg_mode=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
+            compute_entropy=compute_entropy,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_offsets=vocab_offsets,
         )
         check_chunk_settings(chunk_size, vocab_chunk_size, memory_budget_bytes)
         check_accum_dtype(accum_dtype)

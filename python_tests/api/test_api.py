@@ -426,3 +426,29 @@ def test_full_reference_compiles_fullgraph():
     loss_e.backward()
     loss_c.backward()
     torch.testing.assert_close(leaf_c.grad, leaf_e.grad)
+
+
+def test_the_module_holds_one_settings_object_that_reads_and_writes_as_attributes():
+    """DPPOLoss keeps its settings as the one LossSettings the functions resolve (the canonical mode, the mode's
+    default thresholds in place of None); each reads as an attribute, and setting one is checked and resolves the
+    rest again: a module changed after construction computes what a module built with the new value computes."""
+    kw = batch_inputs("cpu", torch.float64, "topk_kl", seed=3)
+    tensors = {k: kw[k] for k in ("logits", "tokens", "rollout_logprobs", "advantages", "topk_ids", "topk_logprobs")}
+    crit = DPPOLoss(mode="dppo_tv")
+    assert isinstance(crit.settings, dppo_ext._rows.LossSettings)
+    assert crit.mode == "binary_tv" and crit.settings.mode == "binary_tv"
+    assert (crit.delta_low, crit.delta_high) == DEFAULT_DELTAS["binary_tv"]  # the values the loss uses
+    crit.mode = "topk_kl"  # the thresholds were never given: the new mode's defaults
+    assert (crit.delta_low, crit.delta_high) == DEFAULT_DELTAS["topk_kl"]
+    crit.temperature = 0.7
+    crit.delta_high = 0.05
+    want, want_metrics = DPPOLoss(mode="topk_kl", temperature=0.7, delta_high=0.05)(**tensors)
+    got, got_metrics = crit(**tensors)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_metrics["masked_frac"], want_metrics["masked_frac"], rtol=0, atol=0)
+    assert "temperature=0.7" in repr(crit) and "delta_high=0.05" in repr(crit)
+    with pytest.raises(ValueError, match="temperature"):
+        crit.temperature = float("nan")
+    with pytest.raises(ValueError, match="mode"):
+        crit.mode = "clip"
+    assert crit.temperature == 0.7 and crit.mode == "topk_kl"  # a refused value changes nothing
