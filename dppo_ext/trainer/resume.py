@@ -84,19 +84,24 @@ def resume_config_changes(saved: dict, config: TrainConfig) -> list[str]:
 def check_resume_config(out_dir: Path, config: TrainConfig) -> None:
     """Refuse to resume with settings that differ from the run's ``config.json`` (what it trains)."""
     path = out_dir / CONFIG_FILE
-    if not path.is_file():
-        logger.warning("--resume: %s is missing; the settings cannot be compared with the original run's", path)
-        return
-    saved = _read_json_object(path)
-    changes = resume_config_changes(saved, config)
-    if changes:
-        raise RunError(
-            f"--resume: settings differ from the run's {path}: {'; '.join(changes)}. A resumed run continues with "
-            "its original settings: pass the same flags (only --steps, --save-every, --save-total-limit, --threads, "
-            "--device and --vllm-gpu-memory-utilization may change), or --overwrite to start over"
-        )
-    inputs_path = out_dir / INPUTS_FILE
     manifest = read_manifest(out_dir)
+    if not path.is_file() and manifest is not None and manifest["outputs"].get(CONFIG_FILE) == "file":
+        raise RunError(
+            f"--resume: {str(path)!r}, where the run recorded its settings when it started, is missing, so whether "
+            "this command trains the same run cannot be checked; nothing was changed. Restore the file (from a copy "
+            "of the run folder), or pass --overwrite to start over"
+        )
+    if not path.is_file():  # a run of an earlier dppo-train that never wrote one
+        logger.warning("--resume: %s is missing; the settings cannot be compared with the original run's", path)
+    else:
+        changes = resume_config_changes(_read_json_object(path), config)
+        if changes:
+            raise RunError(
+                f"--resume: settings differ from the run's {path}: {'; '.join(changes)}. A resumed run continues with "
+                "its original settings: pass the same flags (only --steps, --save-every, --save-total-limit, "
+                "--threads, --device and --vllm-gpu-memory-utilization may change), or --overwrite to start over"
+            )
+    inputs_path = out_dir / INPUTS_FILE
     if not inputs_path.is_file() and manifest is not None and manifest["outputs"].get(INPUTS_FILE) == "file":
         raise RunError(
             f"--resume: {str(inputs_path)!r}, where the run recorded the SHA-256 of its --data and --eval-data when it "

@@ -1086,6 +1086,23 @@ def test_resume_refuses_when_inputs_json_went_missing(tmp_path):
         check_resume_config(out, config)
 
 
+def test_resume_refuses_when_config_json_went_missing(tmp_path):
+    """config.json deleted (and the data changed): without it neither the settings nor, before, the data were
+    checked, and the run went on; --resume now refuses, saying how to go on."""
+    from dppo_ext.trainer.config import TrainConfig
+    from dppo_ext.trainer.resume import check_resume_config, data_fingerprints
+    from dppo_ext.trainer.run_folder.files import RunError
+
+    out = _layer_folder(tmp_path)
+    data = _data_file(tmp_path / "train.jsonl")
+    config = TrainConfig(data=str(data), out=str(out))
+    (out / "inputs.json").write_text(json.dumps(data_fingerprints(config)))
+    (out / "config.json").unlink()
+    data.write_text(data.read_text() + data.read_text())
+    with pytest.raises(RunError, match=r"config.json', where the run recorded its settings .* is missing"):
+        check_resume_config(out, config)
+
+
 def test_the_metrics_are_never_appended_through_a_link(tmp_path):
     """metrics.jsonl replaced by a link to the user's file: a resumed run refuses to append to it (it appended
     through the link), naming it; the user's file is unchanged."""
