@@ -1117,3 +1117,17 @@ def test_the_metrics_are_never_appended_through_a_link(tmp_path):
     with pytest.raises(RunError, match=r"metrics.jsonl' is a symbolic link: the trainer appends only to its own"):
         writer.write({"step": 1})
     assert mine.read_text() == '{"step": 0}\n'
+
+
+def test_a_temporary_is_removed_only_when_its_writer_is_dead(tmp_path, caplog):
+    """A run removes the trainer temporaries a dead writer left (a checkpoint being written when it was killed),
+    never one whose writer is still running (its pid in the name is a live process other than this one)."""
+    out = _layer_folder(tmp_path)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path("/proc/sys/kernel/pid_max").exists() else 2**22
+    for pid in (dead, os.getppid()):
+        (out / f".checkpoint-3.tmp-{pid}").mkdir()
+        (out / f".checkpoint-3.tmp-{pid}" / "state.pt").write_bytes(b"half written")
+    _layer_run(out, resume=True, steps=(3,), limit=0)
+    assert not (out / f".checkpoint-3.tmp-{dead}").exists()
+    assert (out / f".checkpoint-3.tmp-{os.getppid()}" / "state.pt").read_bytes() == b"half written"
+    assert f"(pid {os.getppid()}) is still running" in caplog.text

@@ -42,6 +42,7 @@ from dppo_ext.trainer.run_folder.plan import (
     check_listed_kinds,
     folder_contents,
     is_temporary,
+    live_writer,
     names_in,
     plan_opening,
     unproven_files,
@@ -73,6 +74,16 @@ def _remove(path: Path, manifest: Mapping | None = None) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def _remove_leftover(path: Path, why: str) -> None:
+    """Remove a trainer temporary whose writer is dead; one whose writer still runs is left alone, with a warning."""
+    pid = live_writer(path.name)
+    if pid is not None:
+        logger.warning("kept %s: the process that writes it (pid %d) is still running", path, pid)
+        return
+    logger.info("removing %s, %s", path, why)
+    _remove(path)
 
 
 class RunFolder:
@@ -168,8 +179,7 @@ class RunFolder:
         known = {**self.outputs, **dict(record)}  # temporaries of what the previous run wrote are recognised too
         for name in sorted(folder_contents(folder)):
             if is_temporary(name, known) and name not in keep:
-                logger.info("removing %s, left behind by an interrupted run", folder / name)
-                _remove(folder / name)
+                _remove_leftover(folder / name, "left behind by an interrupted run")
         write_manifest(folder, STARTED, {**outputs, **dict(record)})
         # an adopted run's folders were recognised by their content as that trainer's: all of them are the run's
         self._foreign = set() if self.adopted else foreign_files(folder)
@@ -267,8 +277,7 @@ def open_run_folder(folder: str | Path, *, resume: bool, overwrite: bool, adopt:
         run.mode, run.outputs, run.adopted = mode, outputs, adopted
         if mode == "fresh":
             for name in leftovers:
-                logger.info("removing %s, left by a run killed during its setup", folder / name)
-                _remove(folder / name)
+                _remove_leftover(folder / name, "left by a run killed during its setup")
             run._manifest_created = not (folder / MANIFEST_FILE).exists()
             write_manifest(folder, SETUP, {}, new_run=True)
     except BaseException:

@@ -43,6 +43,7 @@ __all__ = [
     "check_out_apart",
     "folder_contents",
     "is_temporary",
+    "live_writer",
     "names_in",
     "plan_opening",
     "unproven_files",
@@ -68,6 +69,26 @@ def is_temporary(name: str, outputs: Mapping[str, str], pid: int | None = None) 
     if base in outputs or base in (MANIFEST_FILE, FOLDER_ID_FILE, EMBEDDED_MODEL_DIR):
         return True
     return CHECKPOINT_NAME_RE.match(base) is not None
+
+
+def live_writer(name: str) -> int | None:
+    """The pid in the temporary name ``name`` when that process is still running and is not this one (a temporary
+    it is still writing, never a dead writer's leftover), else None."""
+    match = TEMPORARY_NAME_RE.match(name) or _EARLIER_TEMPORARY_RE.match(name)
+    if match is None:
+        return None
+    pid = int(match.group("pid"))
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # running, as another user
+        return pid
+    except OSError:  # an out-of-range pid in the name: no such process
+        return None
+    return pid
 
 
 def _kind(path: Path) -> str:
