@@ -189,3 +189,26 @@ def test_liger_comparison_refuses_a_malformed_shape(bench_liger, capsys):
     with pytest.raises(SystemExit):
         bench_liger.parse_args(["--shapes", "4x512x32768"])
     assert "a shape is BxTxHxV" in capsys.readouterr().err
+
+
+def test_family_runs_table_reads_run_folders(monkeypatch, tmp_path):
+    """The family plot's table: first and last evaluation, step means, the wall time from summary.json, a dash for a
+    metric the run does not record; a folder that is not a run is refused with what it lacks."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import plot_family_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": 0, "eval_acc": 0.1},
+        {"step": 1, "masked_frac": 0.02, "mismatch_mean": 1e-7},
+        {"step": 2, "masked_frac": 0.04, "mismatch_mean": 3e-7, "eval_acc": 0.25},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"loss": "ipo", "wall_s": 600.4, "train_s": 500.2}))
+    (row,) = plot_family_runs.table([plot_family_runs.load_run(str(run))]).splitlines()[2:]
+    assert row == "| `ipo` | 10.0 % -> 25.0 % (step 0 -> 2) | 3.00 % | — | 2.0e-07 | 600 s (500 s) |"
+    assert plot_family_runs.load_run(f"renamed={run}")[0] == "renamed"
+    (run / "summary.json").unlink()
+    with pytest.raises(SystemExit, match=r"no summary.json in .*run \(expected a trainer run folder"):
+        plot_family_runs.load_run(str(run))
