@@ -16,9 +16,11 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from ...contract import check_logits_dtype_setting
 from ...fused_linear import fused_linear_dppo_loss_per_row
 from ...loss import dppo_loss_per_row
-from .config import LOGITS_DTYPES, DPPOGRPOConfig
+from ...sequence_mask import SequenceMask
+from .config import DPPOGRPOConfig
 from .versions import import_trl
 
 import_trl()
@@ -90,6 +92,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
     check_plain_logits(model.config)
     previous_forward = model.forward
     delta_low, delta_high = args.dppo_deltas
+    sequence_mask = SequenceMask.from_config(args.dppo_sequence_mask, "dppo_sequence_mask")
 
     @functools.wraps(type(model).forward)
     def _forward(self, *f_args: Any, dppo_batch: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any):
@@ -111,6 +114,9 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             mask_direction=args.dppo_mask_direction,
             kl_tau=args.dppo_kl_tau,
             kl_mask_type=args.dppo_kl_mask_type,
+            sequence_mask=sequence_mask,
+            # each completion one sequence (only read with a sequence mask)
+            sequence_ids=torch.arange(batch, device=tokens.device).repeat_interleave(length),
             temperature=temperature,
             delta_low=delta_low,
             delta_high=delta_high,
@@ -139,7 +145,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
                     advantages,
                     bias=None if bias is None else bias.to(dtype),
                     chunk_size=args.dppo_chunk_size,
-                    logits_dtype=LOGITS_DTYPES[args.dppo_logits_dtype],
+                    logits_dtype=check_logits_dtype_setting(args.dppo_logits_dtype),
                     weight_context=gather,
                     **op_kwargs,
                 )

@@ -83,7 +83,8 @@ class DPPOGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss is DPPO through ``dppo_ext`` (docs/trl.md).
 
     Takes ``args=DPPOGRPOConfig(...)``; everything else is ``GRPOTrainer``'s. TRL's entropy bonus,
-    ``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` (loss variants of TRL's own) are refused.
+    ``top_entropy_quantile < 1`` (loss variants of TRL's own) are refused; TRL's ``off_policy_mask_threshold`` is
+    ``dppo_sequence_mask`` here (``DPPOGRPOConfig``).
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Optional[DPPOGRPOConfig] = None, **kwargs: Any):
@@ -93,13 +94,12 @@ class DPPOGRPOTrainer(GRPOTrainer):
             "entropy_coef": args.entropy_coef != 0.0,
             "use_adaptive_entropy": args.use_adaptive_entropy,
             "top_entropy_quantile": args.top_entropy_quantile < 1.0,
-            "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
         }
         bad = [name for name, is_set in unsupported.items() if is_set]
         if bad:
             raise ValueError(
                 f"DPPOGRPOTrainer does not combine DPPO with TRL's {bad} (set them to their defaults: entropy_coef=0, "
-                "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
+                "use_adaptive_entropy=False, top_entropy_quantile=1.0)"
             )
         colocate = args.use_vllm and args.vllm_mode == "colocate"
         llm_kwargs: dict[str, Any] = {}
