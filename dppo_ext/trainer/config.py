@@ -14,7 +14,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
+import torch
+
+from dppo_ext.contract import (
+    AGG_MODES,
+    LOGITS_DTYPE_SETTINGS,
+    MAX_LOGIT_NOISE,
+    MODEL_DTYPES,
+    check_logits_dtype_setting,
+    sampling_truncation,
+)
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS, tiny_heads
 from dppo_ext.rollout.base import Truncation
 from dppo_ext.rollout.factory import ENGINE_KINDS
@@ -178,6 +187,13 @@ class TrainConfig:
         "float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", tuple(MODEL_DTYPES)
     )
     dtype: str = _opt("float32", "trainer parameter dtype", tuple(MODEL_DTYPES))
+    logits_dtype: typing.Optional[str] = _opt(
+        None,
+        "the response logits' dtype; unset: --dtype's. float32 with --dtype bfloat16/float16: the LM head's products "
+        "accumulated and kept in float32 from the 16-bit hidden states and weight (an fp32 LM head; TRL's "
+        "dppo_logits_dtype). Refused for a model whose forward soft-caps or rescales its logits",
+        tuple(LOGITS_DTYPE_SETTINGS),
+    )
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
@@ -231,6 +247,12 @@ class TrainConfig:
         return LOSS_MODES[self.loss]
 
     @property
+    def logits_torch_dtype(self) -> torch.dtype | None:
+        """The response logits' dtype when --logits-dtype widens them beyond --dtype's, else None."""
+        wide = check_logits_dtype_setting(self.logits_dtype, "--logits-dtype")
+        return None if wide is None or wide == MODEL_DTYPES[self.dtype] else wide
+
+    @property
     def uses_topk(self) -> bool:
         """True when the loss needs the rollout's top-K log-probs."""
         return self.loss in TOPK_LOSSES
@@ -275,7 +297,8 @@ class TrainConfig:
             _check_type(name, hints[name], getattr(self, name))
         for name, f in config_fields().items():
             choices = f.metadata.get("choices")
-            if choices and getattr(self, name) not in choices:
+            value = getattr(self, name)
+            if choices and value not in choices and not (value is None and inner_type(hints[name])[1]):
                 raise ValueError(
                     f"--{flag_name(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
                 )

@@ -49,6 +49,7 @@ import torch
 
 from dppo_ext.aggregation import micro_batch_scale
 from dppo_ext.contract import NORM_AGG_MODES
+from dppo_ext.models.lm_head import check_plain_logits
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
 from dppo_ext.trainer.advantages import group_advantages
@@ -103,6 +104,11 @@ class Trainer:
     ) -> None:
         from dppo_ext import dppo_loss
 
+        # --logits-dtype float32 with a 16-bit model: the LM head in float32 (batch.response_logits), which applies
+        # nothing after it
+        self.logits_dtype = config.logits_torch_dtype
+        if self.logits_dtype is not None:
+            check_plain_logits(model.config, "--logits-dtype", fix="leave --logits-dtype unset")
         self._dppo_loss = dppo_loss
         self.config = config
         self.model = model
@@ -221,7 +227,7 @@ class Trainer:
                 for part in micro_parts:
                     micro = batch.select(part).to(self.device)
                     share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
-                    logits = response_logits(self.model, micro)
+                    logits = response_logits(self.model, micro, self.logits_dtype)
                     # pg_pi_old: the op's weight pi / mu becomes pi / pi_old (the loss ignores the rollout mismatch)
                     on_old = cfg.weights_on_recompute
                     loss, metrics = self._dppo_loss(
@@ -288,7 +294,7 @@ class Trainer:
         for part, logp_old in zip(parts, before):
             micro = batch.select(part).to(self.device)
             rows, valid, mu, adv = op_rows(
-                response_logits(self.model, micro), micro, cfg.mode, cfg.temperature, settings
+                response_logits(self.model, micro, self.logits_dtype), micro, cfg.mode, cfg.temperature, settings
             )
             stats.add_post_update(rows.logp, logp_old, valid, mu, adv)
 
@@ -301,7 +307,7 @@ class Trainer:
         size = cfg.micro_batch_size or batch.size
         for part in torch.arange(batch.size).split(size):
             micro = batch.select(part).to(self.device)
-            logp = token_logprobs(response_logits(self.model, micro), micro, cfg.temperature)
+            logp = token_logprobs(response_logits(self.model, micro, self.logits_dtype), micro, cfg.temperature)
             logp = torch.where(micro.response_mask, logp, torch.zeros_like(logp)).cpu()
             out[part, : logp.shape[1]] = logp
         return out
