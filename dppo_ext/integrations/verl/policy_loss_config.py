@@ -43,4 +43,7 @@ class DPPOPolicyLossConfig(PolicyLossConfig):
     dppo_logits_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
         check_mask_settings(self)
