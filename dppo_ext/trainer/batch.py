@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from dppo_ext.contract import LOGITS_DTYPE_SETTINGS
+from dppo_ext.models.lm_head import check_plain_logits
 from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.rollout.vllm_outputs import pack_rollout_samples
 
@@ -133,6 +135,17 @@ def collate_rollouts(
     )
 
 
+def checked_logits_dtype(model: torch.nn.Module, logits_dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The ``logits_dtype`` :func:`response_logits` takes for ``--logits-dtype`` with ``model``: None unless it widens
+    the LM head's dtype. Widening applies the head to the hidden states here, so a model that soft-caps or rescales
+    its logits is refused (ValueError naming the flag)."""
+    wide = LOGITS_DTYPE_SETTINGS.get(logits_dtype)
+    if wide is None or model.get_output_embeddings().weight.dtype == wide:
+        return None
+    check_plain_logits(model.config, "--logits-dtype", fix="leave --logits-dtype unset")
+    return wide
+
+
 def response_logits(
     model: torch.nn.Module, batch: RolloutBatch, logits_dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
@@ -144,7 +157,7 @@ def response_logits(
     product of 16-bit operands is exact in float32 and accumulated there, so the logits are the float32 LM head's
     (the fused op's ``logits_dtype=torch.float32``), never 16-bit logits widened afterwards. (The head's weight is
     widened for the product; autograd keeps that float32 copy until the backward.) The model must apply nothing
-    after its LM head (:func:`dppo_ext.models.lm_head.check_plain_logits`, checked by the trainer).
+    after its LM head (:func:`checked_logits_dtype`).
 
     Returns:
         [B, T, V] logits; row b, column t predicts ``batch.tokens[b, t]``.

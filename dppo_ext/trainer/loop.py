@@ -49,11 +49,10 @@ import torch
 
 from dppo_ext.aggregation import micro_batch_scale
 from dppo_ext.contract import NORM_AGG_MODES
-from dppo_ext.models.lm_head import check_plain_logits
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
 from dppo_ext.trainer.advantages import group_advantages
-from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
+from dppo_ext.trainer.batch import RolloutBatch, checked_logits_dtype, collate_rollouts, response_logits
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.lag import RolloutLag
@@ -104,11 +103,7 @@ class Trainer:
     ) -> None:
         from dppo_ext import dppo_loss
 
-        # --logits-dtype float32 with a 16-bit model: the LM head in float32 (batch.response_logits), which applies
-        # nothing after it
-        self.logits_dtype = config.logits_torch_dtype
-        if self.logits_dtype is not None:
-            check_plain_logits(model.config, "--logits-dtype", fix="leave --logits-dtype unset")
+        self.logits_dtype = checked_logits_dtype(model, config.logits_dtype)  # a 16-bit model's float32 logits
         self._dppo_loss = dppo_loss
         self.config = config
         self.model = model

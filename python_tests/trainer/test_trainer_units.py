@@ -13,7 +13,7 @@ import torch
 from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.tasks import DataFormatError, get_verifier, load_jsonl_problems, make_arithmetic_task
 from dppo_ext.trainer.advantages import group_advantages
-from dppo_ext.trainer.batch import collate_rollouts, response_logits
+from dppo_ext.trainer.batch import checked_logits_dtype, collate_rollouts, response_logits
 from dppo_ext.trainer.cli import parse_config
 from dppo_ext.trainer.config import TrainConfig
 
@@ -360,8 +360,9 @@ def test_logits_dtype_reaches_the_trainers_loss_and_is_checked(tmp_path: Path, m
 
     folder, model, batch = _bf16_batch(tmp_path)
     config = TrainConfig(dtype="bfloat16", logits_dtype="float32", num_minibatches=1, ppo_epochs=1).validate()
-    assert config.logits_torch_dtype == torch.float32
-    assert TrainConfig(logits_dtype="float32").validate().logits_torch_dtype is None  # float32 model: already
+    assert checked_logits_dtype(model, config.logits_dtype) == torch.float32
+    assert checked_logits_dtype(model.float(), "float32") is None  # a float32 model's logits are float32 already
+    model.bfloat16()
     assert parse_config(["--dtype", "bfloat16", "--logits-dtype", "float32"]).logits_dtype == "float32"
     with pytest.raises(ValueError, match=r"--logits-dtype: unknown value 'fp32'; expected one of \['float32'\]"):
         TrainConfig(logits_dtype="fp32").validate()
