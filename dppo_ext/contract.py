@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_RATIO_CAP",
     "IGNORE_INDEX",
     "LOGITS_DTYPES",
+    "LOGITS_DTYPE_SETTINGS",
     "LOG_RATIO_CLAMP",
     "MASK_DIRECTIONS",
     "MASS_FLOOR",
@@ -36,6 +37,7 @@ __all__ = [
     "accumulation_dtype",
     "canonical_mode",
     "check_aggregation",
+    "check_logits_dtype_setting",
     "check_mask_direction",
     "check_settings",
     "check_token_ids",
@@ -105,6 +107,10 @@ LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # The model and rollout dtypes, by the name a setting gives (the trainer's --dtype / --rollout-dtype, the rollout
 # engines' dtype, TRL's dppo_vllm_dtype, which also takes vLLM's "auto").
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The LM head's logits dtype by the name a config gives (TRL's dppo_logits_dtype, verl's policy_loss.dppo_logits_dtype,
+# the trainer's --logits-dtype); None, not listed: the model's own dtype. "float32" from a bfloat16 / float16 model:
+# the products accumulated and kept in float32 (fused_linear_dppo_loss(logits_dtype=torch.float32)).
+LOGITS_DTYPE_SETTINGS = {"float32": torch.float32}
 # The largest sigma of the rollout logit noise (dppo_ext.rollout.noise): far beyond it the noise alone decides every
 # token (mu is a random one-hot whatever the logits), and sigma * eps (|eps| < 7 in practice) stays finite in
 # float16 logits (max 65504), so a sampler never sees inf - inf.
@@ -128,6 +134,19 @@ def canonical_mode(mode: str, name: str = "mode") -> str:
         if mode in MODE_ALIASES:
             return MODE_ALIASES[mode]
     raise ValueError(f"{name} must be one of {MODES} (or an alias: {tuple(MODE_ALIASES)}), got {mode!r}")
+
+
+def check_logits_dtype_setting(value: object, name: str = "logits_dtype") -> Optional[torch.dtype]:
+    """The ``torch.dtype`` of a config's logits dtype setting ``value`` (None: the model's dtype); ValueError naming
+    ``name`` for anything but None or a key of ``LOGITS_DTYPE_SETTINGS``."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value in LOGITS_DTYPE_SETTINGS:
+        return LOGITS_DTYPE_SETTINGS[value]
+    raise ValueError(
+        f"{name} must be None (the model's dtype) or {' or '.join(map(repr, LOGITS_DTYPE_SETTINGS))} (the LM head's "
+        f"logits in that dtype from a bfloat16 / float16 model), got {value!r}"
+    )
 
 
 def check_mask_direction(mask_direction: object, name: str = "mask_direction") -> str:

@@ -18,7 +18,10 @@ rows are one sequence per ``b``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +32,7 @@ from .contract import LOG_RATIO_CLAMP
 
 __all__ = [
     "KL_MASK_TYPES",
+    "SEQUENCE_MASK_FIELDS",
     "SEQUENCE_REDUCTIONS",
     "SEQUENCE_STATISTICS",
     "SequenceMask",
@@ -42,6 +46,8 @@ __all__ = [
 
 SEQUENCE_STATISTICS = ("k1", "k2", "k3", "tv")
 SEQUENCE_REDUCTIONS = ("sum", "mean", "max")
+# SequenceMask's fields, the keys of its config form (SequenceMask.from_config).
+SEQUENCE_MASK_FIELDS = ("statistic", "reduce", "high", "low", "negative_advantages_only")
 # Which response tokens the squared-log-ratio penalty covers (prime-rl's kl_mask_type): every one, the ones the masks
 # keep, or the ones they drop.
 KL_MASK_TYPES = ("all", "unmasked", "masked")
@@ -85,6 +91,42 @@ class SequenceMask:
             raise TypeError(
                 f"SequenceMask negative_advantages_only must be a bool, got {self.negative_advantages_only!r}"
             )
+
+    @classmethod
+    def from_config(cls, value: object, name: str = "sequence_mask") -> Optional[SequenceMask]:
+        """The sequence mask a config setting ``name`` gives (TRL's ``dppo_sequence_mask``, verl's
+        ``policy_loss.dppo_sequence_mask``): None (no sequence mask), a :class:`SequenceMask`, a mapping of its fields
+        (``statistic``, ``reduce``, ``high``, ``low``, ``negative_advantages_only``) or that mapping as JSON (a
+        command line). ValueError naming ``name``, the value and what is expected otherwise."""
+        if value is None or isinstance(value, SequenceMask):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{name} must be None, a dppo_ext.SequenceMask, a dict of its fields or that dict as JSON, got the "
+                    f"string {value!r} ({err.msg})"
+                ) from err
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"{name} must be None, a dppo_ext.SequenceMask or a dict of its fields {SEQUENCE_MASK_FIELDS}, got "
+                f"{value!r} ({type(value).__name__})"
+            )
+        unknown = sorted(str(key) for key in value if key not in SEQUENCE_MASK_FIELDS)
+        if unknown or "statistic" not in value or "reduce" not in value:
+            raise ValueError(
+                f"{name} takes the fields {SEQUENCE_MASK_FIELDS} (statistic and reduce required), got "
+                f"{dict(value)!r}" + (f": unknown {unknown}" if unknown else "")
+            )
+        try:
+            return cls(**{str(key): value[key] for key in value})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: {err}") from err
+
+    def to_config(self) -> dict:
+        """The fields as a plain dict, the form :meth:`from_config` reads and a JSON config stores."""
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_verl(cls, rollout_rs: str, rollout_rs_threshold: float | str) -> SequenceMask:

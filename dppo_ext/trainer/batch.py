@@ -15,9 +15,12 @@ for every row, which lets the model project only those hidden states to the voca
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 
+from dppo_ext.contract import LOGITS_DTYPE_SETTINGS
+from dppo_ext.models.lm_head import check_plain_logits
 from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.rollout.vllm_outputs import pack_rollout_samples
 
@@ -132,20 +135,48 @@ def collate_rollouts(
     )
 
 
-def response_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+def checked_logits_dtype(model: torch.nn.Module, logits_dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The ``logits_dtype`` :func:`response_logits` takes for ``--logits-dtype`` with ``model``: None unless it widens
+    the LM head's dtype. Widening applies the head to the hidden states here, so a model that soft-caps or rescales
+    its logits is refused (ValueError naming the flag)."""
+    wide = LOGITS_DTYPE_SETTINGS.get(logits_dtype)
+    if wide is None or model.get_output_embeddings().weight.dtype == wide:
+        return None
+    check_plain_logits(model.config, "--logits-dtype", fix="leave --logits-dtype unset")
+    return wide
+
+
+def response_logits(
+    model: torch.nn.Module, batch: RolloutBatch, logits_dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
     """The policy's raw logits for every response position.
 
     Runs ``model`` on the packed sequences and projects only the ``T + 1`` last hidden states
-    to the vocabulary.
+    to the vocabulary. With ``logits_dtype`` wider than the model's (``torch.float32`` for a bfloat16 / float16
+    model, ``--logits-dtype float32``) the backbone's last hidden states go through the LM head in that dtype: each
+    product of 16-bit operands is exact in float32 and accumulated there, so the logits are the float32 LM head's
+    (the fused op's ``logits_dtype=torch.float32``), never 16-bit logits widened afterwards. (The head's weight is
+    widened for the product; autograd keeps that float32 copy until the backward.) The model must apply nothing
+    after its LM head (:func:`checked_logits_dtype`).
 
     Returns:
         [B, T, V] logits; row b, column t predicts ``batch.tokens[b, t]``.
     """
-    out = model(
+    if logits_dtype is None:
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.response_len + 1,
+            use_cache=False,
+        )
+        return out.logits[:, :-1]
+    hidden = model.base_model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=batch.response_len + 1,
         use_cache=False,
-    )
-    return out.logits[:, :-1]
+    ).last_hidden_state[:, -(batch.response_len + 1) : -1]
+    head = model.get_output_embeddings()
+    bias = None if head.bias is None else head.bias.to(logits_dtype)
+    return torch.nn.functional.linear(hidden.to(logits_dtype), head.weight.to(logits_dtype), bias)

@@ -14,12 +14,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
+from dppo_ext.contract import AGG_MODES, LOGITS_DTYPE_SETTINGS, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS, tiny_heads
 from dppo_ext.rollout.base import Truncation
 from dppo_ext.rollout.factory import ENGINE_KINDS
 from dppo_ext.tasks.base import VERIFIERS
 from dppo_ext.trainer.losses import LOSSES
+from dppo_ext.trainer.ranges import Range
 from dppo_ext.trainer.reporting import REPORT_TARGETS
 
 # --loss name -> dppo_loss mode (the full configuration of each loss: dppo_ext.trainer.losses).
@@ -31,38 +32,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting may take: ``low`` to ``high`` (None: no upper bound), each end included unless
-    ``*_open``; ``why`` is said with it in the error."""
-
-    low: float
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def __contains__(self, value: float) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high is None:
-            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
-        else:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            text = f"in {left}{_number(self.low)}, {_number(self.high)}{right}"
-        return f"{text} ({self.why})" if self.why else text
-
-
-def _number(value: float) -> str:
-    """``2**32`` for a large power of two (a seed's bound), else the number as ``:g`` writes it."""
-    if isinstance(value, int) and value > 2**16 and not value & (value - 1):
-        return f"2**{value.bit_length() - 1}"
-    return f"{value:g}"
 
 
 @dataclass
@@ -178,6 +147,13 @@ class TrainConfig:
         "float32", "rollout engine dtype (e.g. bfloat16 rollouts for an fp32 trainer)", tuple(MODEL_DTYPES)
     )
     dtype: str = _opt("float32", "trainer parameter dtype", tuple(MODEL_DTYPES))
+    logits_dtype: typing.Optional[str] = _opt(
+        None,
+        "the response logits' dtype; unset: --dtype's. float32 with --dtype bfloat16/float16: the LM head's products "
+        "accumulated and kept in float32 from the 16-bit hidden states and weight (an fp32 LM head; TRL's "
+        "dppo_logits_dtype); refused for a model whose forward soft-caps or rescales its logits",
+        tuple(LOGITS_DTYPE_SETTINGS),
+    )
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")
     max_model_len: int = _opt(256, "rollout engine's maximum prompt + response length")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM on GPU: fraction of GPU memory for the engine")
@@ -275,7 +251,7 @@ class TrainConfig:
             _check_type(name, hints[name], getattr(self, name))
         for name, f in config_fields().items():
             choices = f.metadata.get("choices")
-            if choices and getattr(self, name) not in choices:
+            if choices and getattr(self, name) not in (*choices, None):  # None: an Optional field unset (typed above)
                 raise ValueError(
                     f"--{flag_name(name)}: unknown value {getattr(self, name)!r}; expected one of {list(choices)}"
                 )

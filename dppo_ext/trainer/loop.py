@@ -52,7 +52,7 @@ from dppo_ext.contract import NORM_AGG_MODES
 from dppo_ext.rollout.base import RolloutEngine, RolloutSample
 from dppo_ext.tasks.base import Problem, Task
 from dppo_ext.trainer.advantages import group_advantages
-from dppo_ext.trainer.batch import RolloutBatch, collate_rollouts, response_logits
+from dppo_ext.trainer.batch import RolloutBatch, checked_logits_dtype, collate_rollouts, response_logits
 from dppo_ext.trainer.checkpoint import load_trainer_state, save_checkpoint, set_rng_state
 from dppo_ext.trainer.config import TrainConfig
 from dppo_ext.trainer.lag import RolloutLag
@@ -103,6 +103,7 @@ class Trainer:
     ) -> None:
         from dppo_ext import dppo_loss
 
+        self.logits_dtype = checked_logits_dtype(model, config.logits_dtype)  # a 16-bit model's float32 logits
         self._dppo_loss = dppo_loss
         self.config = config
         self.model = model
@@ -221,7 +222,7 @@ class Trainer:
                 for part in micro_parts:
                     micro = batch.select(part).to(self.device)
                     share = float(micro_batch_scale(cfg.loss_agg_mode, micro.response_mask, mb_tokens, mb_seqs))
-                    logits = response_logits(self.model, micro)
+                    logits = response_logits(self.model, micro, self.logits_dtype)
                     # pg_pi_old: the op's weight pi / mu becomes pi / pi_old (the loss ignores the rollout mismatch)
                     on_old = cfg.weights_on_recompute
                     loss, metrics = self._dppo_loss(
@@ -288,7 +289,7 @@ class Trainer:
         for part, logp_old in zip(parts, before):
             micro = batch.select(part).to(self.device)
             rows, valid, mu, adv = op_rows(
-                response_logits(self.model, micro), micro, cfg.mode, cfg.temperature, settings
+                response_logits(self.model, micro, self.logits_dtype), micro, cfg.mode, cfg.temperature, settings
             )
             stats.add_post_update(rows.logp, logp_old, valid, mu, adv)
 
@@ -301,7 +302,7 @@ class Trainer:
         size = cfg.micro_batch_size or batch.size
         for part in torch.arange(batch.size).split(size):
             micro = batch.select(part).to(self.device)
-            logp = token_logprobs(response_logits(self.model, micro), micro, cfg.temperature)
+            logp = token_logprobs(response_logits(self.model, micro, self.logits_dtype), micro, cfg.temperature)
             logp = torch.where(micro.response_mask, logp, torch.zeros_like(logp)).cpu()
             out[part, : logp.shape[1]] = logp
         return out

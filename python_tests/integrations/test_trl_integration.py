@@ -32,6 +32,7 @@ from datasets import Dataset  # noqa: E402
 from dppo_testing import child_env  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import dppo_ext  # noqa: E402
 from dppo_ext.contract import AGG_MODES, DEFAULT_DELTAS, icepop_deltas  # noqa: E402
 from dppo_ext.integrations import trl as dppo_trl  # noqa: E402
 from dppo_ext.integrations.trl import (  # noqa: E402
@@ -214,6 +215,72 @@ def test_symmetric_mask_and_penalty_reach_the_loss(tiny_model, tmp_path, fused):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_mask_direction="both", use_cpu=True)
     with pytest.raises(ValueError, match=r"dppo_kl_tau must be a finite number >= 0"):
         DPPOGRPOConfig(output_dir=str(tmp_path), dppo_kl_tau=-1.0, use_cpu=True)
+
+
+@pytest.mark.parametrize("fused", (True, False), ids=("fused_linear", "logits"))
+def test_sequence_mask_reaches_the_loss(tiny_model, tmp_path, fused):
+    """dppo_sequence_mask is the API's sequence_mask with each completion one sequence: the loss equals dppo_loss
+    on the model's logits with the same SequenceMask (rows [B, T]: one sequence per completion) and differs from
+    the loss without it; a bound between the completions' mean k1 drops some and keeps the others."""
+    plain = make_trainer(tiny_model, tmp_path / "plain", dppo_fused_linear=fused, bf16=False)
+    inputs = _fixed_batch(plain)
+    plain.model.eval()
+    loss_plain = plain._compute_loss(plain.model, inputs)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = plain.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+    mask = inputs["completion_mask"].bool()
+    old = inputs["old_per_token_logps"]
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+    k1_mean = ((old.double() - logp) * mask).sum(1) / mask.sum(1)
+    high = float(k1_mean.sort().values[:2].mean())  # between the smallest two: drops two of the three
+    sequence_mask = dppo_ext.SequenceMask("k1", "mean", high=high)
+    trainer = make_trainer(
+        tiny_model, tmp_path / "masked", dppo_fused_linear=fused, bf16=False, dppo_sequence_mask=sequence_mask
+    )
+    assert trainer.args.dppo_sequence_mask == sequence_mask.to_config()  # stored as the dict (JSON-able)
+    trainer.model.eval()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    want, metrics = dppo_ext.dppo_loss(
+        logits,
+        inputs["completion_ids"].masked_fill(~mask, -100),
+        torch.where(mask, old, torch.zeros_like(old)),
+        inputs["advantages"][:, None].expand(3, 6).contiguous(),
+        response_mask=mask,
+        sequence_mask=sequence_mask,
+    )
+    assert metrics["seq_masked_frac"] == pytest.approx(2 / 3)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(loss, loss_plain), "the sequence mask must change this batch's loss"
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("k1", r"dppo_sequence_mask must be None, a dppo_ext.SequenceMask, .* got the string 'k1'"),
+        ({"statistic": "k1", "reduce": "sum"}, r"dppo_sequence_mask: SequenceMask needs a bound"),
+        ({"statistic": "k4", "reduce": "sum", "high": 1.0}, r"dppo_sequence_mask: SequenceMask statistic must be"),
+        ({"statistic": "k1", "reduce": "sum", "cap": 3.0}, r"dppo_sequence_mask takes the fields .*unknown \['cap'\]"),
+        ({"reduce": "sum", "high": 1.0}, r"dppo_sequence_mask takes the fields .*statistic and reduce required"),
+        (3.0, r"dppo_sequence_mask must be None, a dppo_ext.SequenceMask or a dict .* got 3.0 \(float\)"),
+    ],
+)
+def test_config_refuses_bad_sequence_masks(tmp_path, value, match):
+    with pytest.raises(ValueError, match=match):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_sequence_mask=value)
+
+
+def test_config_sequence_mask_forms_and_trls_off_policy_threshold(tmp_path):
+    """A SequenceMask, its dict and its JSON are one setting, stored as the dict; TRL's off_policy_mask_threshold is
+    refused with the dppo_sequence_mask that gives the same mask."""
+    mask = dppo_ext.SequenceMask.from_trl("sequence_mask", None, 3.0)
+    for value in (mask, mask.to_config(), json.dumps(mask.to_config())):
+        args = DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, dppo_sequence_mask=value)
+        assert args.dppo_sequence_mask == mask.to_config()
+        json.dumps(args.to_dict())  # TRL / transformers serialise the config
+    with pytest.raises(ValueError, match=r"dppo_sequence_mask=dppo_ext.SequenceMask.off_policy\(0.5\).to_config\(\)"):
+        DPPOGRPOConfig(output_dir=str(tmp_path), use_cpu=True, off_policy_mask_threshold=0.5)
 
 
 def test_aggregation_modes(tiny_model, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,44 @@ def test_max_logprobs_that_is_not_a_count_is_refused_by_name(value):
         ValueError, match=r"engine_kwargs\.vllm\.max_logprobs must be an int >= 0 .* or -1 \(no cap\), got "
     ):
         validate(_topk_config(max_logprobs=value))
+
+
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
+TARGET = f"{POLICY_LOSS}._target_=dppo_ext.integrations.verl.policy_loss_config.DPPOPolicyLossConfig"
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (["dppo_mask_direction=both"], r"policy_loss\.dppo_mask_direction must be one of \('advantage', 'symmetric'\)"),
+        (["dppo_kl_tau=-0.1"], r"policy_loss\.dppo_kl_tau must be a finite number >= 0 \(0: no penalty\), got -0.1"),
+        (["dppo_kl_mask_type=kept"], r"policy_loss\.dppo_kl_mask_type must be one of \('all', 'unmasked', 'masked'\)"),
+        (["dppo_sequence_mask.statistic=k1"], r"policy_loss\.dppo_sequence_mask takes the fields .*statistic and"),
+        (
+            ["dppo_sequence_mask.statistic=k5", "dppo_sequence_mask.reduce=sum", "dppo_sequence_mask.high=1.0"],
+            r"policy_loss\.dppo_sequence_mask: SequenceMask statistic must be one of \('k1', 'k2', 'k3', 'tv'\)",
+        ),
+        (["dppo_logits_dtype=fp32"], r"policy_loss\.dppo_logits_dtype must be None \(the model's dtype\) or 'float32'"),
+        (["dppo_logits_dtype=float32"], r"policy_loss\.dppo_logits_dtype='float32' sets the fused LM head's .* None"),
+    ],
+)
+def test_the_mask_family_settings_are_checked_by_name(tmp_path, settings, match):
+    """The DPPO settings of verl's policy_loss (DPPOPolicyLossConfig) are refused in the driver, naming the setting,
+    the value and what is expected; good values pass."""
+    base = _overrides(tmp_path, mode="dppo_tv") + [TARGET]
+    with pytest.raises(ValueError, match=match):
+        validate(tree(base + [f"+{POLICY_LOSS}.{setting}" for setting in settings]))
+    good = ["dppo_mask_direction=symmetric", "dppo_kl_tau=0.001", "dppo_kl_mask_type=unmasked"]
+    good += ["dppo_sequence_mask.statistic=k3", "dppo_sequence_mask.reduce=mean", "dppo_sequence_mask.high=0.01"]
+    validate(tree(base + [f"+{POLICY_LOSS}.{setting}" for setting in good]))
+
+
+def test_the_mask_family_settings_need_the_plugins_policy_loss_class(tmp_path, caplog):
+    """verl's own PolicyLossConfig refuses keys it lacks when a worker builds it: the driver says which target takes
+    them; for a loss mode not the plugin's they are not read, and a warning says so."""
+    base = _overrides(tmp_path, mode="dppo_topk_tv") + [f"+{POLICY_LOSS}.dppo_kl_tau=0.01"]
+    with pytest.raises(ValueError, match=rf"sets \['dppo_kl_tau'\], .*: set {re.escape(TARGET)}"):
+        validate(tree(base + [f"{POLICY_LOSS}._target_=verl.workers.config.PolicyLossConfig"]))
+    validate(tree(base + [TARGET]))
+    validate(tree(base + [TARGET, f"{MODE_KEY}=vanilla"]))
+    assert "['dppo_kl_tau']: read by the plugin's loss modes only, not by loss_mode='vanilla'" in caplog.text

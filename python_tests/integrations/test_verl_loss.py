@@ -32,8 +32,10 @@ from verl.trainer.ppo.core_algos import agg_loss  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss  # noqa: E402
 
+import dppo_ext  # noqa: E402
 import dppo_ext.integrations.verl.plugin  # noqa: E402,F401  (installs the hooks, as verl's entry point does)
 from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
+from dppo_ext.integrations.verl.config import VERL_MODES  # noqa: E402
 from dppo_ext.integrations.verl.rollout import RolloutTopK  # noqa: E402
 
 V, K = 29, 4
@@ -460,3 +462,80 @@ def test_bf16_accuracy_benchmark_at_a_small_size(tmp_path):
     for row in rows:
         assert row["plugin"]["max_rounding_steps"] <= 0.5 + 1e-3 and row["plugin"]["mask_flips"] == 0, row
         assert row["verl"]["max_rounding_steps"] > 1, row
+
+
+def mask_family_config(mode: str, **dppo):
+    """verl's actor config with DPPOPolicyLossConfig as the policy-loss class and ``policy_loss.<key>=<value>``."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from dppo_ext.integrations.verl.config import DPPO_POLICY_LOSS_TARGET
+
+    overrides = [
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.clip_ratio_low=0.1",
+        "actor_rollout_ref.actor.clip_ratio_high=0.1",
+        "actor_rollout_ref.actor.clip_ratio_c=4.0",
+        f"actor_rollout_ref.actor.policy_loss._target_={DPPO_POLICY_LOSS_TARGET}",
+    ]
+    overrides += [f"+actor_rollout_ref.actor.policy_loss.{key}={value}" for key, value in dppo.items()]
+    return omega_conf_to_dataclass(verl_cpu.compose(overrides).actor_rollout_ref.actor)
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_topk_kl"])
+def test_mask_family_settings_reach_the_loss(mode):
+    """policy_loss.dppo_mask_direction / dppo_kl_tau / dppo_kl_mask_type / dppo_sequence_mask are the API's
+    mask_direction, kl_tau, kl_mask_type and sequence_mask (each response one sequence): the plugin's loss and
+    logits gradient equal dppo_ext.dppo_loss on the responses' logits with the same settings, and differ from the
+    plugin's loss without them."""
+    topk = VERL_MODES[mode].topk
+    plain = mask_family_config(mode)
+    data = micro_batch(make_batch(topk=topk, advantage_scale=2.0), plain)
+    logits = packed_logits(data)
+    padded = data.select("responses", "response_mask", "advantages", VERL_MODES[mode].anchor).to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    mu = padded[VERL_MODES[mode].anchor]
+    logp = torch.log_softmax(response_view(data, logits.squeeze(0)), -1).gather(-1, padded["responses"][..., None])
+    k1_sum = ((mu - logp[..., 0]) * mask).sum(1)
+    high = float(k1_sum.sort().values[1:3].mean())  # between the 2nd and 3rd: masks two of the four responses
+    sequence_mask = dppo_ext.SequenceMask("k1", "sum", high=high)
+    config = mask_family_config(
+        mode,
+        dppo_mask_direction="symmetric",
+        dppo_kl_tau=0.05,
+        dppo_kl_mask_type="unmasked",
+        dppo_sequence_mask=f"{{statistic:k1,reduce:sum,high:{high!r}}}",
+    )
+    assert vloss.settings(config).masks.sequence_mask == sequence_mask
+    loss, metrics, grad = run_plugin(config, data, logits, inplace=True)
+    plain_loss, _, _ = run_plugin(plain, data, logits, inplace=True)
+
+    leaf = logits.clone().requires_grad_(True)
+    topk_ids = topk_logprobs = None
+    if topk:
+        ids, lps = vloss._topk_rows(data, padded["responses"].long(), mask)
+        topk_ids, topk_logprobs = ids, lps
+    want, want_metrics = dppo_ext.dppo_loss(
+        response_view(data, leaf.squeeze(0)),
+        padded["responses"].long(),
+        mu,
+        padded["advantages"],
+        response_mask=mask,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+        mode=VERL_MODES[mode].mode,
+        mask_direction="symmetric",
+        kl_tau=0.05,
+        kl_mask_type="unmasked",
+        sequence_mask=sequence_mask,
+        delta_low=0.1,
+        delta_high=0.1,
+        ratio_cap=4.0,
+    )
+    want.backward()
+    assert want_metrics["seq_masked_frac"] == pytest.approx(0.5)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(loss, plain_loss, rtol=1e-3), "the settings must change this batch's loss"
+    assert metric_value(metrics["actor/pg_clipfrac"]) >= 0.5  # the masked responses' tokens count as masked

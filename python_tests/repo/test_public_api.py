@@ -55,6 +55,7 @@ DOCUMENTED = {
     "dppo_ext.integrations.trl": ["DPPOGRPOConfig", "DPPOGRPOTrainer"],
     "dppo_ext.integrations.verl.config": ["validate"],
     "dppo_ext.integrations.verl.loss": ["ppo_loss"],
+    "dppo_ext.integrations.verl.policy_loss_config": ["DPPOPolicyLossConfig"],
     "dppo_ext.train": ["main", "run"],
     "dppo_ext._C": ["cuda_compiled"],
 }

@@ -62,11 +62,11 @@ def test_mechanism_metrics_match_a_recomputation(tiny_model_dir, tmp_path, loss)
     pending = []
     real_logits = loop.response_logits
 
-    def spy_logits(model, batch):
+    def spy_logits(model, batch, logits_dtype=None):
         if torch.is_grad_enabled():
             with torch.no_grad():
                 pending.append((batch, _token_logp(model, batch)))
-        return real_logits(model, batch)
+        return real_logits(model, batch, logits_dtype)
 
     real_step = trainer.optimizer.step
 

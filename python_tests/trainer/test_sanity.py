@@ -155,10 +155,10 @@ def test_recompute_anchor_uses_pre_update_weights_and_stays_fixed(tiny_model_dir
     pending = []
     real_response_logits, real_loss = loop.response_logits, trainer._dppo_loss
 
-    def spy_response_logits(model, batch):
+    def spy_response_logits(model, batch, logits_dtype=None):
         if torch.is_grad_enabled():
             pending.append(batch)
-        return real_response_logits(model, batch)
+        return real_response_logits(model, batch, logits_dtype)
 
     def spy_loss(logits, tokens, *args, **kwargs):
         logp = (

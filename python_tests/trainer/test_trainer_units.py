@@ -13,7 +13,7 @@ import torch
 from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.tasks import DataFormatError, get_verifier, load_jsonl_problems, make_arithmetic_task
 from dppo_ext.trainer.advantages import group_advantages
-from dppo_ext.trainer.batch import collate_rollouts, response_logits
+from dppo_ext.trainer.batch import checked_logits_dtype, collate_rollouts, response_logits
 from dppo_ext.trainer.cli import parse_config
 from dppo_ext.trainer.config import TrainConfig
 
@@ -305,6 +305,90 @@ def test_collate_and_response_logits_match_unpadded_forwards(tmp_path: Path):
         sub = batch.select(torch.tensor([2, 1]))
         assert sub.response_len == 2 and sub.tokens.tolist() == [[4, 0], [4, 2]]
         torch.testing.assert_close(response_logits(model, sub)[1], logits[1, :2], atol=1e-5, rtol=1e-5)
+
+
+def _bf16_batch(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    from dppo_ext.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    samples = [
+        _sample([1, 5, 6, 14, 7, 16], [8, 9, 2], [-0.1, -2.2, -0.3]),
+        _sample([1, 4, 14, 4, 16], [4, 2], [-1.5, -0.6]),
+        _sample([1, 9, 9, 15, 10, 10, 16], [4], [-0.7]),
+    ]
+    return folder, model, collate_rollouts(samples, [1.0, -1.0, 0.5], pad_id=0, with_topk=False)
+
+
+def test_float32_logits_from_a_bf16_model_are_the_float32_lm_heads(tmp_path: Path):
+    """--logits-dtype float32 on a bfloat16 model: the response logits are the LM head's products of the bf16
+    hidden states and weight accumulated in float32 (float64's, rounded once to float32), not the bf16 logits
+    widened; and the loss on them equals fused_linear_dppo_loss(logits_dtype=torch.float32) on the same rows."""
+    from dppo_ext import dppo_loss, fused_linear_dppo_loss
+
+    _, model, batch = _bf16_batch(tmp_path)
+    with torch.no_grad():
+        wide = response_logits(model, batch, torch.float32)
+        narrow = response_logits(model, batch)
+        hidden = model.base_model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).last_hidden_state[:, -(batch.response_len + 1) : -1]
+    weight = model.get_output_embeddings().weight
+    exact = hidden.double() @ weight.double().t()
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16
+    wide_error = (wide.double() - exact).abs().max()
+    narrow_error = (narrow.double() - exact).abs().max()
+    assert wide_error < 1e-5 * exact.abs().max(), wide_error
+    assert narrow_error > 100 * wide_error, (narrow_error, wide_error)  # the bf16 logits are rounded, these are not
+    inputs = (batch.tokens, batch.rollout_logprobs, batch.advantages[:, None].expand(batch.tokens.shape))
+    settings = dict(response_mask=batch.response_mask, temperature=0.8)
+    loss, _ = dppo_loss(wide, *inputs, **settings)
+    fused, _ = fused_linear_dppo_loss(hidden, weight, *inputs, logits_dtype=torch.float32, **settings)
+    torch.testing.assert_close(loss, fused, rtol=1e-5, atol=1e-7)
+    narrow_loss, _ = dppo_loss(narrow, *inputs, **settings)
+    assert not torch.allclose(loss, narrow_loss.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_logits_dtype_reaches_the_trainers_loss_and_is_checked(tmp_path: Path, monkeypatch):
+    """--logits-dtype float32 with --dtype bfloat16: every logits the trainer scores are response_logits(...,
+    torch.float32); a bad value, and a model that soft-caps its logits, are refused naming the flag."""
+    from transformers import AutoTokenizer
+
+    from dppo_ext.trainer.loop import Trainer
+
+    folder, model, batch = _bf16_batch(tmp_path)
+    config = TrainConfig(dtype="bfloat16", logits_dtype="float32", num_minibatches=1, ppo_epochs=1).validate()
+    assert checked_logits_dtype(model, config.logits_dtype) == torch.float32
+    assert checked_logits_dtype(model.float(), "float32") is None  # a float32 model's logits are float32 already
+    model.bfloat16()
+    assert parse_config(["--dtype", "bfloat16", "--logits-dtype", "float32"]).logits_dtype == "float32"
+    with pytest.raises(ValueError, match=r"--logits-dtype: unknown value 'fp32'; expected one of \['float32'\]"):
+        TrainConfig(logits_dtype="fp32").validate()
+    with pytest.raises(SystemExit):
+        parse_config(["--logits-dtype", "bfloat16"])
+    trainer = Trainer(config, model, AutoTokenizer.from_pretrained(folder), make_arithmetic_task(), None, tmp_path)
+    seen = []
+
+    def spy(logits, *args, **kwargs):
+        seen.append((logits.detach().clone(), args[0]))
+        return dppo_loss(logits, *args, **kwargs)
+
+    from dppo_ext import dppo_loss
+
+    monkeypatch.setattr(trainer, "_dppo_loss", spy)
+    with torch.no_grad():
+        want = response_logits(model, batch, torch.float32)
+    trainer.update(batch)
+    ((logits, tokens),) = seen
+    assert logits.dtype == torch.float32
+    for row, row_tokens in enumerate(tokens):  # the mini-batch holds the batch's rows in a shuffled order
+        index = next(i for i, t in enumerate(batch.tokens) if torch.equal(t, row_tokens))
+        torch.testing.assert_close(logits[row], want[index], rtol=0, atol=0)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"--logits-dtype does not support models that transform .*: leave"):
+        Trainer(config, model, AutoTokenizer.from_pretrained(folder), make_arithmetic_task(), None, tmp_path)
 
 
 # ---------------------------------------------------------------- short training runs (HF engine)

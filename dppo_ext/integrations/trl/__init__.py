@@ -33,8 +33,8 @@ The full walk-through is docs/trl.md; a runnable script is examples/trl_dppo_grp
 Supported: text models, ``beta`` (KL to the reference model, TRL's k3 estimator on our log-probs), tools /
 environment masks (not with the top-K modes), gradient accumulation, ``num_iterations``. Rejected with a clear
 error: top-K modes without vLLM (there is no sampler top-K to compare with), the entropy bonus,
-``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` (TRL loss variants of their own), multimodal
-inputs.
+``top_entropy_quantile < 1`` (a TRL loss variant of its own), ``off_policy_mask_threshold`` (with the
+``dppo_sequence_mask`` that gives the same mask), multimodal inputs.
 
 One job per module: ``versions`` (the TRL/vLLM releases, checked before TRL is imported), ``config``
 (``DPPOGRPOConfig``), ``head`` (the model's DPPO forward), ``generation`` (the vLLM hooks), ``trainer``

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -25,11 +25,12 @@ from ...contract import (
     NORM_AGG_MODES,
     TOPK_MODES,
     canonical_mode,
+    check_logits_dtype_setting,
     check_settings,
     refuse_truncated_sampling,
     resolve_deltas,
 )
-from ...sequence_mask import check_kl_settings
+from ...sequence_mask import SequenceMask, check_kl_settings
 from .versions import import_trl
 
 import_trl()
@@ -39,8 +40,6 @@ __all__ = ["DPPOGRPOConfig", "VLLM_DTYPES"]
 
 # dtypes the colocated vLLM engine may be asked for (dppo_vllm_dtype): vLLM's "auto" or a model dtype.
 VLLM_DTYPES = ("auto", *MODEL_DTYPES)
-# dppo_logits_dtype -> the fused LM head's logits_dtype (None: the model's dtype).
-LOGITS_DTYPES = {None: None, "float32": torch.float32}
 # Bytes per GiB of dppo_vllm_kv_cache_gib (vLLM takes the KV-cache size as an int number of bytes).
 GIB = 2**30
 # TRL's loss_type -> our loss_agg_mode, for the loss types that are an aggregation (docs/aggregation.md).
@@ -86,6 +85,12 @@ class DPPOGRPOConfig(GRPOConfig):
             ``ratio``: ``dppo_delta_low, dppo_delta_high = dppo_ext.icepop_deltas(low, high)``); docs/contract.md.
         dppo_kl_tau, dppo_kl_mask_type: prime-rl's ``kl_tau * (log pi - log mu)^2`` on the response tokens
             ``dppo_kl_mask_type`` picks (``all``, ``unmasked``, ``masked``); 0: off.
+        dppo_sequence_mask: a sequence-level mask (docs/contract.md, "Sequence masks"): the fields of
+            ``dppo_ext.SequenceMask`` as a dict (``{"statistic": "k1", "reduce": "sum", "high": ..., "low": ...,
+            "negative_advantages_only": False}``; a ``SequenceMask`` or the dict as JSON also do), stored as that
+            dict; each completion is one sequence; None: off. TRL's own ``vllm_importance_sampling_mode=
+            "sequence_mask"`` band is ``SequenceMask.from_trl(...).to_config()`` and its ``off_policy_mask_threshold``
+            ``SequenceMask.off_policy(t).to_config()`` (docs/names.md).
         dppo_loss_agg_mode: ``None`` (from ``loss_type``, default ``token-mean``), ``token-mean`` (over all
             completion tokens of the generation batch on all processes, like TRL's ``dapo``), ``token-sum`` /
             ``token-sum-norm`` (sums over the optimizer step's micro-batches and processes) or a sequence mode of
@@ -129,6 +134,14 @@ class DPPOGRPOConfig(GRPOConfig):
     dppo_kl_tau: float = field(default=0.0, metadata={"help": "kl_tau * (log pi - log mu)^2 on the loss; 0: off."})
     dppo_kl_mask_type: str = field(
         default="all", metadata={"help": "Tokens of the kl_tau penalty: all, unmasked (kept) or masked."}
+    )
+    dppo_sequence_mask: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={
+            "help": "Sequence-level mask: the dppo_ext.SequenceMask fields as a dict or JSON, e.g. "
+            '\'{"statistic": "k1", "reduce": "sum", "low": -1.0986, "high": null}\' (TRL\'s sequence_mask with '
+            "clip_max 3); None: off."
+        },
     )
     dppo_loss_agg_mode: Optional[str] = field(
         default=None, metadata={"help": f"One of {AGG_MODES}; None: from TRL's loss_type (dapo -> token-mean)."}
@@ -193,6 +206,15 @@ class DPPOGRPOConfig(GRPOConfig):
             mask_direction=self.dppo_mask_direction,
         )
         check_kl_settings(self.dppo_kl_tau, self.dppo_kl_mask_type, prefix="dppo_")
+        mask = SequenceMask.from_config(self.dppo_sequence_mask, "dppo_sequence_mask")
+        self.dppo_sequence_mask = None if mask is None else mask.to_config()
+        if self.off_policy_mask_threshold is not None:
+            threshold = self.off_policy_mask_threshold
+            raise ValueError(
+                f"off_policy_mask_threshold={threshold!r} is TRL's off-policy sequence mask; DPPOGRPOConfig takes it "
+                f"as dppo_sequence_mask=dppo_ext.SequenceMask.off_policy({threshold!r}).to_config() (the same mask, "
+                "one setting for every sequence mask): set that and leave off_policy_mask_threshold=None"
+            )
         self.dppo_mode = canonical_mode(self.dppo_mode)
         if self.dppo_mode in TOPK_MODES and (not self.use_vllm or self.dppo_topk < 1):
             raise ValueError(
@@ -219,10 +241,7 @@ class DPPOGRPOConfig(GRPOConfig):
         )
         for name in ("dppo_fused_linear", "dppo_sync_check"):
             _check_bool(name, getattr(self, name))
-        if not (isinstance(self.dppo_logits_dtype, (str, type(None))) and self.dppo_logits_dtype in LOGITS_DTYPES):
-            raise ValueError(
-                f"dppo_logits_dtype must be None (the model's dtype) or 'float32', got {self.dppo_logits_dtype!r}"
-            )
+        check_logits_dtype_setting(self.dppo_logits_dtype, "dppo_logits_dtype")
         if self.dppo_logits_dtype is not None and not self.dppo_fused_linear:
             raise ValueError(
                 f"dppo_logits_dtype={self.dppo_logits_dtype!r} sets the fused LM head's logits dtype: it needs "

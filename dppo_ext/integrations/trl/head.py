@@ -16,25 +16,19 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from ...contract import check_logits_dtype_setting
 from ...fused_linear import fused_linear_dppo_loss_per_row
 from ...loss import dppo_loss_per_row
-from .config import LOGITS_DTYPES, DPPOGRPOConfig
+from ...models.lm_head import check_plain_logits
+from ...sequence_mask import SequenceMask
+from .config import DPPOGRPOConfig
 from .versions import import_trl
 
 import_trl()
 from transformers.utils import ModelOutput  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402  (after the version check)
 
-__all__ = ["DPPOForwardOutput", "add_dppo_head", "check_plain_logits", "flat_float"]
-
-# Config fields with which a model's forward rescales or soft-caps the LM head's output (as TRL lists them).
-_LOGIT_TRANSFORMS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "output_multiplier",
-    "lm_head_multiplier",
-    "logits_scaling",
-)
+__all__ = ["DPPOForwardOutput", "add_dppo_head", "flat_float"]
 
 
 @dataclass
@@ -55,20 +49,6 @@ def flat_float(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.reshape(-1).float().contiguous()
 
 
-def check_plain_logits(config: Any) -> None:
-    """Refuse a model whose forward soft-caps or rescales the LM head's output (``config``: its transformers config).
-
-    The DPPO loss is computed from the plain LM-head output; DPPOGRPOTrainer calls this before TRL starts vLLM."""
-    text_config = config.get_text_config()
-    transforms = {name: getattr(text_config, name, None) for name in _LOGIT_TRANSFORMS}
-    transforms = {name: value for name, value in transforms.items() if value is not None and value != 1.0}
-    if transforms:
-        raise ValueError(
-            f"DPPOGRPOTrainer does not support models that transform the LM head's logits in their forward "
-            f"(config has {transforms}); the DPPO loss is computed from the plain LM-head output"
-        )
-
-
 def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: float) -> None:
     """Wrap ``model.forward`` so that ``model(input_ids, attention_mask, dppo_batch=batch)`` returns DPPO outputs.
 
@@ -87,9 +67,10 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             f"model.base_model), got {type(model).__name__} whose output embeddings are {type(head).__name__}; "
             f"load the model with AutoModelForCausalLM"
         )
-    check_plain_logits(model.config)
+    check_plain_logits(model.config, "DPPOGRPOTrainer")
     previous_forward = model.forward
     delta_low, delta_high = args.dppo_deltas
+    sequence_mask = SequenceMask.from_config(args.dppo_sequence_mask, "dppo_sequence_mask")
 
     @functools.wraps(type(model).forward)
     def _forward(self, *f_args: Any, dppo_batch: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any):
@@ -111,6 +92,9 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
             mask_direction=args.dppo_mask_direction,
             kl_tau=args.dppo_kl_tau,
             kl_mask_type=args.dppo_kl_mask_type,
+            sequence_mask=sequence_mask,
+            # each completion one sequence (only read with a sequence mask)
+            sequence_ids=torch.arange(batch, device=tokens.device).repeat_interleave(length),
             temperature=temperature,
             delta_low=delta_low,
             delta_high=delta_high,
@@ -139,7 +123,7 @@ def add_dppo_head(model: torch.nn.Module, args: DPPOGRPOConfig, temperature: flo
                     advantages,
                     bias=None if bias is None else bias.to(dtype),
                     chunk_size=args.dppo_chunk_size,
-                    logits_dtype=LOGITS_DTYPES[args.dppo_logits_dtype],
+                    logits_dtype=check_logits_dtype_setting(args.dppo_logits_dtype),
                     weight_context=gather,
                     **op_kwargs,
                 )

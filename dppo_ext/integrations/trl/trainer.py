@@ -17,6 +17,7 @@ import torch
 
 from ... import DPPOOutputs, aggregate_loss, dppo_metrics, micro_batch_scale
 from ...contract import IGNORE_INDEX, NORM_AGG_MODES, SUM_AGG_MODES, TOPK_MODES
+from ...models.lm_head import check_plain_logits
 from ...rollout.vllm_parity import engine_private_model_classes, policy_attn_implementation
 from .config import DPPOGRPOConfig
 from .generation import (
@@ -26,7 +27,7 @@ from .generation import (
     pad_topk,
     split_vllm_logprobs,
 )
-from .head import DPPOForwardOutput, add_dppo_head, check_plain_logits, flat_float
+from .head import DPPOForwardOutput, add_dppo_head, flat_float
 from .versions import import_trl, tested_vllm_warning_silenced
 
 import_trl()
@@ -83,7 +84,8 @@ class DPPOGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss is DPPO through ``dppo_ext`` (docs/trl.md).
 
     Takes ``args=DPPOGRPOConfig(...)``; everything else is ``GRPOTrainer``'s. TRL's entropy bonus,
-    ``top_entropy_quantile < 1`` and ``off_policy_mask_threshold`` (loss variants of TRL's own) are refused.
+    ``top_entropy_quantile < 1`` (loss variants of TRL's own) are refused; TRL's ``off_policy_mask_threshold`` is
+    ``dppo_sequence_mask`` here (``DPPOGRPOConfig``).
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Optional[DPPOGRPOConfig] = None, **kwargs: Any):
@@ -93,13 +95,12 @@ class DPPOGRPOTrainer(GRPOTrainer):
             "entropy_coef": args.entropy_coef != 0.0,
             "use_adaptive_entropy": args.use_adaptive_entropy,
             "top_entropy_quantile": args.top_entropy_quantile < 1.0,
-            "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
         }
         bad = [name for name, is_set in unsupported.items() if is_set]
         if bad:
             raise ValueError(
                 f"DPPOGRPOTrainer does not combine DPPO with TRL's {bad} (set them to their defaults: entropy_coef=0, "
-                "use_adaptive_entropy=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None)"
+                "use_adaptive_entropy=False, top_entropy_quantile=1.0)"
             )
         colocate = args.use_vllm and args.vllm_mode == "colocate"
         llm_kwargs: dict[str, Any] = {}
@@ -109,7 +110,7 @@ class DPPOGRPOTrainer(GRPOTrainer):
             llm_kwargs["kv_cache_memory_bytes"] = args.dppo_vllm_kv_cache_bytes
         hf_config = _model_config(model)
         if hf_config is not None:
-            check_plain_logits(hf_config)  # before TRL starts vLLM (a minute or more)
+            check_plain_logits(hf_config, "DPPOGRPOTrainer")  # before TRL starts vLLM (a minute or more)
         if isinstance(model, str) and policy_attn_implementation(hf_config):
             # the policy must soft-cap attention logits as vLLM does (dppo_ext.rollout.vllm_parity)
             init_kwargs = dict(args.model_init_kwargs or {})

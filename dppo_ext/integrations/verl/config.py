@@ -27,14 +27,18 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from dppo_ext.contract import refuse_truncated_sampling
+from dppo_ext.contract import check_logits_dtype_setting, check_mask_direction, refuse_truncated_sampling
+from dppo_ext.sequence_mask import SequenceMask, check_kl_settings
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DPPO_POLICY_LOSS_TARGET",
     "VERL_MODES",
+    "MaskSettings",
     "ModeSpec",
     "Thresholds",
+    "check_mask_settings",
     "check_rollout_distribution",
     "check_topk",
     "thresholds",
@@ -46,6 +50,9 @@ TOPK_CONFIG_KEY = "dppo_topk"
 # vLLM's default max_logprobs: the largest K a server returns unless engine_kwargs.vllm.max_logprobs raises it.
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 ACTOR = "actor_rollout_ref.actor"
+POLICY_LOSS = f"{ACTOR}.policy_loss"
+# The policy_loss class that takes the DPPO settings (verl's PolicyLossConfig refuses keys it lacks).
+DPPO_POLICY_LOSS_TARGET = "dppo_ext.integrations.verl.policy_loss_config.DPPOPolicyLossConfig"
 ROLLOUT = "actor_rollout_ref.rollout"
 
 
@@ -72,12 +79,57 @@ class Thresholds(NamedTuple):
     ratio_cap: float
 
 
+class MaskSettings(NamedTuple):
+    """The mask family's settings of ``policy_loss`` (the API's names without the ``dppo_`` prefix)."""
+
+    mask_direction: str = "advantage"
+    kl_tau: float = 0.0
+    kl_mask_type: str = "all"
+    sequence_mask: Optional[SequenceMask] = None
+
+
+# policy_loss key -> its default: the settings DPPOPolicyLossConfig adds to verl's PolicyLossConfig.
+DPPO_POLICY_LOSS_KEYS = {
+    "dppo_mask_direction": "advantage",
+    "dppo_kl_tau": 0.0,
+    "dppo_kl_mask_type": "all",
+    "dppo_sequence_mask": None,
+    "dppo_logits_dtype": None,
+}
+
+
+def check_mask_settings(policy_loss: Any) -> MaskSettings:
+    """The DPPO settings of a verl ``policy_loss`` config (a ``DPPOPolicyLossConfig``, its hydra node or a mapping),
+    each checked; ValueError naming the setting, its value and what is expected."""
+
+    def value(key: str) -> Any:
+        return _get(policy_loss, key, DPPO_POLICY_LOSS_KEYS[key])
+
+    direction = check_mask_direction(value("dppo_mask_direction"), f"{POLICY_LOSS}.dppo_mask_direction")
+    check_kl_settings(value("dppo_kl_tau"), value("dppo_kl_mask_type"), prefix=f"{POLICY_LOSS}.dppo_")
+    sequence_mask = SequenceMask.from_config(value("dppo_sequence_mask"), f"{POLICY_LOSS}.dppo_sequence_mask")
+    if check_logits_dtype_setting(value("dppo_logits_dtype"), f"{POLICY_LOSS}.dppo_logits_dtype") is not None:
+        raise ValueError(
+            f"{POLICY_LOSS}.dppo_logits_dtype={value('dppo_logits_dtype')!r} sets the fused LM head's logits dtype "
+            "(TRL's dppo_logits_dtype with dppo_fused_linear=True); in verl the plugin computes the loss from the "
+            "logits verl's engine forms with the model's own LM head, in the model's dtype, so it cannot widen them: "
+            "leave it None (an fp32 LM head in verl is the model's own, docs/verl.md, 'Limits')"
+        )
+    return MaskSettings(direction, float(value("dppo_kl_tau")), value("dppo_kl_mask_type"), sequence_mask)
+
+
 def _get(node: Any, key: str, default: Any = None) -> Any:
     if node is None:
         return default
     if isinstance(node, Mapping) or hasattr(node, "get"):
         return node.get(key, default)
     return getattr(node, key, default)
+
+
+def _has(node: Any, key: str) -> bool:
+    """Whether a config node (a mapping or a dataclass config) holds ``key``."""
+    missing = object()
+    return _get(node, key, missing) is not missing
 
 
 def _is_number(value: Any) -> bool:
@@ -176,6 +228,8 @@ def validate(config: Any) -> None:
     mode = _get(_get(actor, "policy_loss"), "loss_mode", "vanilla")
     custom = _get(rollout, "custom")
     k = check_topk(_get(custom, TOPK_CONFIG_KEY), _max_logprobs(rollout)) if custom else 0
+    policy_loss = _get(actor, "policy_loss")
+    dppo_keys = [key for key in DPPO_POLICY_LOSS_KEYS if _has(policy_loss, key)]
     if mode not in VERL_MODES:
         ours = _verl_name_of_ours(mode)
         if ours is not None:
@@ -207,7 +261,19 @@ def validate(config: Any) -> None:
                 ACTOR,
                 mode,
             )
+        changed = [key for key in dppo_keys if _get(policy_loss, key) != DPPO_POLICY_LOSS_KEYS[key]]
+        if changed:
+            logger.warning(
+                "%s.%s: read by the plugin's loss modes only, not by loss_mode=%r", POLICY_LOSS, changed, mode
+            )
         return
+    target = _get(policy_loss, "_target_")
+    if dppo_keys and isinstance(target, str) and target and target != DPPO_POLICY_LOSS_TARGET:
+        raise ValueError(
+            f"{POLICY_LOSS} sets {dppo_keys}, which verl's {target} refuses when a worker builds "
+            f"it: set {POLICY_LOSS}._target_={DPPO_POLICY_LOSS_TARGET} (verl's policy-loss settings plus DPPO's)"
+        )
+    check_mask_settings(policy_loss)
     spec = VERL_MODES[mode]
     thresholds(actor)
     strategy = _get(actor, "strategy")

@@ -41,7 +41,7 @@ from dppo_ext.aggregation import MISMATCH_EXTRA, mismatch_metrics
 from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 from ._status import check_installed
-from .config import VERL_MODES, ModeSpec, thresholds
+from .config import VERL_MODES, MaskSettings, ModeSpec, check_mask_settings, thresholds
 from .rollout import TOPK_CONFIG_KEY, TOPK_FIELD, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, RolloutTopK
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Settings(NamedTuple):
     delta_low: float
     delta_high: float
     ratio_cap: float
+    masks: MaskSettings  # policy_loss.dppo_* (DPPOPolicyLossConfig)
 
 
 def settings(config: Any) -> Settings:
@@ -95,7 +96,7 @@ def settings(config: Any) -> Settings:
             loss_mode(config),
             cap,
         )
-    return Settings(spec, low, high, cap)
+    return Settings(spec, low, high, cap, check_mask_settings(config.policy_loss))
 
 
 def response_rows(data: TensorDict, num_rows: int) -> Tensor:
@@ -243,6 +244,8 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
     valid = padded["response_mask"].bool() & (rows >= 0)
     flat_rows = rows[valid]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    # each packed row's sequence (the sequence mask's unit), 0 for prompt and padding rows, which it does not read
+    sequence_of = torch.arange(responses.shape[0], device=responses.device)[:, None].expand_as(responses)
 
     def scatter(values: Tensor, fill: float, dtype: torch.dtype) -> Tensor:
         out = torch.full((num_rows, *values.shape[2:]), fill, dtype=dtype, device=logits.device)
@@ -252,6 +255,7 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
     tokens = scatter(responses, IGNORE_INDEX, torch.long)
     mu = scatter(padded[s.spec.anchor], 0.0, acc)
     advantages = scatter(padded["advantages"], 0.0, acc)
+    sequence_ids = scatter(sequence_of, 0, torch.long) if s.masks.sequence_mask is not None else None
     topk_ids = topk_logprobs = None
     if s.spec.topk:
         ids, lps = _topk_rows(data, responses, valid)
@@ -266,6 +270,11 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
         topk_ids=topk_ids,
         topk_logprobs=topk_logprobs,
         mode=s.spec.mode,
+        mask_direction=s.masks.mask_direction,
+        kl_tau=s.masks.kl_tau,
+        kl_mask_type=s.masks.kl_mask_type,
+        sequence_mask=s.masks.sequence_mask,
+        sequence_ids=sequence_ids,
         temperature=1.0,
         delta_low=s.delta_low,
         delta_high=s.delta_high,
