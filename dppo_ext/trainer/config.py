@@ -151,7 +151,8 @@ class TrainConfig:
         None,
         "the response logits' dtype; unset: --dtype's. float32 with --dtype bfloat16/float16: the LM head's products "
         "accumulated and kept in float32 from the 16-bit hidden states and weight (an fp32 LM head; TRL's "
-        "dppo_logits_dtype); refused for a model whose forward soft-caps or rescales its logits",
+        "dppo_logits_dtype; a 16-bit vLLM engine then runs its head in float32 too); refused for a model whose "
+        "forward soft-caps or rescales its logits",
         tuple(LOGITS_DTYPE_SETTINGS),
     )
     device: str = _opt("auto", "trainer device: auto (cuda when available), cpu, cuda, cuda:N")

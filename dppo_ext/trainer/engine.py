@@ -30,6 +30,10 @@ def make_rollout_engine(config: TrainConfig, model_path: str, device: torch.devi
             kwargs["max_logprobs"] = max(20, config.top_k, config.sample_logprobs if config.truncates_sampling else 0)
         if not config.verbose:
             kwargs["use_tqdm_on_load"] = False
+        if config.logits_dtype == "float32" and config.rollout_dtype != "float32":
+            # the trainer's float32 head against a 16-bit engine head would leave the head's rounding in |pi - mu|:
+            # vLLM's own switch runs the engine's LM head in float32 too (docs/results.md, "An fp32 LM head")
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
     else:
         kwargs["device"] = str(device)
     return make_engine(

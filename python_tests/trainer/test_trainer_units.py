@@ -536,3 +536,22 @@ def test_the_run_folders_json_reader_takes_an_object_only(tmp_path: Path):
     with pytest.raises(OSError):
         read_json_object(tmp_path / "missing.json")
     assert [json_object_or_none(tmp_path / n) for n in ("list.json", "cut.json", "missing.json")] == [None] * 3
+
+
+@pytest.mark.parametrize(
+    "logits_dtype, rollout_dtype, head",
+    [("float32", "bfloat16", "float32"), (None, "bfloat16", None), ("float32", "float32", None)],
+)
+def test_a_float32_head_in_the_trainer_runs_the_vllm_engines_head_in_float32_too(
+    logits_dtype, rollout_dtype, head, monkeypatch
+):
+    """--logits-dtype float32 with a 16-bit vLLM engine: the engine's LM head runs in float32 too (vLLM's
+    head_dtype), so the head's rounding is not left in |pi - mu| on one side only."""
+    from dppo_ext.trainer import engine as engine_module
+
+    seen = {}
+    monkeypatch.setattr(engine_module, "make_engine", lambda kind, path, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr(engine_module, "engine_kind", lambda config: "vllm")
+    config = TrainConfig(logits_dtype=logits_dtype, rollout_dtype=rollout_dtype, dtype="bfloat16")
+    assert engine_module.make_rollout_engine(config, "model", torch.device("cpu")) == "engine"
+    assert seen.get("hf_overrides", {}).get("head_dtype") == head
