@@ -539,3 +539,6 @@ def test_mask_family_settings_reach_the_loss(mode):
     torch.testing.assert_close(grad, leaf.grad, rtol=1e-4, atol=1e-6)
     assert not torch.allclose(loss, plain_loss, rtol=1e-3), "the settings must change this batch's loss"
     assert metric_value(metrics["actor/pg_clipfrac"]) >= 0.5  # the masked responses' tokens count as masked
+    # the op's share of dropped sequences, logged beside verl's metrics (0 without a sequence mask)
+    assert metric_value(metrics["actor/dppo_seq_masked_frac"]) == pytest.approx(float(want_metrics["seq_masked_frac"]))
+    assert metric_value(run_plugin(plain, data, logits, inplace=True)[1]["actor/dppo_seq_masked_frac"]) == 0

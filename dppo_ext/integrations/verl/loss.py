@@ -39,6 +39,7 @@ import dppo_ext
 from dppo_ext._autograd import check_inplace_backward
 from dppo_ext.aggregation import MISMATCH_EXTRA, mismatch_metrics
 from dppo_ext.contract import IGNORE_INDEX, LOG_RATIO_CLAMP
+from dppo_ext.sequence_mask import SequenceMask, log_ratio, sequence_index, sequence_keep, token_statistic
 
 from ._status import check_installed
 from .config import VERL_MODES, MaskSettings, ModeSpec, check_mask_settings, thresholds
@@ -60,7 +61,7 @@ __all__ = [
 
 
 # The per-token outputs the logits processor returns (model_output keys), each [1, N] then nested.
-LOGIT_OUTPUTS = ("dppo_loss", "dppo_logp", "dppo_mask", "dppo_entropy", "dppo_divergence")
+LOGIT_OUTPUTS = ("dppo_loss", "dppo_logp", "dppo_mask", "dppo_entropy", "dppo_divergence", "dppo_seq_dropped")
 # Micro-batch flag: the entropy the driver asked for (verl's calculate_entropy is turned off for these modes, the op
 # computes the entropy instead of verl's full-vocabulary float32 one).
 ENTROPY_FLAG = "dppo_calculate_entropy"
@@ -282,13 +283,32 @@ def logits_outputs(config: Any, data: TensorDict, student_logits: Tensor) -> dic
         compute_entropy=True,
         inplace_backward=_can_write_grad_into(logits),
     )
+    seq_dropped = torch.zeros_like(out.logp.detach())
+    if s.masks.sequence_mask is not None:
+        seq_dropped = _sequence_dropped(s.masks.sequence_mask, out.logp, mu, tokens, advantages, sequence_ids)
     return {
         "dppo_loss": out.loss[None],
         "dppo_logp": out.logp[None],
         "dppo_mask": out.mask[None],
         "dppo_entropy": out.entropy[None],
         "dppo_divergence": out.divergence[None],
+        "dppo_seq_dropped": seq_dropped[None],
     }
+
+
+@torch.no_grad()
+def _sequence_dropped(
+    mask: SequenceMask, logp: Tensor, mu: Tensor, tokens: Tensor, advantages: Tensor, sequence_ids: Tensor
+) -> Tensor:
+    """``[N]``: 1 on the response rows of a sequence the sequence mask drops, else 0 -- the op's own decision
+    (``dppo_ext.aggregation.compose_rows``: the same statistic of the same log-probs over the same sequences),
+    which the per-row outputs fold into ``mask``; the diagnostic ``actor/dppo_seq_masked_frac`` reads it."""
+    valid = tokens != IGNORE_INDEX
+    index, count = sequence_index(tokens.shape[0], tokens.device, sequence_ids, None)
+    delta = log_ratio(logp, mu, valid)
+    stat = token_statistic(mask.statistic, delta, logp, mu, valid)
+    _keep, _value, dropped = sequence_keep(mask, stat, valid, advantages, index, count)
+    return (dropped[index] & valid).to(logp.dtype)
 
 
 # The DPPO diagnostics in verl's actor/ namespace (docs/verl.md, docs/names.md): name -> how verl reduces the
@@ -306,6 +326,7 @@ DIAGNOSTICS = {
     "actor/dppo_ess": "mean",
     "actor/dppo_divergence_mean": "mean",
     "actor/dppo_entropy_mean": "mean",
+    "actor/dppo_seq_masked_frac": "mean",
 }
 
 
@@ -318,7 +339,8 @@ def diagnostics(per_token: dict[str, Tensor], padded: TensorDict, response_mask:
     ``rollout_log_probs`` (only when the batch carries them), its mean and max; ``divergence_mean``: the mode's
     divergence (TV or KL; top-K or binary) against its anchor; ``entropy``: the policy's token entropy; with the
     rollout's log-probs also the mismatch metrics of :func:`dppo_ext.aggregation.mismatch_metrics` (k3, log-ratio
-    min / max, the share beyond ln 2, the ESS; per micro-batch, averaged over them as verl does).
+    min / max, the share beyond ln 2, the ESS; per micro-batch, averaged over them as verl does); ``seq_masked_frac``:
+    the share of sequences the sequence mask drops (``dppo_sequence_mask``; 0 without one), the op's own metric.
     """
     from verl.utils.metric import AggregationType, Metric
     from verl.utils.torch_functional import masked_mean
@@ -331,6 +353,9 @@ def diagnostics(per_token: dict[str, Tensor], padded: TensorDict, response_mask:
         "actor/dppo_masked_frac_neg": masked_mean(masked, response_mask & (advantages < 0)),
         "actor/dppo_divergence_mean": masked_mean(per_token["dppo_divergence"], response_mask),
         "actor/dppo_entropy_mean": masked_mean(per_token["dppo_entropy"], response_mask),
+        # the share of the micro-batch's sequences the sequence mask drops (0 without one), as the op's metric
+        "actor/dppo_seq_masked_frac": ((per_token["dppo_seq_dropped"] > 0) & response_mask).any(-1).sum()
+        / response_mask.any(-1).sum().clamp(min=1),
     }
     if "rollout_log_probs" in padded.keys():
         mismatch = mismatch_metrics(per_token["dppo_logp"].detach(), padded["rollout_log_probs"], response_mask)
