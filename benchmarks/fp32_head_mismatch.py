@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import tempfile
 
 import torch
+from replay_vllm_mismatch import peaked_tiny_model
 
 PROMPTS = 16
 SAMPLES = 8
@@ -121,21 +121,11 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=0, help="pad the vocabulary to this size (0: 17 tokens)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from transformers import AutoModelForCausalLM
-
     from dppo_ext import cpu_capability
-    from dppo_ext.models.tiny import build_tiny_model
-    from dppo_ext.rollout.vllm_logging import quiet_vllm_logging
 
-    quiet_vllm_logging()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(tmp, seed=0, vocab_size=args.vocab_size))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():  # the random tiny model is near-uniform; a scaled head is as peaked as a trained one
-            model.lm_head.weight.mul_(args.head_scale)
-        model.to(torch.bfloat16).save_pretrained(model_dir)  # bfloat16 weights: the same numbers on both sides
+        # bfloat16 weights: the same numbers on both sides
+        model_dir = peaked_tiny_model(tmp, args.head_scale, vocab_size=args.vocab_size, dtype=torch.bfloat16)
         rows = measure(model_dir, args.temperature)
     print(
         f"T = {args.temperature}, LM head x{args.head_scale}, V = {args.vocab_size or 17}, bfloat16 weights on both "

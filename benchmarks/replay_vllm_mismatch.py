@@ -116,12 +116,10 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--head-scale", type=float, default=8.0, help="LM-head scale that makes the policy peaked")
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
-    args = parser.parse_args()
+def peaked_tiny_model(folder: str, head_scale: float, *, vocab_size: int = 0, dtype=torch.float32) -> str:
+    """The embedded tiny model saved in ``folder`` (``dtype`` weights), its LM head scaled by ``head_scale`` (the
+    random model is near-uniform; a scaled head is as peaked as a trained one), and vLLM set up to run in this
+    process, quietly. ``vocab_size``: pad the 17-token vocabulary with unused rows (0: none)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM
@@ -130,13 +128,22 @@ def main() -> None:
     from dppo_ext.rollout.vllm_logging import quiet_vllm_logging
 
     quiet_vllm_logging()
+    model_dir = str(build_tiny_model(folder, seed=0, vocab_size=vocab_size))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.to(dtype).save_pretrained(model_dir)
+    return model_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--head-scale", type=float, default=8.0, help="LM-head scale that makes the policy peaked")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(tmp, seed=0))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():  # the random tiny model is near-uniform; a scaled head is as peaked as a trained one
-            model.lm_head.weight.mul_(args.head_scale)
-        model.save_pretrained(model_dir)
-        results = measure(model_dir, args.temperature)
+        results = measure(peaked_tiny_model(tmp, args.head_scale), args.temperature)
     print(f"T = {args.temperature}, LM head x{args.head_scale}, float32 engine and trainer, binary_tv defaults")
     print(table(results))
     if args.json:
