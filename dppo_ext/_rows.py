@@ -386,44 +386,22 @@ class LossModule(nn.Module):
         )
 
 
-def _module_settings(
-    *,
-    mode: str,
-    temperature: float,
-    delta_low: Optional[float],
-    delta_high: Optional[float],
-    ratio_cap: float,
-    compute_entropy: bool,
-    loss_agg_mode: str,
-    loss_scale_factor: Optional[float],
-    mask_direction: str,
-    kl_tau: float,
-    kl_mask_type: str,
-    sequence_mask: Optional[SequenceMask],
-) -> LossSettings:
-    """A module's settings checked by the op's rules (a known mode and mask direction, a finite temperature > 0,
-    thresholds None or finite and >= 0, ratio_cap > 0, a bool compute_entropy, a known aggregation), in that
-    order, then resolved (:meth:`LossSettings.resolve`)."""
-    temperature = check_temperature(temperature)
-    check_settings(mode, temperature, delta_low, delta_high, ratio_cap, mask_direction=mask_direction)
-    check_kl_settings(kl_tau, kl_mask_type)
-    check_sequence_mask(sequence_mask)
-    if not isinstance(compute_entropy, bool):
-        raise TypeError(f"compute_entropy must be a bool, got {compute_entropy!r}")
-    return LossSettings.resolve(
-        mode,
+def _module_settings(**settings) -> LossSettings:
+    """A module's settings (``LossSettings.resolve``'s arguments, by name) checked by the op's rules first (a finite
+    temperature > 0, a known mode and mask direction, thresholds None or finite and >= 0, ratio_cap > 0, a bool
+    compute_entropy), then resolved, which checks the penalty, the sequence mask and the aggregation."""
+    temperature = check_temperature(settings["temperature"])
+    check_settings(
+        settings["mode"],
         temperature,
-        delta_low,
-        delta_high,
-        ratio_cap,
-        compute_entropy,
-        loss_agg_mode,
-        loss_scale_factor,
-        mask_direction=mask_direction,
-        kl_tau=kl_tau,
-        kl_mask_type=kl_mask_type,
-        sequence_mask=sequence_mask,
+        settings["delta_low"],
+        settings["delta_high"],
+        settings["ratio_cap"],
+        mask_direction=settings["mask_direction"],
     )
+    if not isinstance(settings["compute_entropy"], bool):
+        raise TypeError(f"compute_entropy must be a bool, got {settings['compute_entropy']!r}")
+    return LossSettings.resolve(**{**settings, "temperature": temperature})
 
 
 def _setting_attribute(name: str) -> property:
