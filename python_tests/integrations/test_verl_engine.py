@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from verl.workers.utils.losses import ppo_loss as verl_ppo_loss  # noqa: E402
 
 import dppo_ext.integrations.verl.plugin  # noqa: E402,F401
+from dppo_ext.integrations.verl import diagnostics as verl_diagnostics  # noqa: E402
 from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
 from dppo_ext.integrations.verl.rollout import RolloutTopK  # noqa: E402
 from dppo_ext.models.tiny import build_tiny_model  # noqa: E402
@@ -234,7 +235,7 @@ def test_train_batch_steps_and_reports_verls_metrics(model_dir, trainer):
         "actor/entropy_loss",
         "grad_norm",
     } <= set(metrics)
-    assert set(vloss.DIAGNOSTICS) <= set(metrics)
+    assert set(verl_diagnostics.DIAGNOSTICS) <= set(metrics)
     assert all(torch.isfinite(torch.tensor(v)) for v in output["loss"])
     moved = [
         n

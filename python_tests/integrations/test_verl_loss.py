@@ -34,6 +34,7 @@ from verl.workers.utils.losses import ppo_loss as verl_ppo_loss  # noqa: E402
 
 import dppo_ext  # noqa: E402
 import dppo_ext.integrations.verl.plugin  # noqa: E402,F401  (installs the hooks, as verl's entry point does)
+from dppo_ext.integrations.verl import diagnostics as verl_diagnostics  # noqa: E402
 from dppo_ext.integrations.verl import loss as vloss  # noqa: E402
 from dppo_ext.integrations.verl.config import VERL_MODES  # noqa: E402
 from dppo_ext.integrations.verl.rollout import RolloutTopK  # noqa: E402
@@ -215,8 +216,9 @@ def test_dppo_diagnostics_reach_verls_metrics(mode):
         "actor/dppo_ess": r.sum() ** 2 / (r.numel() * (r * r).sum()),
         "actor/dppo_divergence_mean": t["divergence"][mask].mean(),
         "actor/dppo_entropy_mean": t["entropy"][mask].mean(),
+        "actor/dppo_seq_masked_frac": torch.tensor(0.0),  # no sequence mask (test_mask_family_settings_reach_the_loss)
     }
-    assert set(expected) == set(vloss.DIAGNOSTICS) and set(expected) <= set(metrics)
+    assert set(expected) == set(verl_diagnostics.DIAGNOSTICS) and set(expected) <= set(metrics)
     for name, value in expected.items():
         assert metric_value(metrics[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
     assert 0 < float(expected["actor/dppo_masked_frac_pos"]) and 0 < float(expected["actor/dppo_masked_frac_neg"])
