@@ -238,7 +238,6 @@ TARGET = f"{POLICY_LOSS}._target_=dppo_ext.integrations.verl.policy_loss_config.
             r"policy_loss\.dppo_sequence_mask: SequenceMask statistic must be one of \('k1', 'k2', 'k3', 'tv'\)",
         ),
         (["dppo_logits_dtype=fp32"], r"policy_loss\.dppo_logits_dtype must be None \(the model's dtype\) or 'float32'"),
-        (["dppo_logits_dtype=float32"], r"policy_loss\.dppo_logits_dtype='float32' sets the fused LM head's .* None"),
     ],
 )
 def test_the_mask_family_settings_are_checked_by_name(tmp_path, settings, match):

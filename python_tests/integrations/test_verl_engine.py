@@ -243,3 +243,49 @@ def test_train_batch_steps_and_reports_verls_metrics(model_dir, trainer):
         if not torch.equal((p.full_tensor() if isinstance(p, DTensor) else p).detach(), before[n])
     ]
     assert moved, "the optimizer step changed no weight"
+
+
+def test_an_fp32_head_hands_the_loss_float32_products_of_a_bf16_model(model_dir, monkeypatch):
+    """policy_loss.dppo_logits_dtype=float32 on a bf16 actor: the logits the plugin's loss receives are the LM head's
+    float32 products (the model's bf16 ones without it), in the update as in a forward-only pass, the gradient
+    reaches every weight, and the head is left as it was after each micro-batch."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from dppo_ext.integrations.verl.config import DPPO_POLICY_LOSS_TARGET
+
+    overrides = verl_cpu.actor_overrides(model_dir, "dppo_topk_tv", use_remove_padding=True, bf16=True) + SETTINGS
+    overrides += [f"actor_rollout_ref.actor.policy_loss._target_={DPPO_POLICY_LOSS_TARGET}"]
+    engine, _ = verl_cpu.build_actor(verl_cpu.compose(overrides))
+    wide = ["+actor_rollout_ref.actor.policy_loss.dppo_logits_dtype=float32"]
+    configs = {
+        name: omega_conf_to_dataclass(verl_cpu.compose(overrides + extra).actor_rollout_ref.actor)
+        for name, extra in (("model", []), ("float32", wide))
+    }
+    seen = []
+    original = vloss.logits_outputs
+
+    def spy(config, data, student_logits):
+        seen.append(student_logits.detach().clone())
+        return original(config, data, student_logits)
+
+    monkeypatch.setattr(vloss, "logits_outputs", spy)
+    batch = rollout_batch(model_dir)
+    hooks = list(engine.module.get_output_embeddings()._forward_hooks)  # FSDP2's own
+    logits, grads = {}, {}
+    for name, config in configs.items():
+        seen.clear()
+        grads[name] = engine_grads(
+            engine, batch_for_engine(batch, True), functools.partial(vloss.ppo_loss, config=config)
+        )
+        logits[name] = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+        assert list(engine.module.get_output_embeddings()._forward_hooks) == hooks  # ours removed after each
+    plain, wide_logits = logits["model"], logits["float32"]
+    assert wide_logits.dtype == torch.float32
+    rounded = plain.float() * TEMPERATURE  # the head's bf16 products, before verl divides by the temperature
+    assert torch.equal(rounded.bfloat16().float(), rounded) or plain.dtype == torch.bfloat16
+    # the same products, no longer rounded to bf16: within half a bf16 step of the rounded ones, most not equal
+    step = torch.finfo(torch.bfloat16).eps * plain.float().abs().clamp(min=1e-3)
+    assert ((wide_logits - plain.float()).abs() <= step).all()
+    assert (wide_logits != plain.float()).float().mean() > 0.5
+    for name, grad in grads["float32"].items():
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name

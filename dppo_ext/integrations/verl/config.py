@@ -86,6 +86,7 @@ class MaskSettings(NamedTuple):
     kl_tau: float = 0.0
     kl_mask_type: str = "all"
     sequence_mask: Optional[SequenceMask] = None
+    logits_dtype: Optional[str] = None  # "float32": the actor's LM head runs in float32 for these modes
 
 
 # policy_loss key -> its default: the settings DPPOPolicyLossConfig adds to verl's PolicyLossConfig.
@@ -108,14 +109,14 @@ def check_mask_settings(policy_loss: Any) -> MaskSettings:
     direction = check_mask_direction(value("dppo_mask_direction"), f"{POLICY_LOSS}.dppo_mask_direction")
     check_kl_settings(value("dppo_kl_tau"), value("dppo_kl_mask_type"), prefix=f"{POLICY_LOSS}.dppo_")
     sequence_mask = SequenceMask.from_config(value("dppo_sequence_mask"), f"{POLICY_LOSS}.dppo_sequence_mask")
-    if check_logits_dtype_setting(value("dppo_logits_dtype"), f"{POLICY_LOSS}.dppo_logits_dtype") is not None:
-        raise ValueError(
-            f"{POLICY_LOSS}.dppo_logits_dtype={value('dppo_logits_dtype')!r} sets the fused LM head's logits dtype "
-            "(TRL's dppo_logits_dtype with dppo_fused_linear=True); in verl the plugin computes the loss from the "
-            "logits verl's engine forms with the model's own LM head, in the model's dtype, so it cannot widen them: "
-            "leave it None (an fp32 LM head in verl is the model's own, docs/verl.md, 'Limits')"
-        )
-    return MaskSettings(direction, float(value("dppo_kl_tau")), value("dppo_kl_mask_type"), sequence_mask)
+    logits_dtype = check_logits_dtype_setting(value("dppo_logits_dtype"), f"{POLICY_LOSS}.dppo_logits_dtype")
+    return MaskSettings(
+        direction,
+        float(value("dppo_kl_tau")),
+        value("dppo_kl_mask_type"),
+        sequence_mask,
+        None if logits_dtype is None else value("dppo_logits_dtype"),
+    )
 
 
 def _get(node: Any, key: str, default: Any = None) -> Any:

@@ -33,7 +33,8 @@ class DPPOPolicyLossConfig(PolicyLossConfig):
             selects (``all``, ``unmasked``, ``masked``); 0: off.
         dppo_sequence_mask: ``dppo_ext.SequenceMask``'s fields (``statistic``, ``reduce``, ``high``, ``low``,
             ``negative_advantages_only``); each response one sequence; None: off.
-        dppo_logits_dtype: None only: verl's engine hands the loss the model's own logits (see docs/verl.md).
+        dppo_logits_dtype: None (the model's dtype) or ``"float32"``: the actor's LM head returns float32 products
+            for the plugin's loss modes (docs/verl.md, "Limits").
     """
 
     dppo_mask_direction: str = "advantage"
