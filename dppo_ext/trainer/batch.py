@@ -14,13 +14,14 @@ for every row, which lets the model project only those hidden states to the voca
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
 from dppo_ext.contract import LOGITS_DTYPE_SETTINGS
-from dppo_ext.models.lm_head import check_plain_logits
+from dppo_ext.models.lm_head import check_plain_logits, widened_head
 from dppo_ext.rollout.base import RolloutSample
 from dppo_ext.rollout.vllm_outputs import pack_rollout_samples
 
@@ -153,16 +154,16 @@ def response_logits(
 
     Runs ``model`` on the packed sequences and projects only the ``T + 1`` last hidden states
     to the vocabulary. With ``logits_dtype`` wider than the model's (``torch.float32`` for a bfloat16 / float16
-    model, ``--logits-dtype float32``) the backbone's last hidden states go through the LM head in that dtype: each
-    product of 16-bit operands is exact in float32 and accumulated there, so the logits are the float32 LM head's
-    (the fused op's ``logits_dtype=torch.float32``), never 16-bit logits widened afterwards. (The head's weight is
-    widened for the product; autograd keeps that float32 copy until the backward.) The model must apply nothing
-    after its LM head (:func:`checked_logits_dtype`).
+    model, ``--logits-dtype float32``) the model's LM head runs in that dtype (``widened_head``): each product of
+    16-bit operands is exact in float32 and accumulated there, so the logits are the float32 LM head's (the fused
+    op's ``logits_dtype=torch.float32``), never 16-bit logits widened afterwards. (The head's weight is widened for
+    the product; autograd keeps that float32 copy until the backward.) The model must apply nothing after its LM
+    head (:func:`checked_logits_dtype`).
 
     Returns:
         [B, T, V] logits; row b, column t predicts ``batch.tokens[b, t]``.
     """
-    if logits_dtype is None:
+    with contextlib.nullcontext() if logits_dtype is None else widened_head(model, logits_dtype):
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -170,13 +171,4 @@ def response_logits(
             logits_to_keep=batch.response_len + 1,
             use_cache=False,
         )
-        return out.logits[:, :-1]
-    hidden = model.base_model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state[:, -(batch.response_len + 1) : -1]
-    head = model.get_output_embeddings()
-    bias = None if head.bias is None else head.bias.to(logits_dtype)
-    return torch.nn.functional.linear(hidden.to(logits_dtype), head.weight.to(logits_dtype), bias)
+    return out.logits[:, :-1]

@@ -278,7 +278,8 @@ def test_an_fp32_head_hands_the_loss_float32_products_of_a_bf16_model(model_dir,
             engine, batch_for_engine(batch, True), functools.partial(vloss.ppo_loss, config=config)
         )
         logits[name] = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
-        assert list(engine.module.get_output_embeddings()._forward_hooks) == hooks  # ours removed after each
+        head = engine.module.get_output_embeddings()
+        assert list(head._forward_hooks) == hooks and "forward" not in vars(head)  # the head as it was, after each
     plain, wide_logits = logits["model"], logits["float32"]
     assert wide_logits.dtype == torch.float32
     rounded = plain.float() * TEMPERATURE  # the head's bf16 products, before verl divides by the temperature

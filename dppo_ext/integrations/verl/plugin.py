@@ -30,12 +30,11 @@ native library is loaded by the first loss call.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -145,40 +144,16 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
             )
             if check_mask_settings(loss_function.keywords["config"].policy_loss).logits_dtype == "float32":
                 # the old-log-prob pass and the update alike: both come through here with the actor's config
-                with float32_head(self.module):
+                import torch
+
+                from dppo_ext.models.lm_head import widened_head
+
+                with widened_head(self.module, torch.float32):
                     return forward_step(self, micro_batch, loss_function, forward_only)
         return forward_step(self, micro_batch, loss_function, forward_only)
 
     dppo_forward_step.__dppo_ext__ = True
     engine_cls.forward_step = dppo_forward_step
-
-
-@contextlib.contextmanager
-def float32_head(model: Any) -> Iterator[None]:
-    """While the block runs, ``model``'s LM head (``get_output_embeddings()``) returns float32 products of its
-    input and weight (``policy_loss.dppo_logits_dtype="float32"``): the bfloat16 / float16 operands widened, the
-    products accumulated and kept in float32 (the weight widened once per forward, autocast off for the product),
-    what the model does after its head (a soft cap, a scale) applied to them as before. The gradient reaches the
-    16-bit weight and hidden states through the casts. A no-op numerically for a float32 model."""
-    import torch
-    import torch.nn.functional as F
-
-    head = model.get_output_embeddings()
-
-    def widen(module: Any, args: tuple, output: Any) -> Any:
-        hidden = args[0]
-        bias = None if getattr(module, "bias", None) is None else module.bias.float()
-        # verl runs a bf16 actor's forward under autocast, which would narrow this product again
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            return F.linear(hidden.float(), module.weight.float(), bias)
-
-    # first among the head's hooks: FSDP2's own post-forward hook (the head is often its own FSDP unit) then reshards
-    # the weight after this product, not before, and hooks its backward onto this output
-    handle = head.register_forward_hook(widen, prepend=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _patch_vllm_server(module: ModuleType) -> None:
