@@ -51,6 +51,7 @@ DOCUMENTED = {
     ],
     "dppo_ext.reference": ["dppo_loss_full_reference"],
     "dppo_ext.rollout": ["kept_ids_by_rule", "ranked_topk_rows", "vllm_rollout_tensors"],
+    "dppo_ext.models.lm_head": ["widened_head"],
     "dppo_ext.models.tiny": ["build_tiny_model"],
     "dppo_ext.integrations.trl": ["DPPOGRPOConfig", "DPPOGRPOTrainer"],
     "dppo_ext.integrations.verl.config": ["validate"],
