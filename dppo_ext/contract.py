@@ -32,6 +32,7 @@ __all__ = [
     "MODES",
     "MODE_ALIASES",
     "NORM_AGG_MODES",
+    "ROLLOUT_WEIGHT_BITS",
     "SUM_AGG_MODES",
     "TOPK_MODES",
     "accumulation_dtype",
@@ -115,6 +116,9 @@ LOGITS_DTYPE_SETTINGS = {"float32": torch.float32}
 # token (mu is a random one-hot whatever the logits), and sigma * eps (|eps| < 7 in practice) stays finite in
 # float16 logits (max 65504), so a sampler never sees inf - inf.
 MAX_LOGIT_NOISE = 1e3
+# The widths the rollout weights can be fake-quantised to (dppo_ext.rollout.quantize): symmetric integers in
+# [-(2^(b-1) - 1), 2^(b-1) - 1], so one bit would hold only 0 and 8 bits is where int8 deployment stops.
+ROLLOUT_WEIGHT_BITS = (2, 3, 4, 5, 6, 7, 8)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -14,7 +14,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dppo_ext.contract import AGG_MODES, LOGITS_DTYPE_SETTINGS, MAX_LOGIT_NOISE, MODEL_DTYPES, sampling_truncation
+from dppo_ext.contract import (
+    AGG_MODES,
+    LOGITS_DTYPE_SETTINGS,
+    MAX_LOGIT_NOISE,
+    MODEL_DTYPES,
+    ROLLOUT_WEIGHT_BITS,
+    sampling_truncation,
+)
 from dppo_ext.models.tiny import ARITHMETIC_ALPHABET, SPECIAL_TOKENS, tiny_heads
 from dppo_ext.rollout.base import Truncation
 from dppo_ext.rollout.factory import ENGINE_KINDS
@@ -129,6 +136,14 @@ class TrainConfig:
         "report mu = softmax((z + sigma * eps) / T), eps ~ N(0, I) fresh per token (a training-inference mismatch of "
         "a chosen size; held-out evaluation stays noise-free). 0 = off",
     )
+    rollout_weight_bits: int = _opt(
+        0,
+        "fake-quantise the weights the engine rolls out with to b-bit integers on every sync: every linear layer "
+        "but the LM head, one scale per --rollout-weight-group input weights (a precision mismatch that grows as the "
+        "policy sharpens; held-out evaluation uses the trainer's weights; dppo_ext.rollout.quantize). 0 = off",
+        choices=(0, *ROLLOUT_WEIGHT_BITS),
+    )
+    rollout_weight_group: int = _opt(128, "input weights per scale of --rollout-weight-bits (GPTQ/AWQ's usual 128)")
     drop_zero_adv: bool = _opt(True, "skip sequences whose advantage is 0 (groups with equal rewards) in the update")
     mechanism_metrics: bool = _opt(
         False,
@@ -357,7 +372,7 @@ RANGES: tuple[tuple[Range, str], ...] = (
     (
         Range(1),
         "num_eval max_operand max_second_operand tiny_layers tiny_hidden warm_start_problems steps prompts_per_step "
-        "max_new_tokens num_minibatches ppo_epochs eval_every eval_samples max_model_len",
+        "max_new_tokens num_minibatches ppo_epochs eval_every eval_samples max_model_len rollout_weight_group",
     ),
     (
         Range(0),

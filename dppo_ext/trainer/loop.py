@@ -19,21 +19,19 @@ score the whole rollout batch once with the trainer's pre-update weights before 
 optimizer step; those log-probs stay fixed for every epoch and mini-batch of that batch and are
 the op's ``anchor_logprobs``.
 
-With ``rollout_logit_noise = sigma`` the engine samples the rollouts (never the held-out
-evaluation) from ``softmax((z + sigma * eps) / T)`` and reports that ``mu``
-(``dppo_ext.rollout.noise``): a training-inference mismatch of a chosen size. With
+With ``rollout_logit_noise = sigma`` the engine samples the rollouts (never the held-out evaluation) from
+``softmax((z + sigma * eps) / T)`` and reports that ``mu`` (``dppo_ext.rollout.noise``); with ``rollout_weight_bits``
+it rolls them out with fake-quantised weights (``dppo_ext.trainer.lag``): mismatches of a chosen size. With
 ``mechanism_metrics`` every step's record also holds the masking and post-update metrics of
 ``dppo_ext.trainer.mechanism`` (one extra no-grad pass over each mini-batch after its update).
 
-Weight sync is measured, not assumed: the first mini-batch of every step runs before any
-update of that step, so the op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``)
-compares the engine's log-probs with the trainer's own for exactly the same weights. It stays
-at rounding level (~1e-6 in float32) when the engine follows the trainer and jumps to the size
-of an update when it does not. On top of that the vLLM engine's sync guard checks every sync itself and stops
-the run when the engine's log-probs no longer follow the trainer's (``--sync-check``, on by default; the record's
-``sync_check_max`` and ``sync_check_s``, and ``eval_sync_check_max`` for the syncs around a lagged run's evaluation).
-(``pg_pi_old`` feeds the op pi_old in place of mu, so its ``mismatch_mean`` reads ``|pi - pi_old|``; the mechanism
-metrics' ``pre_mismatch_mean`` is against mu for every loss.)
+Weight sync is measured, not assumed: the first mini-batch of every step runs before any update of that step, so the
+op's ``|pi - mu|`` over it (``mismatch_mean`` / ``mismatch_max``) compares the engine's log-probs with the trainer's
+own for exactly the same weights. It stays at rounding level (~1e-6 in float32) when the engine follows the trainer
+and jumps to the size of an update when it does not. On top of that the vLLM engine's sync guard checks every sync
+itself and stops the run when the engine's log-probs no longer follow the weights it was sent (``--sync-check``, on
+by default; the record's ``sync_check_max``, ``sync_check_s`` and ``eval_sync_check_max``, the syncs around a lagged
+or quantised run's evaluation). ``pg_pi_old`` feeds the op pi_old: its ``mismatch_mean`` is ``|pi - pi_old|``.
 """
 
 from __future__ import annotations
@@ -119,7 +117,9 @@ class Trainer:
         self.use_chat = _use_chat_template(config.prompt_format, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._prompt_cache: dict[str, list[int]] = {}
-        self.lag = RolloutLag(model, engine, config.rollout_lag)
+        self.lag = RolloutLag(
+            model, engine, config.rollout_lag, config.rollout_weight_bits, config.rollout_weight_group
+        )
         if config.truncates_sampling and not config.sampling_replay:
             logger.warning("--no-sampling-replay: pi over the vocabulary, mu over the kept set: biased ratios")
 

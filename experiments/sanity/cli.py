@@ -12,7 +12,7 @@ from typing import Any
 
 from dppo_ext.trainer.losses import LOSSES
 
-from . import collapse, staleness
+from . import collapse, precision, staleness
 from .conditions import (
     ARMS,
     CONDITIONS,
@@ -86,11 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--experiment",
         default="dosed",
-        choices=("dosed", "staleness", "collapse"),
+        choices=("dosed", "staleness", "collapse", "precision"),
         help="dosed: the dosed-mismatch experiment (docs/sanity.md); staleness: the staleness ladder "
         "(experiments/sanity/results/staleness/PREREGISTRATION.md; its runs are chosen by --phases or --pilot); "
         "collapse: the collapse replication, design A seed-major (experiments/sanity/collapse/PREREGISTRATION.md; "
-        "--seeds limits it)",
+        "--seeds limits it); precision: the precision-dose pilot, seed-major "
+        "(experiments/sanity/precision/PREREGISTRATION.md; --seeds limits it)",
     )
     parser.add_argument(
         "--phases",
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if work_through(runs, Path(spec["work"]), spec["overrides"], Path(spec["status"]), data) else 0
     if args.experiment == "staleness":
         return staleness_main(args)
-    if args.experiment == "collapse":
-        return collapse_main(args)
+    if args.experiment in ("collapse", "precision"):
+        return preregistered_main(args)
     data, report_dir = Path(args.data), Path(args.report_dir)
     failed: list[str] = []
     if not args.report_only:
@@ -241,20 +242,26 @@ def _train_incomplete(name: str, runs: list, data: Path, work: Path, args: argpa
     return [r["run"] for r in results if r["status"] == "failed"]
 
 
-def collapse_main(args: argparse.Namespace) -> int:
-    """The collapse replication: its runs seed-major (skipping those whose data file is complete), each collected
-    as it finishes; then its report from the data files alone."""
-    data = Path(args.data if args.data != DATA else collapse.DATA)
-    report_dir = Path(args.report_dir if args.report_dir != REPORT_DIR else collapse.REPORT_DIR)
+def preregistered_main(args: argparse.Namespace) -> int:
+    """The collapse replication or the precision pilot: its runs seed-major (skipping those whose data file is
+    complete), each collected as it finishes; then its report from the data files alone."""
+    module = collapse if args.experiment == "collapse" else precision
+    data = Path(args.data if args.data != DATA else module.DATA)
+    report_dir = Path(args.report_dir if args.report_dir != REPORT_DIR else module.REPORT_DIR)
     failed: list[str] = []
     if not args.report_only:
         if args.jobs < 1:
             print(f"sanity: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
             return 2
         work = Path(args.work)
-        runs = collapse.planned_runs(args.seeds)
-        failed = _train_incomplete("collapse", runs, data, work, args)
-    for path in collapse.report(data, report_dir, Path(staleness.DATA)):
+        runs = module.planned_runs(args.seeds)
+        failed = _train_incomplete(args.experiment, runs, data, work, args)
+    written = (
+        collapse.report(data, report_dir, Path(staleness.DATA))
+        if module is collapse
+        else precision.report(data, report_dir)
+    )
+    for path in written:
         print(f"wrote {path}")
     if failed:
         print(f"sanity: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -1,11 +1,14 @@
 """What the sanity test runs: methods, the shared settings, the conditions and arms, one run's config.
 
-Two experiments live here (docs/sanity.md):
+The experiments of docs/sanity.md live here:
 
 - the **dosed-mismatch experiment**: the trainer's learning setup with a training-inference
   mismatch of a chosen size (rollout logit noise sigma, or rollouts ``lag`` steps stale), fp32
   rollouts otherwise; arms ``calibration`` (the optimizer setting), ``noise``, ``lag`` and
   ``tail`` (a 4,096-token vocabulary with a long tail of rare tokens);
+- the **staleness ladder**, the **collapse replication** and the **precision-dose pilot**, each pre-registered in
+  its own folder (``experiments/sanity/results/staleness``, ``experiments/sanity/collapse``,
+  ``experiments/sanity/precision``);
 - the **earlier sweeps** (``HISTORY``): bf16 / fp16 vLLM rollouts against the fp32 trainer, kept so
   that every number of the history section still has its command.
 """
@@ -214,6 +217,33 @@ def _collapse_conditions() -> dict[str, Condition]:
     }
 
 
+# ---------------------------------------------------------------------------- the precision-dose pilot
+# experiments/sanity/precision/PREREGISTRATION.md (non-confirmatory): the collapse replication's setting without a lag,
+# the rollout weights fake-quantised to int4 / int3 on every sync (one scale per 128 input weights), PG-IS and DPPO
+# Binary-TV on 4 seeds never used before, seed-major.
+PRECISION_BITS = (4, 3)
+PRECISION_GROUP = 128
+PRECISION_METHODS = ("pg_is", "dppo_binary_tv")
+PRECISION_SEEDS = (300, 301, 302, 303)
+
+
+def precision_condition(bits: int) -> str:
+    return f"quant_int{bits}"
+
+
+def _precision_conditions() -> dict[str, Condition]:
+    base = {**LADDER[CALIBRATED], **STALE, "eval_samples": STALE_EVAL_SAMPLES, "rollout_weight_group": PRECISION_GROUP}
+    return {
+        precision_condition(bits): Condition(
+            f"precision pilot: rollout weights fake-quantised to int{bits}, group {PRECISION_GROUP}, no lag, 300 steps",
+            {**base, "rollout_lag": 0, "rollout_weight_bits": bits},
+            PRECISION_METHODS,
+            PRECISION_SEEDS,
+        )
+        for bits in PRECISION_BITS
+    }
+
+
 # Arms: the conditions drawn in one figure and compared in one table, the control first.
 ARMS: dict[str, tuple[str, ...]] = {
     "calibration": tuple(LADDER),
@@ -309,6 +339,7 @@ CONDITIONS: dict[str, Condition] = {
     **_dosed_conditions(),
     **_staleness_conditions(),
     **_collapse_conditions(),
+    **_precision_conditions(),
     **HISTORY,
 }
 BASES = {"dosed": DOSED, "history": BASE}
