@@ -170,3 +170,36 @@ def test_weight_sync_makes_vllm_logprobs_match_the_trainer(tmp_path, tiny_model,
     trainer_lp, batch = _trainer_logprobs(tiny_model, fresh, temperature)
     gap = (trainer_lp - batch.rollout_logprobs).abs()[batch.response_mask].max().item()
     assert gap < SYNC_TOL, f"vLLM log-probs after sync differ from the trainer's by {gap} (> {SYNC_TOL})"
+
+
+def test_vllm_rolls_out_with_the_quantised_weights_it_was_sent(tmp_path, tiny_model, tiny_model_dir, restore_engine):
+    """--rollout-weight-bits 3: vLLM's mu is the quantised copy's (the sync guard and a direct scoring agree to
+    float32 rounding), and so differs from the trainer's pi by the rounding, far beyond the sync tolerance."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from dppo_ext.rollout.quantize import quantize_rollout_weights_
+
+    engine = restore_engine
+    config = _config(tmp_path, rollout_weight_bits=3, steps=2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer = Trainer(config, tiny_model, tokenizer, leading_digit_task(), engine, tmp_path)
+    for _ in range(config.steps):  # the guard checks each step's sync on that step's rollout
+        record = trainer.train_step()
+        assert record["mismatch_max"] > 100 * SYNC_TOL, record
+        assert record["sync_check_max"] < SYNC_TOL, record
+    quantised = copy.deepcopy(tiny_model)
+    quantize_rollout_weights_(quantised, 3, config.rollout_weight_group)
+    prompts = [trainer.encode_prompt(p.prompt) for p in trainer.task.train[:6]]
+    samples = [s for group in engine.generate(prompts, n=4, temperature=1.0, max_tokens=4, seed=5) for s in group]
+    quantised_lp, batch = _trainer_logprobs(quantised, samples, 1.0)
+    trainer_lp, _ = _trainer_logprobs(tiny_model, samples, 1.0)
+    mask = batch.response_mask
+    assert (quantised_lp - batch.rollout_logprobs).abs()[mask].max().item() < SYNC_TOL
+    assert (trainer_lp - batch.rollout_logprobs).abs()[mask].max().item() > 100 * SYNC_TOL
+    result = trainer.evaluate()  # the trainer's own weights in for the evaluation, the quantised ones back after it
+    assert result.sync_check_max is not None and result.sync_check_max < SYNC_TOL
+    after = [s for group in engine.generate(prompts, n=4, temperature=1.0, max_tokens=4, seed=5) for s in group]
+    back_lp, back = _trainer_logprobs(quantised, after, 1.0)
+    assert (back_lp - back.rollout_logprobs).abs()[back.response_mask].max().item() < SYNC_TOL
