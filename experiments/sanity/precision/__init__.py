@@ -101,6 +101,11 @@ def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{100 * value:.1f}"
 
 
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in runs if not math.isnan(r[key])]
+    return statistics.median(values) if values else math.nan
+
+
 def dose_lines(measures: Measures) -> list[str]:
     """Per dose: one row per run, then the dose's rule and collapse counts by arm."""
     lines = []
@@ -128,7 +133,8 @@ def dose_lines(measures: Measures) -> list[str]:
         )
         lines += [
             "",
-            f"Over {len(runs)} runs: median late mismatch {_f(reach)} (rule: >= {REACH:g}), median late / early "
+            f"Over {len(runs)} runs: median step-1 mismatch {_f(_median(runs, 'first'))}, median early mismatch "
+            f"{_f(_median(runs, 'early'))}; median late mismatch {_f(reach)} (rule: >= {REACH:g}), median late / early "
             f"{_f(grows)} (rule: >= {GROWTH:g}): **{'qualifies' if ok else 'does not qualify'}** for a "
             f"pre-registered quantisation arm. Collapses (descriptive, no test): {counts}.",
             "",
