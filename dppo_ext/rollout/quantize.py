@@ -38,6 +38,11 @@ def fake_quantize(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     check_weight_quantization(bits, group)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    return _rounded(weight, bits, group)
+
+
+def _rounded(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """:func:`fake_quantize` of a checked 2-D ``weight``."""
     rows, cols = weight.shape
     if weight.numel() == 0:
         return weight.clone()
@@ -59,7 +64,7 @@ def quantize_rollout_weights_(model: torch.nn.Module, bits: int, group: int) -> 
     done = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
-            module.weight.copy_(fake_quantize(module.weight, bits, group))
+            module.weight.copy_(_rounded(module.weight, bits, group))  # nn.Linear weights are 2-D
             done.append(name)
     if not done:
         raise ValueError(

@@ -48,7 +48,7 @@ class RolloutLag:
         if steps:
             self._history.append(_cpu_state(model))
         if bits:  # the engine was built from the trainer's weights: it rolls out with the quantised ones from now on
-            self._push(self._history[0] if steps else model.state_dict())
+            self._push()
 
     def sync(self) -> float:
         """Push the weights the next rollout should use into the engine (after a step: under a lag, that step's
@@ -57,11 +57,13 @@ class RolloutLag:
             return self.engine.sync_weights(self.model)
         if self.steps:
             self._history.append(_cpu_state(self.model))
-        return self._push(self._history[0] if self.steps else self.model.state_dict())
+        return self._push()
 
-    def _push(self, state: dict[str, torch.Tensor]) -> float:
+    def _push(self) -> float:
+        """Load the rollout copy with the weights of k steps ago (the trainer's without a lag), quantise it when
+        asked, and sync it into the engine; return seconds."""
         assert self._rollout is not None
-        self._rollout.load_state_dict(state)
+        self._rollout.load_state_dict(self._history[0] if self.steps else self.model.state_dict())
         if self.bits:
             quantize_rollout_weights_(self._rollout, self.bits, self.group)
         return self.engine.sync_weights(self._rollout)

@@ -61,15 +61,17 @@ def run_measures(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    """The median of ``key`` over the runs that measured it (NaN when none did)."""
+    values = [r[key] for r in runs if not math.isnan(r[key])]
+    return statistics.median(values) if values else math.nan
+
+
 def dose_rule(measures: list[dict[str, Any]]) -> tuple[float, float, bool]:
     """``(median late mismatch, median growth, qualifies)`` of one dose's runs: it qualifies for a pre-registered
     quantisation arm when the median late mismatch is >= ``REACH`` and the median growth >= ``GROWTH``."""
-    late = [m["late"] for m in measures if not math.isnan(m["late"])]
-    growth = [m["growth"] for m in measures if not math.isnan(m["growth"])]
-    if not late or not growth:
-        return math.nan, math.nan, False
-    reach, grows = statistics.median(late), statistics.median(growth)
-    return reach, grows, reach >= REACH and grows >= GROWTH
+    reach, grows = _median(measures, "late"), _median(measures, "growth")
+    return reach, grows, reach >= REACH and grows >= GROWTH  # False when either is NaN (no run measured it)
 
 
 Measures = dict[int, dict[str, dict[int, dict[str, Any]]]]  # bits -> method -> seed -> run_measures
@@ -99,11 +101,6 @@ def _f(value: float, digits: int = 3) -> str:
 
 def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{100 * value:.1f}"
-
-
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    values = [r[key] for r in runs if not math.isnan(r[key])]
-    return statistics.median(values) if values else math.nan
 
 
 def dose_lines(measures: Measures) -> list[str]:
